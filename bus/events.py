@@ -1,0 +1,241 @@
+"""Every event of a Reel run: msgspec Structs in one tagged union, msgpack on the wire and on disk.
+
+Schema rules (see DESIGN.md "Events"): a new field gets a default; a field never changes type;
+an unknown tag is a `MalformedEvent` (the stream consumer sends it to dead letters).
+
+Every event carries `run`, `producer` ("role:instance") and `seq` (per-producer counter, never
+reused): `(producer, seq)` is the idempotency key readers dedupe on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+import numpy as np
+
+from bus.errors import ReelError
+
+__all__ = [
+    "BlobRef", "Tensor", "Event", "RunStarted", "WeightsPublished", "Sample", "Trajectory",
+    "RoutingTrace", "DroppedGroup", "StepTiming", "StepCommitted", "WorkerStats", "RunFinished",
+    "AnyEvent", "MalformedEvent", "encode", "decode", "event_key", "STREAM_OF", "stream_key",
+]
+
+# Tensor dtypes that cross the wire; names match numpy (bf16 travels as its raw 16-bit pattern).
+_NUMPY_DTYPES = {
+    "uint8": np.uint8, "uint16": np.uint16, "int32": np.int32, "int64": np.int64,
+    "float16": np.float16, "float32": np.float32, "float64": np.float64, "bfloat16": np.uint16,
+}
+
+
+class MalformedEvent(ReelError, ValueError):
+    """Bytes that are not a valid Reel event (bad msgpack, unknown tag, wrong field type)."""
+
+
+class BlobRef(msgspec.Struct, frozen=True):
+    """Claim check for a payload kept in the blob store (bus/blobs.py)."""
+
+    uri: str
+    sha256: str
+    nbytes: int
+
+
+class Tensor(msgspec.Struct, frozen=True):
+    """A dense array as raw little-endian bytes; decoding is a zero-copy view of `data`."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> Tensor:
+        dtype = array.dtype.name
+        if dtype not in _NUMPY_DTYPES:
+            raise MalformedEvent(f"tensor dtype {dtype} cannot travel on the bus")
+        return cls(dtype, list(array.shape), np.ascontiguousarray(array).tobytes())
+
+    @classmethod
+    def from_torch(cls, tensor: Any) -> Tensor:
+        import torch
+
+        t = tensor.detach().contiguous().cpu()
+        if t.dtype == torch.bfloat16:
+            return cls("bfloat16", list(t.shape), t.view(torch.uint16).numpy().tobytes())
+        return cls.from_numpy(t.numpy())
+
+    def numpy(self) -> np.ndarray:
+        """Read-only view over `data` (no copy)."""
+        np_dtype = _NUMPY_DTYPES.get(self.dtype)
+        if np_dtype is None:
+            raise MalformedEvent(f"unknown tensor dtype {self.dtype!r}")
+        count = int(np.prod(self.shape)) if self.shape else 1
+        if count * np.dtype(np_dtype).itemsize != len(self.data):
+            raise MalformedEvent(
+                f"tensor of shape {self.shape} and dtype {self.dtype} needs "
+                f"{count * np.dtype(np_dtype).itemsize} bytes, has {len(self.data)}"
+            )
+        return np.frombuffer(self.data, dtype=np_dtype).reshape(self.shape)
+
+    def torch(self) -> Any:
+        """torch view over `data`; torch warns on read-only buffers, so this one copies once."""
+        import torch
+
+        array = self.numpy().copy()
+        t = torch.from_numpy(array)
+        return t.view(torch.bfloat16) if self.dtype == "bfloat16" else t
+
+
+class Event(msgspec.Struct, tag_field="type", kw_only=True, frozen=True):
+    run: str
+    producer: str
+    seq: int
+
+
+class RunStarted(Event, tag="run_started"):
+    """Launcher -> everyone: the run's configuration, fixed for its lifetime."""
+
+    config_toml: str
+    seed: int
+    code_version: str
+    model_config: dict[str, Any]
+    config_hash: str = ""
+
+
+class WeightsPublished(Event, tag="weights_published"):
+    """Trainer -> rollout workers: policy `version` (= weights after trainer `step`) is ready."""
+
+    version: int
+    step: int
+    weights: BlobRef
+
+
+class Sample(msgspec.Struct, frozen=True):
+    """One completion of a GRPO group."""
+
+    tokens: Tensor  # int32 [C] completion token ids
+    logprobs: Tensor  # float32 [C] log mu(token) under the sampling distribution
+    reward: float
+    finish_reason: str  # "stop" | "length" | "abort"
+    seed: int
+    # [(first completion token index, policy version)], ascending; first index is 0.
+    spans: list[tuple[int, int]]
+
+
+class Trajectory(Event, tag="trajectory"):
+    """Rollout worker -> trainer, archiver: one finished GRPO group."""
+
+    group_id: str
+    env: str
+    prompt: Tensor  # int32 [P] prompt token ids
+    samples: list[Sample]
+    worker: str
+    meta: dict[str, Any] = {}
+    temperature: float = 1.0
+
+
+class RoutingTrace(Event, tag="routing_trace"):
+    """Rollout worker -> trainer, archiver: the experts each sample's tokens were routed to.
+
+    Per sample a uint8/uint16 Tensor [P + C - 1, moe_layers, top_k]: every token that went through a
+    forward pass (the last sampled token never does). Inline when small; otherwise `blob` holds the
+    msgpack of the same list[Tensor] and `experts` is empty.
+    """
+
+    group_id: str
+    experts: list[Tensor] = []
+    blob: BlobRef | None = None
+
+
+class DroppedGroup(msgspec.Struct, frozen=True):
+    group_id: str
+    reason: str
+
+
+class StepTiming(msgspec.Struct, frozen=True):
+    """Wall seconds of one trainer step; idle = wait / (wait + compute + publish)."""
+
+    wait: float
+    compute: float
+    publish: float
+
+
+class StepCommitted(Event, tag="step_committed"):
+    """Trainer -> everyone: step `step` is done; its groups are never trained again."""
+
+    step: int
+    version: int
+    groups: list[str]
+    dropped: list[DroppedGroup]
+    loss: float
+    grad_norm: float
+    weights_sha256: str
+    timing: StepTiming
+    metrics: dict[str, float] = {}
+    staleness: dict[int, int] = {}  # versions behind -> token count
+    checkpoint: BlobRef | None = None
+    config_hash: str = ""
+    code_version: str = ""
+
+
+class WorkerStats(Event, tag="worker_stats"):
+    """Rollout worker -> metrics: periodic throughput and lag."""
+
+    worker: str
+    tokens_per_s: float
+    running: int
+    waiting: int
+    policy_version: int
+    groups_published: int
+    idle_share: float = 0.0
+
+
+class RunFinished(Event, tag="run_finished"):
+    """Launcher -> everyone: the run is over."""
+
+    reason: str
+
+
+AnyEvent = Union[
+    RunStarted, WeightsPublished, Trajectory, RoutingTrace, StepCommitted, WorkerStats, RunFinished
+]
+
+# Which stream each event type travels on (DESIGN.md "Events").
+STREAM_OF: dict[type, str] = {
+    RunStarted: "control",
+    WeightsPublished: "weights",
+    Trajectory: "trajectories",
+    RoutingTrace: "routing",
+    StepCommitted: "steps",
+    WorkerStats: "control",
+    RunFinished: "control",
+}
+STREAMS = ("control", "weights", "trajectories", "routing", "steps")
+
+
+def stream_key(run: str, stream: str) -> str:
+    """Redis key of a run's stream; the hash tag keeps a run on one cluster slot."""
+    return f"reel:{{{run}}}:{stream}"
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyEvent)
+
+
+def encode(event: AnyEvent) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode(data: bytes) -> AnyEvent:
+    """Decode one event; anything malformed raises MalformedEvent and nothing else."""
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedEvent(str(exc)) from exc
+    except Exception as exc:  # msgspec can raise e.g. RecursionError on adversarial nesting
+        raise MalformedEvent(f"{type(exc).__name__}: {exc}") from exc
+
+
+def event_key(event: Event) -> tuple[str, int]:
+    """The idempotency key of an event."""
+    return (event.producer, event.seq)

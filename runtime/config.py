@@ -1,0 +1,254 @@
+"""One TOML schema for a run, decoded strictly with msgspec.
+
+Every error a user can cause here is a `ConfigError` whose message names the key and what is
+expected, e.g. "trainer.batch_groups = 64 exceeds ...; lower it or raise rollout.concurrency".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from bus.errors import ReelError
+
+Precision = Literal["fp32", "bf16", "fp8"]
+Objective = Literal["tis", "icepop", "mis", "none"]
+
+
+class ConfigError(ReelError, ValueError):
+    """A config the user must fix; the message is one sentence naming the key."""
+
+
+class RunSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str = "run"  # run directory name under out_dir and the stream namespace
+    seed: int = 0  # seeds warm-start, prompts, sampling and training
+    steps: int = 10  # trainer steps; the run ends after the last commit
+    out_dir: str = "runs"  # parent of the run directory
+
+
+class BusSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    url: str = ""  # redis:// | rediss:// | unix://; empty = embedded Redis in the run dir
+    block_ms: int = 1000  # XREADGROUP BLOCK time
+    claim_idle_ms: int = 30_000  # pending entries idle this long are reclaimed (XAUTOCLAIM)
+    max_deliveries: int = 5  # deliveries before an entry goes to the dead-letter stream
+
+
+class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Qwen3-MoE config keys (a tiny MoE by default), or `path` to an HF-layout directory."""
+
+    path: str = ""  # directory with config.json + safetensors; overrides the keys below
+    vocab_size: int = 0  # 0 = the environment tokenizer's vocabulary size
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    moe_intermediate_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    norm_topk_prob: bool = True
+    max_position_embeddings: int = 256
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+
+
+class InitSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    from_dir: str = msgspec.field(default="", name="from")  # HF-layout weights; empty = warm-start
+    warmup_steps: int = 150  # supervised steps on the task before RL (0 = random init)
+    warmup_lr: float = 3e-3
+    warmup_batch: int = 32
+    warmup_noise: float = 0.3  # share of corrupted targets, so the start is imperfect
+
+
+class EngineSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    kind: Literal["builtin", "vllm"] = "builtin"
+    precision: Precision = "fp32"
+    max_batch: int = 64  # sequences decoded together (KV cache slots)
+    max_seq_len: int = 0  # 0 = model.max_position_embeddings
+    # vLLM-only keys (rendered into `vllm serve` by `reel launch slurm`)
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    expert_parallel: bool = False
+    pd_disaggregation: bool = False
+    prefill_nodes: int = 1
+    decode_nodes: int = 1
+    kv_connector: str = ""  # NixlConnector | MooncakeConnector | OffloadingConnector | MooncakeStoreConnector
+    kv_offload_cpu_gib: float = 0.0
+    kv_offload_disk_dir: str = ""
+
+
+class RolloutSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    workers: int = 1  # rollout worker processes
+    concurrency: int = 8  # GRPO groups in flight per worker
+    group_size: int = 8  # samples per prompt
+    async_level: int = 1  # max versions ahead of the last commit (0 = synchronous)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    stats_every_s: float = 2.0
+
+
+class EnvSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str = "reverse_text"  # reverse_text | sort_digits
+    min_len: int = 3
+    max_len: int = 6
+    # Long-tail completion lengths for `reel bench async`: share of prompts asking for max_tokens.
+    long_tail: float = 0.0
+
+
+class TrainerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    objective: Objective = "tis"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    batch_groups: int = 8  # GRPO groups per step
+    micro_batch_tokens: int = 0  # 0 = one micro-batch per step (no packing)
+    optimizer_steps: int = 1  # >1 enables PPO clipping
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    tis_cap: float = 2.0
+    icepop_low: float = 0.5
+    icepop_high: float = 5.0
+    mis_low: float = 0.5
+    mis_high: float = 2.0
+    max_off_policy_steps: int = 4
+    router_replay: bool = True
+    aux_loss_coef: float = 0.0
+    precision: Precision = "fp32"
+    checkpoint_every: int = 5
+    threads: int = 0  # torch threads; 0 = chosen by the launcher
+
+
+class LogSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    segment_bytes: int = 64 * 1024 * 1024
+    level: str = "INFO"
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    run: RunSection = msgspec.field(default_factory=RunSection)
+    bus: BusSection = msgspec.field(default_factory=BusSection)
+    model: ModelSection = msgspec.field(default_factory=ModelSection)
+    init: InitSection = msgspec.field(default_factory=InitSection)
+    engine: EngineSection = msgspec.field(default_factory=EngineSection)
+    rollout: RolloutSection = msgspec.field(default_factory=RolloutSection)
+    env: EnvSection = msgspec.field(default_factory=EnvSection)
+    trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
+    log: LogSection = msgspec.field(default_factory=LogSection)
+
+
+def loads(text: str, source: str = "config") -> Config:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source} is not valid TOML: {exc}") from exc
+    try:
+        config = msgspec.convert(raw, Config, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {_name_key(str(exc))}") from exc
+    validate(config)
+    return config
+
+
+def load(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    return loads(text, source=str(path))
+
+
+def _name_key(message: str) -> str:
+    """Turn msgspec's `... - at `$.trainer.lr`` into a message that starts with the key."""
+    match = re.search(r"- at `\$\.([^`]+)`", message)
+    what = message.split(" - at ")[0]
+    if "Object contains unknown field" in message:
+        field = re.search(r"unknown field `([^`]+)`", message)
+        where = match.group(1) + "." if match else ""
+        return f"unknown key {where}{field.group(1) if field else '?'}; remove it or check its spelling"
+    if match:
+        return f"{match.group(1)}: {what[0].lower()}{what[1:]}"
+    return what
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(c: Config) -> None:
+    """Reject impossible values before anything starts."""
+    _require(re.fullmatch(r"[A-Za-z0-9_.-]+", c.run.name) is not None,
+             f"run.name = {c.run.name!r} must use only letters, digits, '_', '.', '-'")
+    _require(c.run.steps >= 1, f"run.steps = {c.run.steps} must be at least 1")
+    _require(c.rollout.async_level >= 0, f"rollout.async_level = {c.rollout.async_level} must be >= 0")
+    _require(c.rollout.workers >= 1, f"rollout.workers = {c.rollout.workers} must be at least 1")
+    _require(c.rollout.concurrency >= 1, f"rollout.concurrency = {c.rollout.concurrency} must be at least 1")
+    _require(c.rollout.group_size >= 2,
+             f"rollout.group_size = {c.rollout.group_size} must be at least 2 (GRPO compares samples of a group)")
+    _require(c.rollout.max_tokens >= 1, f"rollout.max_tokens = {c.rollout.max_tokens} must be at least 1")
+    _require(c.rollout.temperature > 0, f"rollout.temperature = {c.rollout.temperature} must be > 0")
+    _require(0 < c.rollout.top_p <= 1, f"rollout.top_p = {c.rollout.top_p} must be in (0, 1]")
+    _require(c.trainer.batch_groups >= 1, f"trainer.batch_groups = {c.trainer.batch_groups} must be at least 1")
+    # With async_level = a, workers start at most concurrency groups per version for a+1 versions.
+    producible = c.rollout.workers * c.rollout.concurrency * (c.rollout.async_level + 1)
+    _require(c.trainer.batch_groups <= producible,
+             f"trainer.batch_groups = {c.trainer.batch_groups} exceeds what rollout can produce per step "
+             f"({producible} = workers x concurrency x (async_level + 1)); lower it or raise rollout.concurrency")
+    _require(c.trainer.lr > 0, f"trainer.lr = {c.trainer.lr} must be > 0")
+    _require(c.trainer.max_off_policy_steps >= 0,
+             f"trainer.max_off_policy_steps = {c.trainer.max_off_policy_steps} must be >= 0")
+    _require(c.trainer.max_off_policy_steps >= c.rollout.async_level,
+             f"trainer.max_off_policy_steps = {c.trainer.max_off_policy_steps} is below rollout.async_level = "
+             f"{c.rollout.async_level}: every async group would be dropped; raise it")
+    _require(c.trainer.optimizer_steps >= 1, f"trainer.optimizer_steps = {c.trainer.optimizer_steps} must be >= 1")
+    _require(c.trainer.checkpoint_every >= 1,
+             f"trainer.checkpoint_every = {c.trainer.checkpoint_every} must be at least 1")
+    _require(c.trainer.icepop_low < c.trainer.icepop_high, "trainer.icepop_low must be below trainer.icepop_high")
+    _require(c.trainer.mis_low < c.trainer.mis_high, "trainer.mis_low must be below trainer.mis_high")
+    _require(c.env.name in ("reverse_text", "sort_digits"),
+             f"env.name = {c.env.name!r} is unknown; use reverse_text or sort_digits")
+    _require(1 <= c.env.min_len <= c.env.max_len,
+             f"env.min_len = {c.env.min_len} and env.max_len = {c.env.max_len} need 1 <= min_len <= max_len")
+    _require(0.0 <= c.env.long_tail <= 1.0, f"env.long_tail = {c.env.long_tail} must be in [0, 1]")
+    m = c.model
+    if not m.path:
+        _require(m.num_experts_per_tok <= m.num_experts,
+                 f"model.num_experts_per_tok = {m.num_experts_per_tok} exceeds model.num_experts = {m.num_experts}")
+        _require(m.num_attention_heads % m.num_key_value_heads == 0,
+                 "model.num_attention_heads must be a multiple of model.num_key_value_heads")
+        _require(m.num_experts <= 65535, "model.num_experts must fit in uint16 (<= 65535)")
+    _require(c.bus.url == "" or c.bus.url.split("://")[0] in ("redis", "rediss", "unix"),
+             f"bus.url = {c.bus.url!r} must start with redis://, rediss:// or unix:// (or be empty)")
+
+
+def to_toml(c: Config) -> str:
+    """The resolved config (defaults filled in) as TOML text."""
+    lines: list[str] = []
+    for section, value in msgspec.structs.asdict(c).items():
+        lines.append(f"[{section}]")
+        for key, v in msgspec.to_builtins(value).items():
+            name = "from" if key == "from_dir" else key
+            lines.append(f"{name} = {_toml_value(v)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(v)
+
+
+def config_hash(c: Config) -> str:
+    """Hash of everything that determines the training step's result."""
+    return hashlib.sha256(to_toml(c).encode()).hexdigest()[:16]
