@@ -1,0 +1,217 @@
+"""Rolling aggregates of one run's events: pure state fed one event at a time, no I/O.
+
+`RunAggregates.apply(event)` folds an event in; `snapshot()` returns an immutable `Snapshot` that
+the terminal view, the Prometheus collector and tests read. The same code aggregates a live bus
+(consumers/metrics.py feeds it from an XREAD tail) and a finished run's log, so both show the same
+figures. Events are deduplicated on `(producer, seq)` because the bus delivers at least once.
+
+Figures and where they come from:
+    reward           Trajectory: one figure per group (mean sample reward); mean/p50/p90 over the
+                     last `window_groups` groups; per step: metrics["reward_mean"] when the trainer
+                     wrote it, else the mean over the step's groups this aggregate saw
+    mismatch         StepCommitted.metrics of the latest step (MISMATCH_KEYS; absent keys stay absent)
+    staleness        StepCommitted.staleness summed over steps (versions behind -> tokens)
+    idle ratio       StepCommitted.timing: sum(wait) / sum(wait + compute + publish), last `window_steps`
+    dropped          StepCommitted.dropped counted by reason
+    workers          latest WorkerStats per worker; lag = latest WeightsPublished.version - its version
+    dead letters     set from outside (the `dead` stream holds raw entries, not events)
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, deque
+
+import msgspec
+import numpy as np
+
+from bus.events import (
+    AnyEvent, RunFinished, StepCommitted, StepTiming, Trajectory, WeightsPublished,
+    WorkerStats, event_key,
+)
+
+__all__ = ["MISMATCH_KEYS", "RunAggregates", "Snapshot", "StepRow", "WorkerView", "idle_share", "step_row"]
+
+# StepCommitted.metrics keys the trainer writes for train/inference mismatch (runtime/loss.py).
+MISMATCH_KEYS = ("kl_k1", "kl_k2", "kl_k3", "ratio_mean", "ratio_min", "ratio_max", "ratio_frac_outside",
+                 "entropy")
+
+
+class StepRow(msgspec.Struct, frozen=True):
+    """The figures of one committed step (a line of `reel metrics export`)."""
+
+    step: int
+    version: int
+    loss: float
+    grad_norm: float
+    reward: float | None
+    metrics: dict[str, float]
+    staleness: dict[int, int]
+    staleness_mean: float | None  # token-weighted mean versions behind
+    idle_share: float | None
+    groups: int
+    dropped: int
+    dropped_by_reason: dict[str, int]
+    timing: StepTiming
+
+
+class WorkerView(msgspec.Struct, frozen=True):
+    worker: str
+    tokens_per_s: float
+    running: int
+    waiting: int
+    policy_version: int
+    version_lag: int | None  # None until a WeightsPublished was seen
+    groups_published: int
+    idle_share: float
+
+
+class Snapshot(msgspec.Struct, frozen=True):
+    run: str
+    finished: str | None  # RunFinished.reason once the run is over
+    step: int | None  # latest committed trainer step
+    policy_version: int | None  # latest published weights version
+    groups_seen: int  # Trajectory events (distinct)
+    groups_trained: int  # group ids in StepCommitted.groups, summed
+    window_groups: int  # groups in the reward window (<= RunAggregates.window_groups)
+    reward_mean: float | None
+    reward_p50: float | None
+    reward_p90: float | None
+    step_reward: float | None  # of the latest step
+    loss: float | None
+    grad_norm: float | None
+    mismatch: dict[str, float]  # latest step's MISMATCH_KEYS that were present
+    idle_ratio: float | None
+    staleness: dict[int, int]
+    dropped: dict[str, int]
+    dead_letters: int | None  # None when unknown (no bus to ask)
+    workers: list[WorkerView]
+    tokens_per_s: float  # sum over workers
+    recent_steps: list[StepRow]
+
+
+def idle_share(timing: StepTiming) -> float | None:
+    total = timing.wait + timing.compute + timing.publish
+    return timing.wait / total if total > 0 else None
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def step_row(event: StepCommitted, group_rewards: dict[str, float]) -> StepRow:
+    """One step's figures; `group_rewards` (group id -> mean reward) fills in a missing reward_mean."""
+    reward = event.metrics.get("reward_mean")
+    if reward is None:
+        reward = _mean([group_rewards[g] for g in event.groups if g in group_rewards])
+    tokens = sum(event.staleness.values())
+    staleness_mean = sum(k * n for k, n in event.staleness.items()) / tokens if tokens else None
+    return StepRow(
+        step=event.step, version=event.version, loss=event.loss, grad_norm=event.grad_norm, reward=reward,
+        metrics=dict(event.metrics), staleness=dict(event.staleness), staleness_mean=staleness_mean,
+        idle_share=idle_share(event.timing), groups=len(event.groups), dropped=len(event.dropped),
+        dropped_by_reason=dict(Counter(d.reason for d in event.dropped)), timing=event.timing,
+    )
+
+
+class _Bounded:
+    """Insertion-ordered map that forgets its oldest keys beyond `capacity`."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.items: OrderedDict = OrderedDict()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.items
+
+    def put(self, key: object, value: object) -> None:
+        self.items[key] = value
+        if len(self.items) > self.capacity:
+            self.items.popitem(last=False)
+
+
+class RunAggregates:
+    """Rolling figures of one run; `apply` every event in bus order, read `snapshot()`."""
+
+    def __init__(self, run: str = "", *, window_groups: int = 64, window_steps: int = 20,
+                 history_steps: int = 200, remember: int = 65_536):
+        # fixed at construction
+        self.run = run
+        self.window_groups = window_groups
+        self.window_steps = window_steps
+        # rolling windows
+        self._group_rewards: deque[float] = deque(maxlen=window_groups)
+        self._recent_steps: deque[StepRow] = deque(maxlen=max(history_steps, window_steps))
+        # lookups, bounded so a long run does not grow them without end
+        self._seen = _Bounded(remember)  # event keys already applied
+        self._reward_of_group = _Bounded(remember)  # group id -> mean reward
+        # cumulative
+        self._groups_seen = 0
+        self._groups_trained = 0
+        self._staleness: Counter[int] = Counter()
+        self._dropped: Counter[str] = Counter()
+        self._workers: dict[str, WorkerStats] = {}
+        # latest
+        self._finished: str | None = None
+        self._policy_version: int | None = None
+        self._dead_letters: int | None = None
+
+    def apply(self, event: AnyEvent) -> None:
+        key = event_key(event)
+        if key in self._seen:
+            return
+        self._seen.put(key, True)
+        if not self.run:
+            self.run = event.run
+        match event:
+            case Trajectory():
+                reward = _mean([s.reward for s in event.samples])
+                if reward is not None:
+                    self._group_rewards.append(reward)
+                    self._reward_of_group.put(event.group_id, reward)
+                self._groups_seen += 1
+            case StepCommitted():
+                row = step_row(event, self._reward_of_group.items)
+                self._recent_steps.append(row)
+                self._groups_trained += row.groups
+                self._staleness.update(event.staleness)
+                self._dropped.update(row.dropped_by_reason)
+            case WeightsPublished():
+                self._policy_version = max(event.version, self._policy_version or 0)
+            case WorkerStats():
+                self._workers[event.worker] = event
+            case RunFinished():
+                self._finished = event.reason
+
+    def set_dead_letters(self, count: int) -> None:
+        self._dead_letters = count
+
+    def snapshot(self) -> Snapshot:
+        rewards = np.asarray(self._group_rewards, dtype=np.float64)
+        p50, p90 = (float(v) for v in np.percentile(rewards, [50, 90])) if rewards.size else (None, None)
+        steps = list(self._recent_steps)
+        last = steps[-1] if steps else None
+        window = steps[-self.window_steps:]
+        wait = sum(s.timing.wait for s in window)
+        busy = sum(s.timing.compute + s.timing.publish for s in window)
+        workers = [
+            WorkerView(
+                worker=w.worker, tokens_per_s=w.tokens_per_s, running=w.running, waiting=w.waiting,
+                policy_version=w.policy_version,
+                version_lag=None if self._policy_version is None else self._policy_version - w.policy_version,
+                groups_published=w.groups_published, idle_share=w.idle_share,
+            )
+            for w in sorted(self._workers.values(), key=lambda w: w.worker)
+        ]
+        return Snapshot(
+            run=self.run, finished=self._finished, step=last.step if last else None,
+            policy_version=self._policy_version, groups_seen=self._groups_seen,
+            groups_trained=self._groups_trained, window_groups=int(rewards.size),
+            reward_mean=float(rewards.mean()) if rewards.size else None, reward_p50=p50, reward_p90=p90,
+            step_reward=last.reward if last else None, loss=last.loss if last else None,
+            grad_norm=last.grad_norm if last else None,
+            mismatch={k: last.metrics[k] for k in MISMATCH_KEYS if k in last.metrics} if last else {},
+            idle_ratio=wait / (wait + busy) if wait + busy > 0 else None,
+            staleness=dict(sorted(self._staleness.items())), dropped=dict(sorted(self._dropped.items())),
+            dead_letters=self._dead_letters, workers=workers,
+            tokens_per_s=sum(w.tokens_per_s for w in workers), recent_steps=steps,
+        )
