@@ -1,0 +1,273 @@
+"""The online trainer: groups in, committed policy versions out.
+
+    wait    read the `trainer` group on trajectories + routing, join by group id, drop groups
+            older than max_off_policy_steps (recorded), until batch_groups are ready
+    compute train_step (runtime/train_step.py), in a thread so the bus connection stays live
+    commit  1. new weights -> blob store      2. checkpoint -> blob store (every checkpoint_every)
+            3. WeightsPublished + StepCommitted in one MULTI/EXEC      4. ack the consumed entries
+
+Why this order: blobs are content-addressed, so re-writing them after a crash is harmless; the
+commit is the single atomic point after which a group counts as trained; acking last means a
+crash before the commit re-delivers every entry. On restart the trainer rebuilds its state from
+the newest checkpoint plus re-execution of the committed steps after it (verified by weight
+hash), and acks, without training, any re-delivered group a commit already lists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis.asyncio as aioredis
+import torch
+
+from bus.blobs import BlobStore
+from bus.events import (
+    DroppedGroup, RoutingTrace, RunStarted, StepCommitted, StepTiming, Trajectory, WeightsPublished, decode,
+    stream_key,
+)
+from bus.log import RunLog
+from bus.streams import Delivery, GroupConsumer, Publisher, connect, recover_next_seq
+from runtime import checkpoint
+from runtime.batch import Group, build_batch, decode_routing
+from runtime.config import Config, config_hash
+from runtime.config import load as load_config
+from runtime.groups import GroupLookup
+from runtime.initial_policy import code_version, ensure_initial_policy
+from runtime.model.weights import state_dict_bytes
+from runtime.reexecute import catch_up, initial_state, restore_state
+from runtime.train_step import TrainState, train_step
+
+log = logging.getLogger("reel.trainer")
+PRODUCER = "trainer:0"
+# Test hook: REEL_CRASH_AT="<step>:<stage>" kills the trainer with SIGKILL at that point.
+CRASH_STAGES = ("computed", "weights_written", "checkpoint_written", "committed", "acked")
+
+
+@dataclass
+class PendingGroup:
+    trajectory: Delivery | None = None
+    routing: Delivery | None = None
+
+    def deliveries(self) -> list[Delivery]:
+        return [d for d in (self.trajectory, self.routing) if d is not None]
+
+
+@dataclass
+class Collected:
+    groups: list[tuple[str, PendingGroup]] = field(default_factory=list)
+    dropped: list[tuple[DroppedGroup, PendingGroup]] = field(default_factory=list)
+
+
+class Trainer:
+    config: Config
+    run_dir: Path
+    url: str
+    run: str
+    blobs: BlobStore
+    redis: aioredis.Redis
+    consumer: GroupConsumer
+    publisher: Publisher
+    state: TrainState
+    committed_groups: set[str]
+    pending: dict[str, PendingGroup]
+
+    def __init__(self, run_dir: Path, url: str, config: Config):
+        self.config = config
+        self.run_dir = run_dir
+        self.url = url
+        self.run = config.run.name
+        self.blobs = BlobStore(run_dir / "blobs")
+        self.committed_groups = set()
+        self.pending = {}
+
+    async def run_until_done(self, stop: asyncio.Event) -> None:
+        self.redis = connect(self.url)
+        self.consumer = GroupConsumer(
+            self.url, self.run, "trainer", "trainer-0", ["trajectories", "routing"],
+            block_ms=self.config.bus.block_ms, claim_idle_ms=self.config.bus.claim_idle_ms,
+            max_deliveries=self.config.bus.max_deliveries,
+        )
+        try:
+            self.publisher = Publisher(self.redis, self.run, PRODUCER, await recover_next_seq(self.redis, self.run, PRODUCER))
+            await self.consumer.start()
+            await self._setup_or_resume()
+            while self.state.step < self.config.run.steps and not stop.is_set():
+                await self._one_step(stop)
+        finally:
+            await self.consumer.close()
+            await self.redis.aclose()
+
+    async def _one_step(self, stop: asyncio.Event) -> None:
+        started = time.perf_counter()
+        collected = await self._collect(stop)
+        if stop.is_set():
+            return
+        waited = time.perf_counter() - started
+        batch = build_batch([self._resolve(gid, part) for gid, part in collected.groups])
+        self.state, result = await asyncio.to_thread(train_step, self.state, batch, self.config)
+        computed = time.perf_counter()
+        step = self.state.step
+        self._crash_point(step, "computed")
+        weights = await asyncio.to_thread(self.blobs.put, state_dict_bytes(self.state.model))
+        self._crash_point(step, "weights_written")
+        ckpt = None
+        if step % self.config.trainer.checkpoint_every == 0 or step == self.config.run.steps:
+            ckpt = await asyncio.to_thread(self.blobs.put, checkpoint.checkpoint_bytes(self.state))
+        self._crash_point(step, "checkpoint_written")
+        used = [gid for gid, _ in collected.groups]
+        dropped = [d for d, _ in collected.dropped]
+        commit = self.publisher.stamp(
+            StepCommitted, step=step, version=step, groups=used, dropped=dropped, loss=result.loss,
+            grad_norm=result.grad_norm, weights_sha256=result.weights_sha256,
+            timing=StepTiming(wait=waited, compute=computed - started - waited, publish=time.perf_counter() - computed),
+            metrics=result.metrics, staleness=result.staleness, checkpoint=ckpt,
+            config_hash=config_hash(self.config), code_version=code_version(),
+        )
+        await self.publisher.publish_atomic([
+            self.publisher.stamp(WeightsPublished, version=step, step=step, weights=weights), commit,
+        ])
+        self._crash_point(step, "committed")
+        self.committed_groups.update(used)
+        self.committed_groups.update(d.group_id for d in dropped)
+        await self.consumer.ack([d for _, part in collected.groups + collected.dropped for d in part.deliveries()])
+        self._crash_point(step, "acked")
+        log.info("step %d committed: loss %.4f grad_norm %.3f reward %.3f kl_k3 %.2e dropped %d",
+                 step, result.loss, result.grad_norm, result.metrics.get("reward_mean", 0.0),
+                 result.metrics.get("kl_k3", 0.0), len(dropped))
+
+    async def _collect(self, stop: asyncio.Event) -> Collected:
+        """Read until batch_groups fresh groups are complete; stale ones are set aside as dropped."""
+        out = Collected()
+        want = self.config.trainer.batch_groups
+        for group_id, part in list(self.pending.items()):  # complete groups left over from the last step
+            self._offer(group_id, part, out)
+        while len(out.groups) < want and not stop.is_set():
+            for delivery in await self.consumer.read(count=2 * want):
+                event = delivery.event
+                if not isinstance(event, (Trajectory, RoutingTrace)):
+                    await self.consumer.dead_letter(delivery, f"unexpected {type(event).__name__} on {delivery.stream}")
+                    continue
+                if event.group_id in self.committed_groups:
+                    await self.consumer.ack([delivery])  # re-delivered after a crash; already trained
+                    continue
+                part = self.pending.setdefault(event.group_id, PendingGroup())
+                if isinstance(event, Trajectory):
+                    part.trajectory = delivery
+                else:
+                    part.routing = delivery
+                self._offer(event.group_id, part, out)
+        return out
+
+    def _offer(self, group_id: str, part: PendingGroup, out: Collected) -> None:
+        """Move a complete group into this step's batch or its dropped list; beyond the batch it waits."""
+        if part.trajectory is None or part.routing is None:
+            return
+        assert isinstance(part.trajectory.event, Trajectory)
+        reason = self._stale_reason(part.trajectory.event)
+        if reason is not None:
+            out.dropped.append((DroppedGroup(group_id, reason), part))
+        elif len(out.groups) < self.config.trainer.batch_groups:
+            out.groups.append((group_id, part))
+        else:
+            return
+        del self.pending[group_id]
+
+    def _stale_reason(self, trajectory: Trajectory) -> str | None:
+        oldest = min((v for s in trajectory.samples for _, v in s.spans), default=self.state.step)
+        behind = self.state.step - oldest
+        limit = self.config.trainer.max_off_policy_steps
+        return f"stale: {behind} versions behind > max_off_policy_steps = {limit}" if behind > limit else None
+
+    def _resolve(self, group_id: str, part: PendingGroup) -> Group:
+        assert part.trajectory is not None and part.routing is not None
+        trace = part.routing.event
+        assert isinstance(trace, RoutingTrace) and isinstance(part.trajectory.event, Trajectory)
+        routing = decode_routing(trace, self.blobs.get(trace.blob) if trace.blob else None)
+        return Group(part.trajectory.event, routing)
+
+    async def _setup_or_resume(self) -> None:
+        commits = await self._read_commits()
+        await asyncio.to_thread(ensure_initial_policy, self.run_dir, self.config)
+        if not commits:
+            self.state = initial_state(self.run_dir, self.config)
+            await self._publish_version_zero()
+            return
+        last = max(commits)
+        for c in commits.values():
+            self.committed_groups.update(c.groups)
+            self.committed_groups.update(d.group_id for d in c.dropped)
+        state = restore_state(self.run_dir, self.config, self.blobs, commits, last)
+        if state.step < last:
+            lookup = await self._group_lookup()
+            log.info("resuming: re-executing steps %d..%d from %s", state.step + 1, last,
+                     "the initial weights" if state.step == 0 else f"the checkpoint of step {state.step}")
+            state = await asyncio.to_thread(catch_up, state, commits, last, lookup, self.config)
+        self.state = state
+        log.info("resumed after step %d (%d groups already committed)", last, len(self.committed_groups))
+
+    async def _publish_version_zero(self) -> None:
+        if await self._stream_has(WeightsPublished):
+            return
+        model = self.state.model
+        weights = await asyncio.to_thread(self.blobs.put, state_dict_bytes(model))
+        events = [self.publisher.stamp(WeightsPublished, version=0, step=0, weights=weights)]
+        if not await self._stream_has(RunStarted):
+            config_text = (self.run_dir / "config.toml").read_text()
+            events.insert(0, self.publisher.stamp(
+                RunStarted, config_toml=config_text, seed=self.config.run.seed, code_version=code_version(),
+                model_config=model.config.to_hf_dict(), config_hash=config_hash(self.config),
+            ))
+        await self.publisher.publish_atomic(events)
+
+    async def _stream_has(self, kind: type) -> bool:
+        stream = "weights" if kind is WeightsPublished else "control"
+        for _, fields in await self.redis.xrange(stream_key(self.run, stream), count=1000):
+            if isinstance(decode(fields[b"e"]), kind):
+                return True
+        return any(isinstance(e, kind) for _, e in RunLog(self.run_dir).events(stream))
+
+    async def _read_commits(self) -> dict[int, StepCommitted]:
+        """Every StepCommitted of the run: the archived log plus what is still only on the bus."""
+        commits = {e.step: e for _, e in RunLog(self.run_dir).events("steps") if isinstance(e, StepCommitted)}
+        for _, fields in await self.redis.xrange(stream_key(self.run, "steps")):
+            event = decode(fields[b"e"])
+            if isinstance(event, StepCommitted):
+                commits.setdefault(event.step, event)
+        return commits
+
+    async def _group_lookup(self) -> GroupLookup:
+        lookup = GroupLookup.from_log(RunLog(self.run_dir), self.blobs)
+        for stream in ("trajectories", "routing"):
+            entries = await self.redis.xrange(stream_key(self.run, stream))
+            lookup.add(decode(fields[b"e"]) for _, fields in entries)
+        return lookup
+
+    @staticmethod
+    def _crash_point(step: int, stage: str) -> None:
+        if os.environ.get("REEL_CRASH_AT") == f"{step}:{stage}":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(run_dir: Path, bus_url: str) -> int:
+    import uvloop
+
+    config = load_config(run_dir / "config.toml")
+    torch.set_num_threads(int(os.environ.get("REEL_TORCH_THREADS", "1")))
+    logging.basicConfig(level=config.log.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    trainer = Trainer(run_dir, bus_url, config)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        await trainer.run_until_done(stop)
+
+    uvloop.run(run())
+    return 0

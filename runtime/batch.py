@@ -1,0 +1,138 @@
+"""Turn logged GRPO groups into the tensors of one training step.
+
+Pure: the same events in the same order give the same tensors, so the trainer, `reel replay` and
+`reel retrain` build identical batches from the bus or from the log.
+
+Legend: B samples (rows), T positions, L MoE layers, K experts per token, G groups, S samples per group.
+Row b holds prompt + completion[:-1] (what went through the inference forward); the target at
+position t is the token at t + 1, so completion token j is predicted at position P + j - 1.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import msgspec
+import numpy as np
+import torch
+
+from bus.events import RoutingTrace, Tensor, Trajectory
+
+
+class Group(NamedTuple):
+    """One GRPO group with its routing resolved to arrays (blob traces already fetched)."""
+
+    trajectory: Trajectory
+    routing: list[np.ndarray]  # per sample [P + C - 1, L, K]
+
+
+class Batch(NamedTuple):
+    input_ids_BT: torch.Tensor  # int64, right-padded with 0
+    attention_mask_BT: torch.Tensor  # int64, 1 = real token
+    targets_BT: torch.Tensor  # int64 next token (0 where not a completion token)
+    loss_mask_BT: torch.Tensor  # bool, True where the target is a completion token
+    logp_mu_BT: torch.Tensor  # float32 logged inference logprob of the target
+    advantages_BT: torch.Tensor  # float32 GRPO advantage of the row, on completion targets
+    versions_BT: torch.Tensor  # int64 policy version that sampled the target (-1 elsewhere)
+    routing_BTLK: torch.Tensor | None  # int64 logged expert ids, None when a trace is missing
+    temperature_B: torch.Tensor  # float32 sampling temperature per row
+    rewards_B: torch.Tensor  # float32
+    group_ids: list[str]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.loss_mask_BT.sum())
+
+
+def decode_routing(trace: RoutingTrace, blob_bytes: bytes | None) -> list[np.ndarray]:
+    """Per-sample expert ids of a trace; `blob_bytes` is the blob's content when the trace has one."""
+    if trace.blob is None:
+        return [t.numpy() for t in trace.experts]
+    if blob_bytes is None:
+        raise ValueError(f"routing trace of group {trace.group_id} is in a blob that was not fetched")
+    return [t.numpy() for t in msgspec.msgpack.decode(blob_bytes, type=list[Tensor])]
+
+
+def token_versions(spans: list[tuple[int, int]], length: int) -> np.ndarray:
+    """Policy version of each completion token from its spans [(first_token, version)]."""
+    versions = np.zeros(length, dtype=np.int64)
+    for first, version in spans:
+        versions[first:] = version
+    return versions
+
+
+def grpo_advantages(rewards_GS: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Group-normalised advantages (r - mean) / (std + eps); a constant group gets zeros."""
+    mean_G1 = rewards_GS.mean(dim=1, keepdim=True)
+    std_G1 = rewards_GS.std(dim=1, keepdim=True, unbiased=False)
+    return (rewards_GS - mean_G1) / (std_G1 + eps)
+
+
+def build_batch(groups: list[Group]) -> Batch:
+    rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, float]] = []
+    rewards: list[float] = []
+    advantages: list[float] = []
+    for group in groups:
+        traj = group.trajectory
+        prompt = traj.prompt.numpy().astype(np.int64)
+        rewards_S = torch.tensor([s.reward for s in traj.samples], dtype=torch.float32)
+        adv_S = grpo_advantages(rewards_S[None, :])[0]
+        for i, sample in enumerate(traj.samples):
+            completion = sample.tokens.numpy().astype(np.int64)
+            routing = group.routing[i] if i < len(group.routing) else None
+            rows.append((prompt, completion, sample.logprobs.numpy(), token_versions(sample.spans, len(completion)),
+                         routing, traj.temperature))
+            rewards.append(sample.reward)
+            advantages.append(float(adv_S[i]))
+    lengths = [len(p) + len(c) - 1 for p, c, *_ in rows]
+    B, T = len(rows), max(lengths)
+    has_routing = all(r[4] is not None and len(r[4]) == n for r, n in zip(rows, lengths))
+    input_ids = np.zeros((B, T), np.int64)
+    mask = np.zeros((B, T), np.int64)
+    targets = np.zeros((B, T), np.int64)
+    loss_mask = np.zeros((B, T), bool)
+    logp_mu = np.zeros((B, T), np.float32)
+    adv = np.zeros((B, T), np.float32)
+    versions = np.full((B, T), -1, np.int64)
+    routing = None
+    if has_routing:
+        L, K = rows[0][4].shape[1:]
+        routing = np.zeros((B, T, L, K), np.int64)
+    for b, ((prompt, completion, lp, ver, rt, _), n) in enumerate(zip(rows, lengths)):
+        P, C = len(prompt), len(completion)
+        input_ids[b, :n] = np.concatenate([prompt, completion[:-1]])
+        mask[b, :n] = 1
+        targets[b, P - 1:P - 1 + C] = completion
+        loss_mask[b, P - 1:P - 1 + C] = True
+        logp_mu[b, P - 1:P - 1 + C] = lp
+        adv[b, P - 1:P - 1 + C] = advantages[b]
+        versions[b, P - 1:P - 1 + C] = ver
+        if routing is not None:
+            routing[b, :n] = rt
+    return Batch(
+        input_ids_BT=torch.from_numpy(input_ids), attention_mask_BT=torch.from_numpy(mask),
+        targets_BT=torch.from_numpy(targets), loss_mask_BT=torch.from_numpy(loss_mask),
+        logp_mu_BT=torch.from_numpy(logp_mu), advantages_BT=torch.from_numpy(adv),
+        versions_BT=torch.from_numpy(versions),
+        routing_BTLK=torch.from_numpy(routing) if routing is not None else None,
+        temperature_B=torch.tensor([r[5] for r in rows], dtype=torch.float32),
+        rewards_B=torch.tensor(rewards, dtype=torch.float32),
+        group_ids=[g.trajectory.group_id for g in groups],
+    )
+
+
+def micro_batches(batch: Batch, max_tokens: int) -> list[slice]:
+    """Row ranges whose padded size (rows x longest row) stays within max_tokens (0 = one range)."""
+    B = batch.input_ids_BT.shape[0]
+    if max_tokens <= 0:
+        return [slice(0, B)]
+    lengths = batch.attention_mask_BT.sum(dim=1).tolist()
+    ranges, start, longest = [], 0, 0
+    for b, n in enumerate(lengths):
+        longest_if_added = max(longest, n)
+        if b > start and longest_if_added * (b - start + 1) > max_tokens:
+            ranges.append(slice(start, b))
+            start, longest_if_added = b, n
+        longest = longest_if_added
+    ranges.append(slice(start, B))
+    return ranges

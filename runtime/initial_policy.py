@@ -1,0 +1,73 @@
+"""Version 0 of a run's policy: `[init] from = DIR`, or a supervised warm-start on the task.
+
+Either way it ends up in `RUN_DIR/init/` (HF layout: config.json + model.safetensors), written once
+by whichever role gets there first (atomic rename), so every node and every later replay starts
+from the same bytes. The warm-start itself needs the task's environment, which lives on the
+rollout side: it is reached by name, like the roles (runtime/ never imports producers/).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import shutil
+import tempfile
+from pathlib import Path
+
+from bus.errors import ReelError
+from runtime.config import Config
+from runtime.model.model import MoEModel
+from runtime.model.weights import load, save
+
+WARM_START = "producers.warmstart:warm_start"
+
+
+class InitError(ReelError):
+    """The initial policy cannot be produced as configured."""
+
+
+def init_dir(run_dir: Path) -> Path:
+    return run_dir / "init"
+
+
+def ensure_initial_policy(run_dir: Path, config: Config) -> Path:
+    """RUN_DIR/init with version-0 weights, creating it if this is the first role to ask."""
+    target = init_dir(run_dir)
+    if (target / "config.json").is_file():
+        return target
+    staging = Path(tempfile.mkdtemp(prefix=".init.", dir=run_dir))
+    try:
+        if config.init.from_dir:
+            source = Path(config.init.from_dir)
+            if not (source / "config.json").is_file():
+                raise InitError(f"init.from = {str(source)!r} has no config.json; point it at an HF-layout model directory")
+            save(load(source), staging)
+        else:
+            module, function = WARM_START.split(":")
+            model = getattr(importlib.import_module(module), function)(config)
+            save(model, staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():  # lost a race only if the winner finished
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def load_initial_model(run_dir: Path) -> MoEModel:
+    target = init_dir(run_dir)
+    if not (target / "config.json").is_file():
+        raise InitError(f"{run_dir} has no initial policy yet ({target} is missing); start the trainer first")
+    return load(target)
+
+
+def code_version() -> str:
+    """Hash of the code that decides a training step's result (runtime/), for replay diagnostics."""
+    root = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]

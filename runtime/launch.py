@@ -1,0 +1,262 @@
+"""Local supervisor: one process per role, all stop when one fails.
+
+`reel run CONFIG` lays out the run directory, starts the embedded Redis (unless bus.url is set),
+then starts the archiver, the trainer and the rollout workers as separate processes, shows
+progress, and stops everything when the trainer has committed its last step, on Ctrl-C, or when
+any role fails (then prints that role's last log lines and exits non-zero).
+
+Run directory:
+    config.toml      the config as given (the run's identity; --resume checks it)
+    bus_url          where the live bus is (removed when the run stops)
+    log/             the archiver's event log       blobs/   weights, checkpoints, big traces
+    redis/           embedded Redis (AOF)           roles/<role>.log   each process's output
+Roles reach each other only through the bus and these files, so `reel role NAME --run DIR`
+starts the same process on another node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from bus.errors import ReelError
+from runtime import config as config_mod
+from runtime.config import Config, ConfigError
+from runtime.progress import Progress
+
+# Roles are reached by name (runtime/ never imports producers/ or consumers/ directly).
+ROLE_ENTRY = {
+    "archiver": "consumers.archiver:main",
+    "trainer": "consumers.trainer:main",
+    "rollout": "producers.rollout:main",
+}
+STOP_TIMEOUT_S = 20.0
+LOG_TAIL_LINES = 25
+
+
+class RunDirError(ReelError):
+    """A run directory that cannot be used as asked."""
+
+
+def main_run(args: argparse.Namespace) -> int:
+    config = config_mod.load(args.config)  # every config error surfaces before anything is written
+    text = Path(args.config).read_text()
+    run_dir = Path(args.out) if args.out else Path(config.run.out_dir) / config.run.name
+    prepare_run_dir(run_dir, text, config, resume=args.resume)
+    with bus_for(run_dir, config) as url:
+        return Supervisor(run_dir, url, config, live=not args.no_live and sys.stdout.isatty()).run()
+
+
+def main_role(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    config = load_run_config(run_dir)
+    url = args.bus or os.environ.get("REEL_BUS_URL") or _read_bus_url(run_dir)
+    module, function = ROLE_ENTRY[args.name].split(":")
+    entry = getattr(importlib.import_module(module), function)
+    if args.name == "rollout":
+        return int(entry(run_dir, url, args.worker) or 0)
+    if args.name == "archiver":
+        return int(entry(run_dir, url, config.run.name) or 0)
+    return int(entry(run_dir, url) or 0)
+
+
+def load_run_config(run_dir: Path) -> Config:
+    path = run_dir / "config.toml"
+    if not path.is_file():
+        raise RunDirError(f"{run_dir} is not a Reel run directory (no config.toml); pass the run's directory")
+    return config_mod.load(path)
+
+
+def prepare_run_dir(run_dir: Path, config_text: str, config: Config, *, resume: bool) -> None:
+    """Create the run directory atomically (a crash leaves no half-written run), or check a resume."""
+    if resume:
+        stored = load_run_config(run_dir)
+        if config_mod.config_hash(stored) != config_mod.config_hash(config):
+            raise RunDirError(
+                f"the config differs from {run_dir / 'config.toml'}; resume with the run's own config"
+            )
+        return
+    if run_dir.exists():
+        raise RunDirError(f"{run_dir} already exists; pass --resume to continue it or choose another run.name/--out")
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}.", dir=run_dir.parent))
+    try:
+        for sub in ("log", "blobs", "redis", "roles"):
+            (staging / sub).mkdir()
+        (staging / "config.toml").write_text(config_text)
+        staging.rename(run_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+@contextmanager
+def bus_for(run_dir: Path, config: Config) -> Iterator[str]:
+    """The run's bus URL; starts (and finally stops) the embedded Redis when bus.url is empty."""
+    url_file = run_dir / "bus_url"
+    if config.bus.url:
+        url_file.write_text(config.bus.url)
+        try:
+            yield config.bus.url
+        finally:
+            url_file.unlink(missing_ok=True)
+        return
+    from bus.server import EmbeddedRedis
+
+    server = EmbeddedRedis(run_dir)
+    url = server.start()
+    url_file.write_text(url)
+    try:
+        yield url
+    finally:
+        url_file.unlink(missing_ok=True)
+        server.stop()
+
+
+def _read_bus_url(run_dir: Path) -> str:
+    try:
+        return (run_dir / "bus_url").read_text().strip()
+    except FileNotFoundError:
+        raise RunDirError(
+            f"no live bus for {run_dir} (no bus_url file); pass --bus URL or set REEL_BUS_URL"
+        ) from None
+
+
+def announce_finished(url: str, run: str, reason: str) -> None:
+    """Publish RunFinished; the archiver exits once it has logged it and drained every stream."""
+    import asyncio
+
+    from bus.events import RunFinished
+    from bus.streams import Publisher, connect, recover_next_seq
+
+    async def publish() -> None:
+        redis = connect(url)
+        try:
+            producer = "launcher:0"
+            publisher = Publisher(redis, run, producer, await recover_next_seq(redis, run, producer))
+            await publisher.publish([publisher.stamp(RunFinished, reason=reason)])
+        finally:
+            await redis.aclose()
+
+    asyncio.run(publish())
+
+
+class RoleProcess:
+    """One role running as a child process, its output in roles/<name>.log."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, threads: int):
+        self.name = name
+        self.log_path = log_path
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                   REEL_TORCH_THREADS=str(threads), PYTHONUNBUFFERED="1")
+        with open(log_path, "ab") as log:
+            self.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True)
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def terminate(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            return self.popen.wait()
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+
+class Supervisor:
+    """Starts the roles of a run and watches them until the run ends or one fails."""
+
+    run_dir: Path
+    url: str
+    config: Config
+    roles: dict[str, RoleProcess]
+    progress: Progress
+
+    def __init__(self, run_dir: Path, url: str, config: Config, *, live: bool):
+        self.run_dir = run_dir
+        self.url = url
+        self.config = config
+        self.roles = {}
+        self.progress = Progress(url, config, live=live)
+
+    def _start(self, name: str, role: str, *extra: str, threads: int = 1) -> None:
+        argv = [sys.executable, "-m", "runtime.cli", "role", role, "--run", str(self.run_dir), "--bus", self.url, *extra]
+        self.roles[name] = RoleProcess(name, argv, self.run_dir / "roles" / f"{name}.log", threads)
+
+    def run(self) -> int:
+        trainer_threads = self.config.trainer.threads or 1
+        try:
+            self._start("archiver", "archiver")
+            self._start("trainer", "trainer", threads=trainer_threads)
+            for w in range(self.config.rollout.workers):
+                self._start(f"rollout-{w}", "rollout", "--worker", str(w))
+            with self.progress:
+                failed = self._watch()
+            if failed is not None:
+                return self._fail(failed)
+            return self._finish()
+        except KeyboardInterrupt:
+            self._stop_all()
+            print("reel: interrupted; every role stopped (continue with --resume)", file=sys.stderr)
+            return 130
+        finally:
+            self._stop_all()
+
+    def _watch(self) -> str | None:
+        """Until the trainer exits; returns the name of a failed role, else None."""
+        while True:
+            self.progress.refresh()
+            for name, role in self.roles.items():
+                code = role.poll()
+                if code is None:
+                    continue
+                if name == "trainer" and code == 0:
+                    return None
+                return name
+            time.sleep(0.5)
+
+    def _finish(self) -> int:
+        """The trainer committed its last step: announce the end, let the archiver drain, stop workers."""
+        self.progress.finish(self.run_dir)
+        announce_finished(self.url, self.config.run.name, "completed")
+        code = self.roles["archiver"].wait(timeout=120.0)
+        self._stop_all()
+        if code != 0:
+            return self._fail("archiver")
+        return 0
+
+    def _fail(self, name: str) -> int:
+        role = self.roles[name]
+        self._stop_all()
+        print(f"reel: role {name} stopped with exit code {role.poll()}, so the run was stopped; "
+              f"last lines of {role.log_path}:", file=sys.stderr)
+        print(role.log_tail(), file=sys.stderr)
+        return 1
+
+    def _stop_all(self) -> None:
+        for role in self.roles.values():
+            role.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for role in self.roles.values():
+            role.wait(timeout=max(0.1, deadline - time.monotonic()))

@@ -1,0 +1,128 @@
+"""The launcher's progress view: step, reward, KL k3, staleness, tokens/s, trainer idle.
+
+It is one more reader of the bus (plain XRANGE on the steps and control streams, no consumer
+group), so watching never slows the trainer. A TTY gets a rich live table; anything else gets one
+line per committed step.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import redis
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from bus.events import StepCommitted, WorkerStats, decode, stream_key
+from runtime.config import Config
+
+
+class Progress:
+    url: str
+    config: Config
+    live: bool
+    steps: list[StepCommitted]
+    tokens_per_s: dict[str, float]
+    _cursor: dict[str, str]
+    _client: redis.Redis | None
+    _live: Live | None
+    _console: Console
+    _started: float
+
+    def __init__(self, url: str, config: Config, *, live: bool):
+        self.url = url
+        self.config = config
+        self.live = live
+        self.steps = []
+        self.tokens_per_s = {}
+        self._cursor = {"steps": "0", "control": "0"}
+        self._client = None
+        self._live = None
+        self._console = Console(stderr=False)
+        self._started = time.monotonic()
+
+    def __enter__(self) -> Progress:
+        self._client = redis.Redis.from_url(self.url, socket_timeout=5.0)
+        if self.live:
+            self._live = Live(self._table(), console=self._console, refresh_per_second=2, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.__exit__(*exc)
+        if self._client is not None:
+            self._client.close()
+
+    def refresh(self) -> None:
+        """Read what is new on the bus and redraw; a bus hiccup only delays the view."""
+        try:
+            new_steps = self._read()
+        except redis.RedisError:
+            return
+        if self._live is not None:
+            self._live.update(self._table())
+        else:
+            for step in new_steps:
+                self._console.print(self._line(step), highlight=False)
+
+    def finish(self, run_dir: Path) -> None:
+        self.refresh()
+        minutes = (time.monotonic() - self._started) / 60
+        if self.steps:
+            first, last = self.steps[0], self.steps[-1]
+            self._console.print(
+                f"run finished: {len(self.steps)} steps in {minutes:.1f} min, reward "
+                f"{first.metrics.get('reward_mean', float('nan')):.3f} -> "
+                f"{last.metrics.get('reward_mean', float('nan')):.3f}; log in {run_dir / 'log'}",
+                highlight=False,
+            )
+
+    def _read(self) -> list[StepCommitted]:
+        assert self._client is not None
+        new_steps: list[StepCommitted] = []
+        for stream in ("steps", "control"):
+            entries = self._client.xrange(stream_key(self.config.run.name, stream), min=f"({self._cursor[stream]}"
+                                          if self._cursor[stream] != "0" else "-", count=500)
+            for entry_id, fields in entries:
+                self._cursor[stream] = entry_id.decode()
+                event = decode(fields[b"e"])
+                if isinstance(event, StepCommitted):
+                    new_steps.append(event)
+                elif isinstance(event, WorkerStats):
+                    self.tokens_per_s[event.worker] = event.tokens_per_s
+        self.steps.extend(new_steps)
+        return new_steps
+
+    def _line(self, s: StepCommitted) -> str:
+        idle = _idle_share(s)
+        return (
+            f"step {s.step}/{self.config.run.steps}  reward {s.metrics.get('reward_mean', float('nan')):.3f}  "
+            f"kl_k3 {s.metrics.get('kl_k3', float('nan')):.2e}  staleness {_mean_staleness(s):.2f}  "
+            f"tokens/s {sum(self.tokens_per_s.values()):.0f}  trainer idle {idle:.0%}  "
+            f"dropped {len(s.dropped)}"
+        )
+
+    def _table(self) -> Table:
+        table = Table(title=f"reel run {self.config.run.name}", expand=False)
+        for column in ("step", "reward", "kl k3", "staleness", "tokens/s", "trainer idle", "dropped"):
+            table.add_column(column, justify="right")
+        for s in self.steps[-12:]:
+            idle = _idle_share(s)
+            table.add_row(
+                f"{s.step}/{self.config.run.steps}", f"{s.metrics.get('reward_mean', float('nan')):.3f}",
+                f"{s.metrics.get('kl_k3', float('nan')):.2e}", f"{_mean_staleness(s):.2f}",
+                f"{sum(self.tokens_per_s.values()):.0f}", f"{idle:.0%}", str(len(s.dropped)),
+            )
+        return table
+
+
+def _mean_staleness(s: StepCommitted) -> float:
+    tokens = sum(s.staleness.values())
+    return sum(k * v for k, v in s.staleness.items()) / tokens if tokens else 0.0
+
+
+def _idle_share(s: StepCommitted) -> float:
+    return s.timing.wait / max(1e-9, s.timing.wait + s.timing.compute + s.timing.publish)

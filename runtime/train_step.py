@@ -1,0 +1,117 @@
+"""The training step as a pure function: `train_step(state, batch, config) -> StepResult`.
+
+The trainer, `reel replay` and `reel retrain` all call this one function, so a logged step can be
+re-executed bit for bit: the result depends only on (weights, optimizer state, batch, config,
+seed), with deterministic algorithms and a fixed thread count set at the start of every step.
+
+Legend: B rows, T positions, V vocabulary, N completion tokens of the batch (flattened by mask).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple
+
+import msgspec
+import torch
+import torch.nn.functional as F
+
+from runtime import loss as loss_mod
+from runtime.batch import Batch, micro_batches
+from runtime.config import Config, TrainerSection
+from runtime.model.determinism import set_determinism
+from runtime.model.model import MoEModel
+from runtime.model.weights import state_dict_bytes
+
+
+class TrainState(NamedTuple):
+    model: MoEModel
+    optimizer: torch.optim.AdamW
+    step: int  # steps done; the weights are policy version `step`
+
+
+class StepResult(msgspec.Struct, frozen=True):
+    loss: float
+    grad_norm: float
+    weights_sha256: str
+    metrics: dict[str, float]
+    staleness: dict[int, int]
+
+
+def make_optimizer(model: MoEModel, cfg: TrainerSection) -> torch.optim.AdamW:
+    # foreach=False: the single-tensor path is the deterministic reference on every device.
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             betas=(0.9, 0.999), eps=1e-8, foreach=False)
+
+
+def weights_sha256(model: MoEModel) -> str:
+    return hashlib.sha256(state_dict_bytes(model)).hexdigest()
+
+
+class TokenLogprobs(NamedTuple):
+    logp_BT: torch.Tensor
+    entropy_BT: torch.Tensor
+    routing_BTLK: torch.Tensor | None
+
+
+def token_logprobs(model: MoEModel, batch: Batch, rows: slice, *, router_replay: bool,
+                   with_routing: bool = False) -> TokenLogprobs:
+    """log pi(target) under logits / temperature (the distribution the engine sampled from)."""
+    replay = batch.routing_BTLK[rows] if router_replay and batch.routing_BTLK is not None else None
+    out = model(batch.input_ids_BT[rows], batch.attention_mask_BT[rows], replay_routing_BTLK=replay,
+                return_routing=with_routing)
+    logits_BTV = out.logits.float() / batch.temperature_B[rows, None, None]
+    logprobs_BTV = F.log_softmax(logits_BTV, dim=-1)
+    logp_BT = logprobs_BTV.gather(-1, batch.targets_BT[rows, :, None]).squeeze(-1)
+    entropy_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
+    return TokenLogprobs(logp_BT, entropy_BT.detach(), out.routing)
+
+
+def train_step(state: TrainState, batch: Batch, config: Config) -> tuple[TrainState, StepResult]:
+    cfg = config.trainer
+    step = state.step + 1
+    set_determinism(config.run.seed * 1_000_003 + step, threads=torch.get_num_threads())
+    model, optimizer = state.model, state.optimizer
+    model.precision = cfg.precision
+    model.train()
+    loss_cfg = loss_mod.LossConfig.from_trainer(cfg)
+    ranges = micro_batches(batch, cfg.micro_batch_tokens)
+    total_tokens = max(1, batch.tokens)
+
+    # pi_old: the trainer's logprobs before any update, the reference of every importance weight.
+    with torch.no_grad():
+        olds = [token_logprobs(model, batch, rows, router_replay=cfg.router_replay) for rows in ranges]
+    logp_old_N = torch.cat([o.logp_BT[batch.loss_mask_BT[rows]] for o, rows in zip(olds, ranges)])
+    entropy_N = torch.cat([o.entropy_BT[batch.loss_mask_BT[rows]] for o, rows in zip(olds, ranges)])
+
+    loss_total, grad_norm = 0.0, 0.0
+    for _ in range(cfg.optimizer_steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss_total, offset = 0.0, 0
+        for rows in ranges:
+            mask_BT = batch.loss_mask_BT[rows]
+            n = int(mask_BT.sum())
+            current = token_logprobs(model, batch, rows, router_replay=cfg.router_replay)
+            row_index_BT = torch.arange(rows.start, rows.stop)[:, None].expand_as(mask_BT)
+            loss, _ = loss_mod.policy_loss(
+                logp_new_N=current.logp_BT[mask_BT], logp_old_N=logp_old_N[offset:offset + n],
+                logp_mu_N=batch.logp_mu_BT[rows][mask_BT], advantages_N=batch.advantages_BT[rows][mask_BT],
+                seq_index_N=row_index_BT[mask_BT], cfg=loss_cfg,
+            )
+            # Each micro-batch's token-mean is reweighted to its share of the step's tokens, so
+            # accumulation equals one pass over the whole batch.
+            (loss * (n / total_tokens)).backward()
+            loss_total += float(loss.detach()) * n / total_tokens
+            offset += n
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm, foreach=False))
+        optimizer.step()
+
+    mask_N = batch.loss_mask_BT[batch.loss_mask_BT]
+    metrics = loss_mod.mismatch_metrics(logp_old_N, batch.logp_mu_BT[batch.loss_mask_BT], mask_N)
+    metrics["entropy"] = float(entropy_N.mean()) if entropy_N.numel() else 0.0
+    metrics["reward_mean"] = float(batch.rewards_B.mean())
+    metrics["tokens"] = float(batch.tokens)
+    staleness = loss_mod.staleness_histogram(batch.versions_BT[batch.loss_mask_BT], state.step, mask_N)
+    new_state = TrainState(model, optimizer, step)
+    return new_state, StepResult(loss=loss_total, grad_norm=grad_norm, weights_sha256=weights_sha256(model),
+                                 metrics=metrics, staleness=staleness)
