@@ -1,0 +1,512 @@
+"""Append-only event log on disk: one directory per stream, segment files of CRC-checked records.
+
+    run_dir/log/<stream>/<first record index, 20 digits>.seg    records
+                         <same>.idx                             sparse index of a sealed segment
+
+Record (little-endian):  [len u32][crc32c u32][payload: len bytes],  payload = msgpack [entry id, event]
+
+The CRC covers the length bytes as well as the payload, so a damaged length cannot pass for a shorter
+record and a zero-filled tail (a file extended without its data) never checks. The payload's msgpack
+prefix is written by hand so the event bytes go to the kernel with `writev` uncopied.
+
+Durability: `append_batch` writes a whole batch and fdatasyncs once (group commit); a segment is
+fdatasync'd before the next one is created, and the directory is fsync'd when a segment is created.
+So only the last segment can end in a torn write. Opening the log for writing truncates that tail to
+the last good record and logs how many bytes went; a bad record anywhere else, or one followed by a
+good record (a damaged record, not a torn write), raises LogCorrupted naming stream, segment and byte
+offset. Nothing is skipped silently.
+
+Sparse index: each segment's first record and every INDEX_EVERY-th record -> (index, entry id, offset).
+A sealed segment keeps its index in a sidecar `.idx` (msgpack), rebuilt from the segment when missing
+or stale; the last segment is scanned on open.
+
+    ReelError
+     └── LogError           the log cannot be opened or written (I/O error, a second writer)
+          └── LogCorrupted  a record failed its framing or CRC check
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import struct
+from bisect import bisect_right
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import crc32c
+import msgspec
+import numpy as np
+
+from bus.errors import ReelError
+from bus.events import AnyEvent, MalformedEvent, decode
+
+__all__ = ["LogError", "LogCorrupted", "LogRecord", "StreamLog", "RunLog", "INDEX_EVERY"]
+
+log = logging.getLogger(__name__)
+
+INDEX_EVERY = 256  # records between sparse-index marks: a seek reads at most this many records
+_HEADER = struct.Struct("<II")
+_IOV_MAX = 1024
+_STREAM_NAME = re.compile(r"[a-z0-9_-]+")
+
+
+class LogError(ReelError):
+    """The on-disk log cannot be opened or written; the message names the stream or file."""
+
+
+class LogCorrupted(LogError):
+    """A record failed its framing or CRC check; the message names stream, segment and byte offset."""
+
+
+class LogRecord(NamedTuple):
+    entry_id: str
+    data: bytes  # the event's msgpack bytes, as delivered by the bus
+    segment: Path
+    offset: int  # byte offset of the record's header in `segment`
+
+
+class _Segment(msgspec.Struct):
+    """What is known about one segment file (the sidecar of a sealed segment holds exactly this)."""
+
+    first: int  # stream index of its first record (also its file name)
+    size: int = 0  # bytes of good records
+    count: int = 0
+    last_id: str | None = None
+    marks: list[tuple[int, str, int]] = []  # (record index, entry id, byte offset)
+
+
+class _EventKey(msgspec.Struct):
+    """The idempotency key of an event, decoded without touching the rest of it."""
+
+    producer: str
+    seq: int
+
+
+class _BadRecord(Exception):
+    """Internal: the bytes at an offset are not a valid record (the reason is the message)."""
+
+
+_payload_decoder = msgspec.msgpack.Decoder(tuple[str, bytes])
+_sidecar_decoder = msgspec.msgpack.Decoder(_Segment)
+_key_decoder = msgspec.msgpack.Decoder(_EventKey)
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    """Redis stream ids "ms-seq" compare as integer pairs."""
+    ms, _, seq = entry_id.partition("-")
+    try:
+        return int(ms), int(seq or 0)
+    except ValueError:
+        raise ValueError(f"{entry_id!r} is not a stream entry id (ms-seq)") from None
+
+
+def _frame(entry_id: str, data: bytes) -> bytes:
+    """Everything of a record that precedes the event bytes: header and msgpack prefix."""
+    n = len(data)
+    if n < 1 << 8:
+        bin_header = b"\xc4" + n.to_bytes(1, "big")
+    elif n < 1 << 16:
+        bin_header = b"\xc5" + n.to_bytes(2, "big")
+    else:
+        bin_header = b"\xc6" + n.to_bytes(4, "big")
+    prefix = b"\x92" + msgspec.msgpack.encode(entry_id) + bin_header
+    length = (len(prefix) + n).to_bytes(4, "little")
+    crc = crc32c.crc32c(data, value=crc32c.crc32c(length + prefix))
+    return length + crc.to_bytes(4, "little") + prefix
+
+
+def _check(buf: memoryview, off: int) -> tuple[str, bytes, int]:
+    """(entry id, event bytes, end offset) of the record at `off`; _BadRecord if it is not one."""
+    if len(buf) - off < _HEADER.size:
+        raise _BadRecord("a partial record header")
+    length, crc = _HEADER.unpack_from(buf, off)
+    end = off + _HEADER.size + length
+    if end > len(buf):
+        raise _BadRecord(f"a {length}-byte record running past the end of the file")
+    if crc32c.crc32c(buf[off + _HEADER.size : end], value=crc32c.crc32c(buf[off : off + 4])) != crc:
+        raise _BadRecord("a CRC mismatch")
+    try:
+        entry_id, data = _payload_decoder.decode(buf[off + _HEADER.size : end])
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        raise _BadRecord("a payload that is not msgpack [entry id, bytes]") from None
+    return entry_id, data, end
+
+
+def _good_record_after(buf: memoryview, start: int) -> int | None:
+    """Offset of the first valid record at or after `start`, if any.
+
+    Tells a torn tail (nothing valid follows) from a damaged record (something does). Candidates are
+    offsets whose payload would start with msgpack [str, ...] (0x92 then a str header); only those pay
+    for a CRC."""
+    b = np.frombuffer(buf, dtype=np.uint8)
+    first, second = b[start + 8 : -1], b[start + 9 :]
+    candidates = np.flatnonzero((first == 0x92) & (((second & 0xE0) == 0xA0) | (second == 0xD9)))
+    for offset in (candidates + start).tolist():
+        try:
+            _check(buf, offset)
+            return offset
+        except _BadRecord:
+            continue
+    return None
+
+
+def _write_all(fd: int, buffers: list[bytes]) -> None:
+    views = [memoryview(b) for b in buffers]
+    i = 0
+    while i < len(views):
+        written = os.writev(fd, views[i : i + _IOV_MAX])
+        while i < len(views) and written >= len(views[i]):
+            written -= len(views[i])
+            i += 1
+        if written:
+            views[i] = views[i][written:]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class StreamLog:
+    """The log of one stream. One writer at a time (an flock on the directory); any number of
+    read-only openers (`readonly=True` never repairs or creates anything)."""
+
+    def __init__(self, directory: Path, segment_bytes: int = 64 << 20, *, readonly: bool = False):
+        self.directory = Path(directory)
+        self.name = self.directory.name
+        self.segment_bytes = segment_bytes
+        self.readonly = readonly
+        self.torn_bytes = 0  # read-only opens: bytes of torn tail left for the writer to repair
+        self._segments: list[_Segment] = []
+        self._dir_fd: int | None = None  # writer: holds the flock, fsync'd on segment creation
+        self._fd: int | None = None  # writer: O_APPEND fd of the last segment
+        self._keys: dict[tuple[str, int], tuple[Path, int]] | None = None  # built on first lookup
+        if readonly:
+            if not self.directory.is_dir():
+                raise LogError(f"no log of stream {self.name!r} at {self.directory}")
+        else:
+            self._lock()
+        try:
+            self._load()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- opening --------------------------------------------------------------------------------
+
+    def _lock(self) -> None:
+        created = not self.directory.exists()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if created:
+            _fsync_dir(self.directory.parent)
+        self._dir_fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            fcntl.flock(self._dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._dir_fd)
+            self._dir_fd = None
+            raise LogError(f"the log of stream {self.name!r} at {self.directory} is already open "
+                           "for writing (is another archiver running?)") from None
+
+    def _load(self) -> None:
+        paths = sorted(p for p in self.directory.glob("*.seg") if p.stem.isdigit())
+        expected = 0
+        for i, path in enumerate(paths):
+            if int(path.stem) != expected:
+                raise LogCorrupted(f"log stream {self.name!r} is missing records: segment {path} "
+                                   f"should start at record {expected}")
+            sealed = i < len(paths) - 1
+            seg = (self._read_sidecar(path) if sealed else None) or _Segment(int(path.stem))
+            if seg.count == 0:
+                self._scan(seg, path, tail=not sealed)
+                if sealed and not self.readonly:
+                    self._write_sidecar(seg)
+            self._segments.append(seg)
+            expected = seg.first + seg.count
+        if not self._segments and not self.readonly:
+            self._create_segment(0)
+
+    def _read_sidecar(self, path: Path) -> _Segment | None:
+        try:
+            seg = _sidecar_decoder.decode(path.with_suffix(".idx").read_bytes())
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        return seg if seg.first == int(path.stem) and seg.size == path.stat().st_size else None
+
+    def _write_sidecar(self, seg: _Segment) -> None:
+        # No fsync: a lost or stale sidecar is rebuilt from its segment.
+        idx = self._path(seg).with_suffix(".idx")
+        tmp = idx.with_suffix(".idx.tmp")
+        tmp.write_bytes(msgspec.msgpack.encode(seg))
+        os.replace(tmp, idx)
+
+    def _scan(self, seg: _Segment, path: Path, *, tail: bool) -> None:
+        buf = memoryview(path.read_bytes())
+        off = 0
+        while off < len(buf):
+            try:
+                entry_id, _, end = _check(buf, off)
+            except _BadRecord as bad:
+                if tail and _good_record_after(buf, off + 1) is None:
+                    self._torn(path, off, len(buf) - off)
+                    break
+                raise self._corrupted(path, off, str(bad)) from None
+            self._note(seg, entry_id, off)
+            seg.size = off = end
+
+    def _torn(self, path: Path, offset: int, nbytes: int) -> None:
+        if self.readonly:
+            self.torn_bytes = nbytes
+            log.warning("log stream %s: %d bytes after byte %d of %s are a torn write (the writer "
+                        "truncates them when it next opens the log)", self.name, nbytes, offset, path)
+            return
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, offset)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        log.warning("log stream %s: repaired a torn tail: truncated %d bytes after the last good "
+                    "record of %s (byte %d)", self.name, nbytes, path, offset)
+
+    def _corrupted(self, path: Path, offset: int, why: str) -> LogCorrupted:
+        return LogCorrupted(f"log stream {self.name!r} is corrupted: {why} at byte {offset} of "
+                            f"segment {path}")
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def append_batch(self, records: list[tuple[str, bytes]]) -> None:
+        """Append (entry id, event bytes) records; they are durable (fdatasync) when this returns.
+
+        Entry ids must increase; a ValueError leaves the log untouched."""
+        if self.readonly:
+            raise LogError(f"the log of stream {self.name!r} was opened read-only")
+        if not records:
+            return
+        last = self.last_entry_id()
+        for entry_id, _ in records:
+            if last is not None and _id_key(entry_id) <= _id_key(last):
+                raise ValueError(f"entry id {entry_id} is not after {last} in log stream {self.name!r}")
+            last = entry_id
+        seg = self._segments[-1]
+        buffers: list[bytes] = []
+        staged: list[tuple[str, bytes, int]] = []  # (entry id, data, offset), noted once durable
+        end = seg.size
+        for entry_id, data in records:
+            frame = _frame(entry_id, data)
+            if (seg.count or staged) and end + len(frame) + len(data) > self.segment_bytes:
+                self._commit(seg, buffers, staged, end)
+                seg = self._roll(seg)
+                buffers, staged, end = [], [], 0
+            staged.append((entry_id, data, end))
+            buffers += (frame, data)
+            end += len(frame) + len(data)
+        self._commit(seg, buffers, staged, end)
+
+    def _commit(self, seg: _Segment, buffers: list[bytes], staged: list[tuple[str, bytes, int]],
+                end: int) -> None:
+        path = self._path(seg)
+        try:
+            fd = self._tail_fd(seg)
+            _write_all(fd, buffers)
+            os.fdatasync(fd)
+        except OSError as exc:
+            self._close_tail()  # reopening truncates back to the last durable byte
+            raise LogError(f"cannot append to log segment {path}: {exc}") from exc
+        for entry_id, data, offset in staged:
+            self._note(seg, entry_id, offset)
+            if self._keys is not None:
+                self._add_key(data, entry_id, path, offset)
+        seg.size = end
+
+    def _tail_fd(self, seg: _Segment) -> int:
+        if self._fd is None:
+            self._fd = os.open(self._path(seg), os.O_WRONLY | os.O_APPEND)
+            if os.fstat(self._fd).st_size > seg.size:  # bytes of a failed append, never acknowledged
+                os.ftruncate(self._fd, seg.size)
+        return self._fd
+
+    def _close_tail(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _roll(self, seg: _Segment) -> _Segment:
+        self._write_sidecar(seg)
+        self._close_tail()
+        return self._create_segment(seg.first + seg.count)
+
+    def _create_segment(self, first: int) -> _Segment:
+        seg = _Segment(first)
+        os.close(os.open(self._path(seg), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        os.fsync(self._dir_fd)
+        self._segments.append(seg)
+        return seg
+
+    def _note(self, seg: _Segment, entry_id: str, offset: int) -> None:
+        index = seg.first + seg.count
+        if seg.count == 0 or index % INDEX_EVERY == 0:
+            seg.marks.append((index, entry_id, offset))
+        seg.count += 1
+        seg.last_id = entry_id
+
+    def close(self) -> None:
+        self._close_tail()
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)  # releases the flock
+            self._dir_fd = None
+
+    def __enter__(self) -> StreamLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._segments[-1].first + self._segments[-1].count if self._segments else 0
+
+    def last_entry_id(self) -> str | None:
+        for seg in reversed(self._segments):
+            if seg.last_id is not None:
+                return seg.last_id
+        return None
+
+    def records(self, after_entry_id: str | None = None, start: int = 0) -> Iterator[LogRecord]:
+        """Records in order: those with entry id > `after_entry_id` and stream index >= `start`.
+        Every record's CRC is checked; records appended while iterating are included."""
+        after = None if after_entry_id is None else _id_key(after_entry_id)
+        seg_no, offset, index = self._seek(after, start)
+        while seg_no < len(self._segments):
+            seg = self._segments[seg_no]
+            path = self._path(seg)
+            with open(path, "rb") as f:
+                f.seek(offset)
+                buf = memoryview(f.read(seg.size - offset))
+            off = 0
+            while off < len(buf):
+                try:
+                    entry_id, data, end = _check(buf, off)
+                except _BadRecord as bad:
+                    raise self._corrupted(path, offset + off, str(bad)) from None
+                if index >= start and (after is None or _id_key(entry_id) > after):
+                    yield LogRecord(entry_id, data, path, offset + off)
+                off, index = end, index + 1
+            seg_no, offset = seg_no + 1, 0
+
+    def _seek(self, after: tuple[int, int] | None, start: int) -> tuple[int, int, int]:
+        """(segment number, byte offset, record index) of the last mark at or before the target."""
+        filled = len(self._segments) - (1 if self._segments and not self._segments[-1].count else 0)
+        if filled == 0:
+            return 0, 0, 0
+        if after is not None:
+            s = bisect_right(self._segments, after, hi=filled, key=lambda g: _id_key(g.marks[0][1]))
+            marks = self._segments[max(s - 1, 0)].marks
+            m = bisect_right(marks, after, key=lambda mark: _id_key(mark[1]))
+        else:
+            s = bisect_right(self._segments, start, hi=filled, key=lambda g: g.first)
+            marks = self._segments[max(s - 1, 0)].marks
+            m = bisect_right(marks, start, key=lambda mark: mark[0])
+        index, _, offset = marks[max(m - 1, 0)]
+        return max(s - 1, 0), offset, index
+
+    def read_at(self, segment: Path, offset: int) -> LogRecord:
+        with open(segment, "rb") as f:
+            f.seek(offset)
+            head = f.read(_HEADER.size)
+            length = _HEADER.unpack(head)[0] if len(head) == _HEADER.size else 0
+            buf = memoryview(head + f.read(length))
+        try:
+            entry_id, data, _ = _check(buf, 0)
+        except _BadRecord as bad:
+            raise self._corrupted(segment, offset, str(bad)) from None
+        return LogRecord(entry_id, data, segment, offset)
+
+    def lookup(self, producer: str, seq: int) -> LogRecord | None:
+        """The first record of the event with idempotency key (producer, seq), if logged."""
+        if self._keys is None:
+            self._keys = {}
+            for record in self.records():
+                self._add_key(record.data, record.entry_id, record.segment, record.offset)
+        where = self._keys.get((producer, seq))
+        return None if where is None else self.read_at(*where)
+
+    def _add_key(self, data: bytes, entry_id: str, segment: Path, offset: int) -> None:
+        try:
+            key = _key_decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise MalformedEvent(f"record {entry_id} of log stream {self.name!r} is not an event: {exc}") from exc
+        self._keys.setdefault((key.producer, key.seq), (segment, offset))
+
+    def _path(self, seg: _Segment) -> Path:
+        return self.directory / f"{seg.first:020d}.seg"
+
+
+class RunLog:
+    """A run's log: run_dir/log/<stream>/. Streams are opened on first use."""
+
+    def __init__(self, run_dir: Path, segment_bytes: int = 64 << 20, *, readonly: bool = False):
+        self.root = Path(run_dir) / "log"
+        self.segment_bytes = segment_bytes
+        self.readonly = readonly
+        self._streams: dict[str, StreamLog] = {}
+        if readonly and not self.root.is_dir():
+            raise LogError(f"no event log in {run_dir} (expected the directory {self.root})")
+        if not readonly and not self.root.is_dir():
+            self.root.mkdir(parents=True)
+            _fsync_dir(self.root.parent)
+
+    def names(self) -> list[str]:
+        """Streams that have a log, sorted."""
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _STREAM_NAME.fullmatch(p.name))
+
+    def stream(self, name: str) -> StreamLog:
+        if name not in self._streams:
+            if not _STREAM_NAME.fullmatch(name):
+                raise LogError(f"{name!r} is not a stream name (lowercase letters, digits, _ and -)")
+            if self.readonly and not (self.root / name).is_dir():
+                raise LogError(f"stream {name!r} has no log in {self.root} "
+                               f"(logged streams: {', '.join(self.names()) or 'none'})")
+            self._streams[name] = StreamLog(self.root / name, self.segment_bytes, readonly=self.readonly)
+        return self._streams[name]
+
+    def events(self, stream: str) -> Iterator[tuple[str, AnyEvent]]:
+        """(entry id, decoded event) in log order."""
+        for record in self.stream(stream).records():
+            try:
+                event = decode(record.data)
+            except MalformedEvent as exc:
+                raise MalformedEvent(f"record {record.entry_id} at byte {record.offset} of "
+                                     f"{record.segment} is not an event: {exc}") from exc
+            yield record.entry_id, event
+
+    def lookup(self, producer: str, seq: int) -> tuple[str, LogRecord] | None:
+        """(stream, record) of the event with idempotency key (producer, seq), if logged."""
+        for name in self.names():
+            record = self.stream(name).lookup(producer, seq)
+            if record is not None:
+                return name, record
+        return None
+
+    def verify(self) -> dict[str, int]:
+        """Check every record of every stream; stream -> record count. Raises LogCorrupted."""
+        return {name: sum(1 for _ in self.stream(name).records()) for name in self.names()}
+
+    def close(self) -> None:
+        for stream in self._streams.values():
+            stream.close()
+        self._streams.clear()
+
+    def __enter__(self) -> RunLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

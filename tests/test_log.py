@@ -1,0 +1,221 @@
+"""bus/log.py and `reel log verify|cat`: framing, torn-tail repair, corruption detection, seeks."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from bus.events import Sample, Tensor, Trajectory, WorkerStats, encode
+from bus.log import INDEX_EVERY, LogCorrupted, LogError, RunLog, StreamLog
+from runtime import cli
+
+
+def _event(seq: int, producer: str = "rollout:0") -> bytes:
+    return encode(WorkerStats(run="r", producer=producer, seq=seq, worker="w0", tokens_per_s=1.5 * seq,
+                              running=seq % 7, waiting=0, policy_version=seq // 10, groups_published=seq))
+
+
+def _records(n: int, start: int = 0) -> list[tuple[str, bytes]]:
+    return [(f"1700000000{i:03d}-{i % 3}", _event(i)) for i in range(start, start + n)]
+
+
+def _write(directory: Path, n: int, batch: int = 10, **kw) -> list[tuple[str, bytes]]:
+    records = _records(n)
+    with StreamLog(directory, **kw) as log:
+        for i in range(0, n, batch):
+            log.append_batch(records[i : i + batch])
+    return records
+
+
+def _read(directory: Path, **kw) -> list[tuple[str, bytes]]:
+    with StreamLog(directory, **kw) as log:
+        return [(r.entry_id, r.data) for r in log.records()]
+
+
+def _segments(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.seg"))
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_roundtrip_reopen_and_last_id(tmp_path: Path):
+    records = _write(tmp_path / "s", 25)
+    with StreamLog(tmp_path / "s") as log:
+        assert len(log) == 25 and log.last_entry_id() == records[-1][0]
+        assert [(r.entry_id, r.data) for r in log.records()] == records
+        log.append_batch(_records(5, start=25))
+    assert _read(tmp_path / "s") == records + _records(5, start=25)
+
+
+def test_entry_ids_must_increase_and_a_bad_batch_writes_nothing(tmp_path: Path):
+    records = _write(tmp_path / "s", 3)
+    with StreamLog(tmp_path / "s") as log:
+        with pytest.raises(ValueError, match="is not after"):
+            log.append_batch(_records(2, start=3) + [records[0]])
+    assert _read(tmp_path / "s") == records
+
+
+def test_segment_roll_sidecars_and_rebuild(tmp_path: Path):
+    records = _write(tmp_path / "s", 200, batch=7, segment_bytes=2000)
+    segs = _segments(tmp_path / "s")
+    assert len(segs) > 5 and all(s.stat().st_size <= 2000 for s in segs)
+    assert all(s.with_suffix(".idx").exists() for s in segs[:-1])  # sealed ones only
+    assert _read(tmp_path / "s", segment_bytes=2000) == records
+    # Sidecars are a cache: lost or stale ones are rebuilt from the segments.
+    segs[0].with_suffix(".idx").unlink()
+    segs[1].with_suffix(".idx").write_bytes(b"garbage")
+    assert _read(tmp_path / "s", segment_bytes=2000) == records
+    assert segs[0].with_suffix(".idx").exists()
+
+
+def test_a_record_bigger_than_a_segment_gets_its_own(tmp_path: Path):
+    big = ("1800000000000-0", os.urandom(5000))
+    with StreamLog(tmp_path / "s", segment_bytes=1000) as log:
+        log.append_batch(_records(3) + [big] + [("1800000000001-0", b"x")])
+    assert _read(tmp_path / "s")[3] == big
+
+
+def test_iteration_from_entry_id_and_index(tmp_path: Path):
+    n = 3 * INDEX_EVERY + 17
+    records = _write(tmp_path / "s", n, batch=100, segment_bytes=30_000)
+    with StreamLog(tmp_path / "s", segment_bytes=30_000) as log:
+        for k in (0, 1, INDEX_EVERY - 1, INDEX_EVERY, 2 * INDEX_EVERY + 5, n - 1):
+            assert [r.entry_id for r in log.records(after_entry_id=records[k][0])] == [i for i, _ in records[k + 1 :]]
+            assert [r.entry_id for r in log.records(start=k)] == [i for i, _ in records[k:]]
+        assert list(log.records(after_entry_id="1")) and not list(log.records(after_entry_id="9999999999999-0"))
+        # an id between two logged ones
+        assert next(log.records(after_entry_id="1700000000005-99")).entry_id == records[6][0]
+
+
+def test_lookup_by_event_key(tmp_path: Path):
+    _write(tmp_path / "s", 40)
+    with StreamLog(tmp_path / "s") as log:
+        found = log.lookup("rollout:0", 17)
+        assert found.data == _event(17) and log.read_at(found.segment, found.offset) == found
+        assert log.lookup("rollout:0", 99) is None
+        log.append_batch([("1800000000000-0", _event(99))])  # keys of appends are indexed too
+        assert log.lookup("rollout:0", 99).entry_id == "1800000000000-0"
+
+
+@pytest.mark.parametrize("shape", ["partial header", "partial payload", "zero fill", "whole torn batch"])
+def test_torn_tail_is_repaired_and_logged(tmp_path: Path, shape: str, caplog: pytest.LogCaptureFixture):
+    records = _write(tmp_path / "s", 20)
+    seg = _segments(tmp_path / "s")[-1]
+    size = seg.stat().st_size
+    with StreamLog(tmp_path / "s") as log:
+        last = list(log.records())[-1]
+        last_offset = last.offset
+    keep = records
+    with open(seg, "r+b") as f:
+        if shape == "partial header":
+            f.truncate(last_offset + 5)
+            keep = records[:-1]
+        elif shape == "partial payload":
+            f.truncate(size - 7)
+            keep = records[:-1]
+        elif shape == "zero fill":
+            f.seek(size)
+            f.write(b"\0" * 4096)
+        else:  # a batch of three records, the last one cut short
+            with StreamLog(tmp_path / "extra") as other:
+                other.append_batch(_records(3, start=20))
+            tail = _segments(tmp_path / "extra")[0].read_bytes()
+            f.seek(size)
+            f.write(tail[:-10])
+            keep = records + _records(2, start=20)
+    with caplog.at_level(logging.WARNING, logger="bus.log"):
+        assert _read(tmp_path / "s") == keep
+    assert "torn tail" in caplog.text and "truncated" in caplog.text
+    caplog.clear()
+    with StreamLog(tmp_path / "s") as log:  # repaired for good, and appendable
+        log.append_batch([("1900000000000-0", b"after")])
+    assert _read(tmp_path / "s")[-1] == ("1900000000000-0", b"after") and not caplog.text
+
+
+@pytest.mark.parametrize("where", ["payload", "crc", "length"])
+def test_flipped_byte_in_a_middle_record_names_segment_and_offset(tmp_path: Path, where: str):
+    _write(tmp_path / "s", 20)
+    seg = _segments(tmp_path / "s")[-1]
+    with StreamLog(tmp_path / "s") as log:
+        victim = list(log.records())[10]
+    _flip(seg, victim.offset + {"length": 1, "crc": 5, "payload": 30}[where])
+    with pytest.raises(LogCorrupted) as info:
+        StreamLog(tmp_path / "s")
+    message = str(info.value)
+    assert f"byte {victim.offset} of segment {seg}" in message and "'s'" in message
+    with pytest.raises(LogCorrupted):  # the read-only path agrees and repairs nothing
+        StreamLog(tmp_path / "s", readonly=True)
+    assert seg.stat().st_size > victim.offset + 100
+
+
+def test_corruption_in_a_sealed_segment_is_found_on_read_and_verify(tmp_path: Path):
+    _write(tmp_path / "log" / "control", 100, segment_bytes=2000)
+    first = _segments(tmp_path / "log" / "control")[0]
+    _flip(first, 300)
+    with RunLog(tmp_path, segment_bytes=2000, readonly=True) as run_log:  # sidecar trusted on open
+        with pytest.raises(LogCorrupted, match=f"segment {first}"):
+            run_log.verify()
+
+
+def test_one_writer_and_readonly_never_repairs(tmp_path: Path):
+    _write(tmp_path / "s", 5)
+    with StreamLog(tmp_path / "s"):
+        with pytest.raises(LogError, match="already open for writing"):
+            StreamLog(tmp_path / "s")
+        assert len(StreamLog(tmp_path / "s", readonly=True)) == 5
+    seg = _segments(tmp_path / "s")[0]
+    with open(seg, "ab") as f:
+        f.write(b"\x10\x00")
+    size = seg.stat().st_size
+    reader = StreamLog(tmp_path / "s", readonly=True)
+    assert len(reader) == 5 and reader.torn_bytes == 2 and seg.stat().st_size == size
+    with pytest.raises(LogError, match="read-only"):
+        reader.append_batch(_records(1, start=5))
+
+
+def _trajectory(seq: int) -> Trajectory:
+    tokens = Tensor.from_numpy(np.arange(300, dtype=np.int32))
+    sample = Sample(tokens=tokens, logprobs=Tensor.from_numpy(np.zeros(4, np.float32)), reward=1.0,
+                    finish_reason="stop", seed=seq, spans=[(0, 3)])
+    return Trajectory(run="r", producer="rollout:1", seq=seq, group_id=f"g{seq}", env="reverse_text",
+                      prompt=Tensor.from_numpy(np.array([1, 2, 3], np.int32)), samples=[sample], worker="w1")
+
+
+def test_run_log_and_cli_verify_cat(tmp_path: Path, capsys: pytest.CaptureFixture):
+    with RunLog(tmp_path) as run_log:
+        run_log.stream("trajectories").append_batch([(f"{i + 1}-0", encode(_trajectory(i))) for i in range(3)])
+        run_log.stream("control").append_batch(_records(4))
+        assert [e.seq for _, e in run_log.events("trajectories")] == [0, 1, 2]
+        assert run_log.lookup("rollout:1", 2)[0] == "trajectories"
+        with pytest.raises(LogError, match="not a stream name"):
+            run_log.stream("../x")
+    assert cli.main(["log", "verify", "--run", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "control" in out and "trajectories" in out and "7 records in 2 streams" in out
+
+    assert cli.main(["log", "cat", "--run", str(tmp_path), "--stream", "trajectories"]) == 0
+    lines = [orjson.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(x["entry_id"], x["type"], x["seq"]) for x in lines] == [("1-0", "trajectory", 0), ("2-0", "trajectory", 1),
+                                                                    ("3-0", "trajectory", 2)]
+    sample = lines[0]["samples"][0]
+    assert sample["tokens"] == {"tensor": "int32[300]", "nbytes": 1200, "head": list(range(8))}
+    assert sample["logprobs"] == {"tensor": "float32[4]", "values": [0.0] * 4}
+
+    assert cli.main(["log", "cat", "--run", str(tmp_path), "--stream", "steps"]) == 1
+    assert "no log" in capsys.readouterr().err
+
+    seg = _segments(tmp_path / "log" / "control")[0]
+    _flip(seg, 40)
+    assert cli.main(["log", "verify", "--run", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "corrupted" in err and str(seg) in err
+    assert cli.main(["log", "verify", "--run", str(tmp_path / "nothing")]) == 1
