@@ -1,0 +1,204 @@
+"""Decoder-only MoE transformer with Qwen3-MoE module names (checkpoint keys are module paths).
+
+Two forward paths share every layer; layers see flat tokens [N, H] and get attention as a
+callable, so they never know whether keys come from the batch or from a KV cache:
+  forward         padded batches [B, T] (training, scoring); routing [B, T, L, K]
+  forward_cached  flat tokens of many sequences, prefill chunks and decode tokens mixed, against
+                  a KVCache indexed by (slot, position); routing [N, L, K]
+
+Shape legend: B batch, T time, N flat tokens, H hidden, V vocab, h query heads, g kv heads,
+D head dim, S cache slots, P cache positions, L MoE layers, K top-k, E experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.model.config import ModelError, MoEConfig
+from runtime.model.layers import PRECISIONS, Linear, RMSNorm, apply_rope, linear, rope_cos_sin, unquantised
+from runtime.model.moe import DenseMLP, MoE, load_balancing_loss
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (q_NhD, k_NgD, v_NgD) -> o_NhD
+
+
+class ModelOutput(NamedTuple):
+    logits: torch.Tensor  # fp32 [B, T, V] | [N, V]
+    routing: torch.Tensor | None  # int64 expert ids [B, T, L, K] | [N, L, K]; None unless asked
+    aux_loss: torch.Tensor | None  # scalar load-balancing loss (1.0 = balanced); None unless asked
+
+
+@dataclass
+class KVCache:
+    """Post-norm, post-RoPE keys and values per layer, slot and position (fp32)."""
+
+    k: torch.Tensor  # [layers, S, P, g, D]
+    v: torch.Tensor  # [layers, S, P, g, D]
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        h, g, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = Linear(cfg.hidden_size, h * D)
+        self.k_proj = Linear(cfg.hidden_size, g * D)
+        self.v_proj = Linear(cfg.hidden_size, g * D)
+        self.o_proj = Linear(h * D, cfg.hidden_size)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.head_dim = D
+
+    def forward(self, x_NH, cos_ND, sin_ND, attend: Attend, precision: str) -> torch.Tensor:
+        N, D = x_NH.shape[0], self.head_dim
+        q_NhD = apply_rope(self.q_norm(self.q_proj(x_NH, precision).view(N, -1, D)), cos_ND, sin_ND)
+        k_NgD = apply_rope(self.k_norm(self.k_proj(x_NH, precision).view(N, -1, D)), cos_ND, sin_ND)
+        v_NgD = self.v_proj(x_NH, precision).view(N, -1, D)
+        return self.o_proj(attend(q_NhD, k_NgD, v_NgD).reshape(N, -1), precision)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: MoEConfig, sparse: bool):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = (MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                        cfg.norm_topk_prob) if sparse else DenseMLP(cfg.hidden_size, cfg.intermediate_size))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x_NH, cos_ND, sin_ND, attend: Attend, precision: str, replay_ids_NK=None):
+        """-> (x [N, H], expert ids [N, K] | None, router scores [N, E] | None)."""
+        x_NH = x_NH + self.self_attn(self.input_layernorm(x_NH), cos_ND, sin_ND, attend, precision)
+        h_NH = self.post_attention_layernorm(x_NH)
+        if isinstance(self.mlp, DenseMLP):
+            return x_NH + self.mlp(h_NH, precision), None, None
+        out_NH, ids_NK, scores_NE = self.mlp(h_NH, precision, replay_ids_NK)
+        return x_NH + out_NH, ids_NK, scores_NE
+
+
+def _attend_padded(q_NhD, k_NgD, v_NgD, *, B: int, T: int, allowed_B1TT: torch.Tensor) -> torch.Tensor:
+    q, k, v = (t.view(B, T, -1, t.shape[-1]).transpose(1, 2) for t in (q_NhD, k_NgD, v_NgD))
+    o_BhTD = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_B1TT, enable_gqa=True)
+    return o_BhTD.transpose(1, 2).reshape(B * T, -1, q_NhD.shape[-1])
+
+
+def _attend_cached(q_NhD, k_NgD, v_NgD, *, cache: KVCache, layer: int, slot_N, pos_N, span: int) -> torch.Tensor:
+    # Write this call's keys first, so a prefill chunk's tokens see each other (causally, via the mask).
+    cache.k[layer, slot_N, pos_N] = k_NgD
+    cache.v[layer, slot_N, pos_N] = v_NgD
+    k_NgPD = cache.k[layer, slot_N, :span].transpose(1, 2)
+    v_NgPD = cache.v[layer, slot_N, :span].transpose(1, 2)
+    allowed_N11P = (torch.arange(span, device=pos_N.device) <= pos_N[:, None])[:, None, None, :]
+    o_Nh1D = F.scaled_dot_product_attention(q_NhD.unsqueeze(2), k_NgPD, v_NgPD, attn_mask=allowed_N11P,
+                                            enable_gqa=True)
+    return o_Nh1D.squeeze(2)
+
+
+class MoEModel(nn.Module):
+    def __init__(self, config: MoEConfig, precision: str = "fp32"):
+        super().__init__()
+        self.config = config
+        self.precision = precision
+        moe_layers = set(config.moe_layers)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(config, i in moe_layers) for i in range(config.num_hidden_layers))
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.reset_parameters()
+
+    @property
+    def precision(self) -> str:
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        if value not in PRECISIONS:
+            raise ModelError(f"precision {value!r} is not one of {', '.join(PRECISIONS)}")
+        self._precision = value
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """HF Qwen3-MoE init: matrices ~ N(0, initializer_range), norms 1."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, self.config.initializer_range)
+
+    def _run_layers(self, x_NH, positions_N, attend_for: Callable[[int], Attend], replay_NLK=None):
+        cfg, precision = self.config, self.precision
+        cos_ND, sin_ND = rope_cos_sin(positions_N, cfg.head_dim, cfg.rope_theta)
+        ids, scores = [], []
+        for i, layer in enumerate(self.model.layers):
+            replay_NK = None if replay_NLK is None else replay_NLK[:, len(ids)]
+            x_NH, ids_NK, scores_NE = layer(x_NH, cos_ND, sin_ND, attend_for(i), precision, replay_NK)
+            if ids_NK is not None:
+                ids.append(ids_NK)
+                scores.append(scores_NE)
+        logits_NV = linear(self.model.norm(x_NH), self.lm_head.weight, unquantised(precision))
+        return logits_NV, ids, scores
+
+    def _check_replay(self, replay: torch.Tensor | None, lead: tuple[int, ...], name: str) -> None:
+        want = (*lead, len(self.config.moe_layers), self.config.num_experts_per_tok)
+        if replay is not None and tuple(replay.shape) != want:
+            raise ModelError(f"{name} has shape {tuple(replay.shape)}, expected {want} (tokens, MoE layers, top-k)")
+
+    def forward(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None, *,
+                replay_routing_BTLK: torch.Tensor | None = None, return_routing: bool = False,
+                aux_loss: bool = False) -> ModelOutput:
+        """Right-padded batch (mask 1 = real token); positions count real tokens from 0."""
+        B, T = input_ids_BT.shape
+        self._check_replay(replay_routing_BTLK, (B, T), "replay_routing_BTLK")
+        device = input_ids_BT.device
+        mask_BT = torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask_BT is None \
+            else attention_mask_BT.bool()
+        positions_BT = (mask_BT.long().cumsum(-1) - 1).clamp(min=0)
+        causal_TT = torch.tril(torch.ones(T, T, dtype=torch.bool, device=device))
+        # Padding rows still see themselves, so no softmax row is empty (no NaN in padded logits).
+        allowed_B1TT = ((causal_TT & mask_BT[:, None, :]) | torch.eye(T, dtype=torch.bool, device=device))[:, None]
+        attend = partial(_attend_padded, B=B, T=T, allowed_B1TT=allowed_B1TT)
+        replay_NLK = None if replay_routing_BTLK is None else replay_routing_BTLK.flatten(0, 1)
+        logits_NV, ids, scores = self._run_layers(self.model.embed_tokens(input_ids_BT).flatten(0, 1),
+                                                  positions_BT.flatten(), lambda i: attend, replay_NLK)
+        routing = torch.stack(ids, dim=1).view(B, T, len(ids), -1) if return_routing and ids else None
+        aux = None
+        if aux_loss and ids:
+            aux = torch.stack([load_balancing_loss(s, i, mask_BT.flatten()) for s, i in zip(scores, ids)]).mean()
+        return ModelOutput(logits_NV.view(B, T, -1), routing, aux)
+
+    @torch.no_grad()
+    def forward_cached(self, input_ids_N: torch.Tensor, slot_ids_N: torch.Tensor, positions_N: torch.Tensor,
+                       cache: KVCache, *, replay_routing_NLK: torch.Tensor | None = None,
+                       return_routing: bool = False) -> ModelOutput:
+        """Token n (of slot s, at position p) writes its k/v to cache[s, p], then attends to cache[s, :p+1]."""
+        self._check_replay(replay_routing_NLK, (input_ids_N.shape[0],), "replay_routing_NLK")
+        span = int(positions_N.max()) + 1
+        if span > cache.max_len:
+            raise ModelError(f"position {span - 1} does not fit the KV cache (max_len {cache.max_len})")
+        slot_N, pos_N = slot_ids_N.long(), positions_N.long()
+        logits_NV, ids, _ = self._run_layers(
+            self.model.embed_tokens(input_ids_N), pos_N,
+            lambda i: partial(_attend_cached, cache=cache, layer=i, slot_N=slot_N, pos_N=pos_N, span=span),
+            replay_routing_NLK)
+        routing = torch.stack(ids, dim=1) if return_routing and ids else None
+        return ModelOutput(logits_NV, routing, None)
+
+    def new_cache(self, slots: int, max_len: int) -> KVCache:
+        cfg, p = self.config, self.lm_head.weight
+        shape = (cfg.num_hidden_layers, slots, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        return KVCache(torch.zeros(shape, device=p.device), torch.zeros(shape, device=p.device))

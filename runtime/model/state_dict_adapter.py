@@ -1,0 +1,52 @@
+"""Reel's in-memory parameter names <-> Hugging Face Hub names (what transformers and vLLM load).
+
+Everything is a plain module path except the experts, which Reel stacks for grouped GEMMs:
+  Reel  model.layers.{i}.mlp.experts.gate_proj            [E, I, H]   (up_proj alike; down_proj [E, H, I])
+  Hub   model.layers.{i}.mlp.experts.{e}.gate_proj.weight [I, H]
+transformers 5 keeps a fused layout in memory (`experts.gate_up_proj` [E, 2I, H],
+`experts.down_proj` [E, H, I]); `from_hf` accepts it too, in case a checkpoint was written raw.
+With tied embeddings the Hub omits lm_head.weight.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from runtime.model.config import ModelError, MoEConfig
+
+_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
+_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.gate_up_proj$")
+
+
+def to_hf(state_dict: dict[str, torch.Tensor], config: MoEConfig) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state_dict.items():
+        if m := _STACKED.match(name):
+            for e in range(t.shape[0]):
+                out[f"{m[1]}.{e}.{m[2]}.weight"] = t[e]
+        elif not (name == "lm_head.weight" and config.tie_word_embeddings):
+            out[name] = t
+    return out
+
+
+def from_hf(hf: dict[str, torch.Tensor], config: MoEConfig) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, t in hf.items():
+        if m := _PER_EXPERT.match(name):
+            experts.setdefault((m[1], m[3]), {})[int(m[2])] = t
+        elif m := _FUSED.match(name):
+            out[f"{m[1]}.gate_proj"], out[f"{m[1]}.up_proj"] = t.chunk(2, dim=1)
+        else:
+            out[name] = t
+    for (prefix, proj), by_index in experts.items():
+        missing = sorted(set(range(config.num_experts)) - set(by_index))
+        if missing:
+            raise ModelError(f"checkpoint lacks {prefix}.{missing[0]}.{proj}.weight")
+        out[f"{prefix}.{proj}"] = torch.stack([by_index[e] for e in range(config.num_experts)])
+    if config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
