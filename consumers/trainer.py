@@ -28,10 +28,10 @@ import torch
 
 from bus.blobs import BlobStore
 from bus.events import (
-    DroppedGroup, RoutingTrace, RunStarted, StepCommitted, StepTiming, Trajectory, WeightsPublished, decode,
+    AnyEvent, DroppedGroup, RoutingTrace, RunStarted, StepCommitted, StepTiming, Trajectory, WeightsPublished, decode,
     stream_key,
 )
-from bus.log import RunLog
+from bus.log import LogCorrupted, LogError, RunLog
 from bus.streams import Delivery, GroupConsumer, Publisher, connect, recover_next_seq
 from runtime import checkpoint
 from runtime.batch import Group, build_batch, decode_routing
@@ -230,11 +230,11 @@ class Trainer:
         for _, fields in await self.redis.xrange(stream_key(self.run, stream), count=1000):
             if isinstance(decode(fields[b"e"]), kind):
                 return True
-        return any(isinstance(e, kind) for _, e in RunLog(self.run_dir).events(stream))
+        return any(isinstance(e, kind) for e in logged_events(self.run_dir, stream))
 
     async def _read_commits(self) -> dict[int, StepCommitted]:
         """Every StepCommitted of the run: the archived log plus what is still only on the bus."""
-        commits = {e.step: e for _, e in RunLog(self.run_dir).events("steps") if isinstance(e, StepCommitted)}
+        commits = {e.step: e for e in logged_events(self.run_dir, "steps") if isinstance(e, StepCommitted)}
         for _, fields in await self.redis.xrange(stream_key(self.run, "steps")):
             event = decode(fields[b"e"])
             if isinstance(event, StepCommitted):
@@ -242,8 +242,9 @@ class Trainer:
         return commits
 
     async def _group_lookup(self) -> GroupLookup:
-        lookup = GroupLookup.from_log(RunLog(self.run_dir), self.blobs)
+        lookup = GroupLookup(self.blobs)
         for stream in ("trajectories", "routing"):
+            lookup.add(logged_events(self.run_dir, stream))
             entries = await self.redis.xrange(stream_key(self.run, stream))
             lookup.add(decode(fields[b"e"]) for _, fields in entries)
         return lookup
@@ -252,6 +253,17 @@ class Trainer:
     def _crash_point(step: int, stage: str) -> None:
         if os.environ.get("REEL_CRASH_AT") == f"{step}:{stage}":
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def logged_events(run_dir: Path, stream: str) -> list[AnyEvent]:
+    """Events the archiver has made durable so far (none yet is fine: the bus has the rest)."""
+    try:
+        with RunLog(run_dir, readonly=True) as run_log:
+            return [event for _, event in run_log.events(stream)]
+    except LogCorrupted:
+        raise
+    except LogError:
+        return []
 
 
 def main(run_dir: Path, bus_url: str) -> int:

@@ -63,11 +63,15 @@ def load_initial_model(run_dir: Path) -> MoEModel:
     return load(target)
 
 
+# The files whose code decides a training step's result.
+STEP_CODE = ("batch.py", "train_step.py", "loss.py", "checkpoint.py", "model/*.py")
+
+
 def code_version() -> str:
-    """Hash of the code that decides a training step's result (runtime/), for replay diagnostics."""
+    """Hash of the code that decides a training step's result, for replay diagnostics."""
     root = Path(__file__).parent
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(p for pattern in STEP_CODE for p in root.glob(pattern)):
         digest.update(path.relative_to(root).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]

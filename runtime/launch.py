@@ -81,7 +81,7 @@ def prepare_run_dir(run_dir: Path, config_text: str, config: Config, *, resume: 
     """Create the run directory atomically (a crash leaves no half-written run), or check a resume."""
     if resume:
         stored = load_run_config(run_dir)
-        if config_mod.config_hash(stored) != config_mod.config_hash(config):
+        if config_mod.to_toml(stored) != config_mod.to_toml(config):
             raise RunDirError(
                 f"the config differs from {run_dir / 'config.toml'}; resume with the run's own config"
             )

@@ -1,0 +1,187 @@
+"""Offline re-training: train a new policy from an old run's logged rollouts, no Redis needed.
+
+`reel retrain --from runs/A --out runs/B` reads A's Trajectory and RoutingTrace events from A's
+log and, by default, gives step s of B the groups of A's step s, from A's initial weights, with
+the logged inference logprobs as the behaviour policy. B is written as a normal run (config.toml,
+init/, blobs/, a log with the groups it used, WeightsPublished and StepCommitted), so `reel replay`
+works on it. With no override B's weights equal A's bit for bit at every step: the same
+`train_step` on the same inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import tempfile
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from bus.blobs import BlobStore
+from bus.errors import ReelError
+from bus.events import AnyEvent, RunStarted, StepCommitted, StepTiming, WeightsPublished, encode
+from bus.log import RunLog
+from runtime import checkpoint
+from runtime import config as config_mod
+from runtime.batch import build_batch
+from runtime.config import Config
+from runtime.groups import GroupLookup
+from runtime.initial_policy import code_version, init_dir
+from runtime.model.weights import load, save, state_dict_bytes
+from runtime.train_step import TrainState, make_optimizer, train_step
+
+PRODUCER = "retrain:0"
+
+
+class RetrainError(ReelError):
+    """A source run or option that retraining cannot use."""
+
+
+def main(args: argparse.Namespace) -> int:
+    source, out = Path(args.from_dir), Path(args.out)
+    config = _config(source, args.config, out.name)
+    if out.exists():
+        raise RetrainError(f"{out} already exists; choose a new --out directory")
+    with RunLog(source, readonly=True) as source_log:
+        commits = [e for _, e in source_log.events("steps") if isinstance(e, StepCommitted)]
+        if not commits:
+            raise RetrainError(f"{source} has no committed steps in its log; nothing to retrain from")
+        lookup = GroupLookup.from_log(source_log, BlobStore(source / "blobs"))
+    schedule = list(_schedule(commits, config, args.epochs, args.shuffle))
+    if args.steps is not None:
+        schedule = schedule[:args.steps]
+    torch.set_num_threads(config.trainer.threads or 1)
+    _build(out, config, _init_source(source, args.init), schedule, lookup)
+    print(f"retrained {len(schedule)} steps from {source} into {out}")
+    return 0
+
+
+def _config(source: Path, override: str | None, name: str) -> Config:
+    try:
+        text = (source / "config.toml").read_text()
+    except FileNotFoundError:
+        raise RetrainError(f"{source} is not a Reel run directory (no config.toml); pass --from RUN_DIR") from None
+    raw = tomllib.loads(text)
+    if override:
+        try:
+            extra = tomllib.loads(Path(override).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise RetrainError(f"cannot read --config {override}: {exc}") from exc
+        for section, keys in extra.items():
+            if not isinstance(keys, dict):
+                raise RetrainError(f"--config {override}: {section} must be a [section] table")
+            raw.setdefault(section, {}).update(keys)
+    raw.setdefault("run", {})["name"] = name
+    return config_mod.from_dict(raw, source=override or str(source / "config.toml"))
+
+
+def _schedule(commits: list[StepCommitted], config: Config, epochs: int,
+              shuffle: int | None) -> Iterator[list[str]]:
+    """Group ids per step of B: A's commit order, or shuffled into batches of B's batch_groups."""
+    if epochs < 1:
+        raise RetrainError(f"--epochs {epochs} must be at least 1")
+    ordered = sorted(commits, key=lambda c: c.step)
+    for epoch in range(epochs):
+        if shuffle is None:
+            yield from (c.groups for c in ordered)
+            continue
+        groups = [g for c in ordered for g in c.groups]
+        random.Random(f"{shuffle}-{epoch}").shuffle(groups)
+        size = config.trainer.batch_groups
+        yield from (groups[i:i + size] for i in range(0, len(groups) - size + 1, size))
+
+
+def _init_source(source: Path, init: str | None) -> Path:
+    path = Path(init) if init else init_dir(source)
+    if not (path / "config.json").is_file():
+        raise RetrainError(f"no initial weights at {path} (config.json missing); pass --init DIR")
+    return path
+
+
+def _build(out: Path, config: Config, init: Path, schedule: list[list[str]], lookup: GroupLookup) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (staging / "config.toml").write_text(config_mod.to_toml(config))
+        model = load(init)
+        save(model, init_dir(staging))
+        writer = _RunWriter(staging, config)
+        state = TrainState(model, make_optimizer(model, config.trainer), 0)
+        writer.start(state)
+        for i, step_groups in enumerate(schedule):
+            writer.copy_groups(step_groups, lookup)
+            state = writer.step(state, step_groups, lookup, last=i == len(schedule) - 1)
+        writer.close()
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+class _RunWriter:
+    """Writes B's log and blobs exactly as the online trainer and archiver would have."""
+
+    def __init__(self, run_dir: Path, config: Config):
+        self.config = config
+        self.run = config.run.name
+        self.blobs = BlobStore(run_dir / "blobs")
+        self.log = RunLog(run_dir)
+        self.seq = 0
+        self.entry = 0
+        self.copied: set[str] = set()
+
+    def _stamp(self, cls: type, **fields: object) -> AnyEvent:
+        event = cls(run=self.run, producer=PRODUCER, seq=self.seq, **fields)
+        self.seq += 1
+        return event
+
+    def _append(self, stream: str, events: list[AnyEvent]) -> None:
+        records = []
+        for event in events:
+            self.entry += 1
+            records.append((f"{self.entry}-0", encode(event)))
+        self.log.stream(stream).append_batch(records)
+
+    def start(self, state: TrainState) -> None:
+        config_text = config_mod.to_toml(self.config)
+        self._append("control", [self._stamp(
+            RunStarted, config_toml=config_text, seed=self.config.run.seed, code_version=code_version(),
+            model_config=state.model.config.to_hf_dict(), config_hash=config_mod.config_hash(self.config))])
+        ref = self.blobs.put(state_dict_bytes(state.model))
+        self._append("weights", [self._stamp(WeightsPublished, version=0, step=0, weights=ref)])
+
+    def copy_groups(self, group_ids: list[str], lookup: GroupLookup) -> None:
+        """B's log holds the groups it trained on (original events, routing blobs re-stored in B)."""
+        new = [g for g in group_ids if g not in self.copied]
+        for g in new:
+            trace = lookup.routing.get(g)
+            if trace is not None and trace.blob is not None:
+                self.blobs.put(lookup.blobs.get(trace.blob))
+        self._append("trajectories", [lookup.trajectories[g] for g in new if g in lookup.trajectories])
+        self._append("routing", [lookup.routing[g] for g in new if g in lookup.routing])
+        self.copied.update(new)
+
+    def step(self, state: TrainState, group_ids: list[str], lookup: GroupLookup, *, last: bool) -> TrainState:
+        batch = build_batch([lookup.group(g, where=f"step {state.step + 1} of the retrain") for g in group_ids])
+        started = time.perf_counter()
+        state, result = train_step(state, batch, self.config)
+        compute = time.perf_counter() - started
+        ref = self.blobs.put(state_dict_bytes(state.model))
+        ckpt = None
+        if state.step % self.config.trainer.checkpoint_every == 0 or last:
+            ckpt = self.blobs.put(checkpoint.checkpoint_bytes(state))
+        self._append("weights", [self._stamp(WeightsPublished, version=state.step, step=state.step, weights=ref)])
+        self._append("steps", [self._stamp(
+            StepCommitted, step=state.step, version=state.step, groups=group_ids, dropped=[], loss=result.loss,
+            grad_norm=result.grad_norm, weights_sha256=result.weights_sha256,
+            timing=StepTiming(wait=0.0, compute=compute, publish=0.0), metrics=result.metrics,
+            staleness=result.staleness, checkpoint=ckpt, config_hash=config_mod.config_hash(self.config),
+            code_version=code_version())])
+        return state
+
+    def close(self) -> None:
+        self.log.close()
