@@ -1,0 +1,57 @@
+"""Config: every shipped example parses; broken configs give one line naming the key, exit 2,
+and no run directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runtime import config
+from runtime.cli import main
+
+EXAMPLES = sorted(Path(__file__).parent.parent.joinpath("examples").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_parses(path: Path) -> None:
+    c = config.load(path)
+    assert config.loads(config.to_toml(c)) == c  # the resolved form round-trips
+
+
+BROKEN = [
+    ("[trainer]\nlr = \"fast\"\n", "trainer.lr"),
+    ("[trainer]\nlearning_rate = 0.1\n", "trainer.learning_rate"),
+    ("[rollout]\nasync_level = -1\n", "rollout.async_level"),
+    ("[trainer]\nbatch_groups = 1000\n", "trainer.batch_groups"),
+    ("[model]\nnum_experts = 4\nnum_experts_per_tok = 8\n", "model.num_experts_per_tok"),
+    ("[env]\nname = \"chess\"\n", "env.name"),
+    ("[bus]\nurl = \"http://x\"\n", "bus.url"),
+    ("[run\nname = 1\n", "not valid TOML"),
+]
+
+
+@pytest.mark.parametrize("text,key", BROKEN, ids=[k for _, k in BROKEN])
+def test_broken_config_names_key_and_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             text: str, key: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    out_dir = tmp_path / "runs" / "bad"
+    code = main(["run", str(path), "--out", str(out_dir), "--no-live"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert key in err and len(err.splitlines()) == 1, err
+    assert not out_dir.exists() and not (tmp_path / "runs").exists()
+
+
+def test_config_show_prints_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[trainer]\nlr = 0.01\n")
+    assert main(["config", "show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "lr = 0.01" in out and "router_replay = true" in out and "[rollout]" in out
+
+
+def test_missing_config_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "show", str(tmp_path / "nope.toml")]) == 2
+    assert "nope.toml" in capsys.readouterr().err
