@@ -82,6 +82,7 @@ class BlobStore(BlobBackend):
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".put-")
+            os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide blobs from other users of a shared store
             try:
                 with os.fdopen(fd, "wb") as f:
                     digest, nbytes = self._copy(data, f)
