@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from bus.events import RoutingTrace, Tensor, Trajectory
+from runtime.loss import grpo_advantages
 
 
 class Group(NamedTuple):
@@ -59,13 +60,6 @@ def token_versions(spans: list[tuple[int, int]], length: int) -> np.ndarray:
     for first, version in spans:
         versions[first:] = version
     return versions
-
-
-def grpo_advantages(rewards_GS: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Group-normalised advantages (r - mean) / (std + eps); a constant group gets zeros."""
-    mean_G1 = rewards_GS.mean(dim=1, keepdim=True)
-    std_G1 = rewards_GS.std(dim=1, keepdim=True, unbiased=False)
-    return (rewards_GS - mean_G1) / (std_G1 + eps)
 
 
 def build_batch(groups: list[Group]) -> Batch:

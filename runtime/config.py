@@ -223,6 +223,9 @@ def validate(c: Config) -> None:
     _require(1 <= c.env.min_len <= c.env.max_len,
              f"env.min_len = {c.env.min_len} and env.max_len = {c.env.max_len} need 1 <= min_len <= max_len")
     _require(0.0 <= c.env.long_tail <= 1.0, f"env.long_tail = {c.env.long_tail} must be in [0, 1]")
+    _require(c.env.long_tail == 0 or c.rollout.max_tokens - 1 >= c.env.max_len,
+             f"env.long_tail = {c.env.long_tail} asks for answers of rollout.max_tokens - 1 = "
+             f"{c.rollout.max_tokens - 1} characters, fewer than env.max_len = {c.env.max_len}; raise rollout.max_tokens")
     m = c.model
     if not m.path:
         _require(m.num_experts_per_tok <= m.num_experts,

@@ -107,10 +107,10 @@ def train_step(state: TrainState, batch: Batch, config: Config) -> tuple[TrainSt
         optimizer.step()
 
     mask_N = batch.loss_mask_BT[batch.loss_mask_BT]
-    metrics = loss_mod.mismatch_metrics(logp_old_N, batch.logp_mu_BT[batch.loss_mask_BT], mask_N)
-    metrics["entropy"] = float(entropy_N.mean()) if entropy_N.numel() else 0.0
+    metrics = loss_mod.mismatch_metrics(logp_old_N, batch.logp_mu_BT[batch.loss_mask_BT], mask_N, entropy_N)
     metrics["reward_mean"] = float(batch.rewards_B.mean())
     metrics["tokens"] = float(batch.tokens)
+    # Staleness = versions between a token's sampler and the weights this step trains (0 = on-policy).
     staleness = loss_mod.staleness_histogram(batch.versions_BT[batch.loss_mask_BT], state.step, mask_N)
     new_state = TrainState(model, optimizer, step)
     return new_state, StepResult(loss=loss_total, grad_norm=grad_norm, weights_sha256=weights_sha256(model),
