@@ -1,8 +1,9 @@
 """Block-scaled FP8 (DeepSeek-V3 recipe): e4m3 values with fp32 scales per 128-wide block.
 
 Activations get one scale per 1x128 tile of a row (token), weights one per 128x128 block.
-scale = clamp(amax, 1e-4) / 448; values are clamped to +-448 before the cast because torch's
-cast to e4m3 does not saturate (past +-464 it gives NaN). Dims that are not multiples of 128
+scale = clamp(amax, 1e-4) / 448; values are clamped to +-448 before the cast because a plain
+cast to e4m3 is not guaranteed to saturate (on some torch versions and devices values past
++-464 become NaN; torch 2.13 on CPU happens to saturate). Dims that are not multiples of 128
 are zero-padded for the amax and cropped again, so scales have ceil(dim / 128) entries.
 
 `fp8_linear` is the GEMM every fp8-mode linear layer uses. On CUDA with `deep_gemm` importable
@@ -34,7 +35,7 @@ def _ceil(n: int) -> int:
 
 
 def cast_to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """Saturating cast: clamp to +-448 first (torch's cast turns values past +-464 into NaN)."""
+    """Saturating cast: clamp to +-448 first, whatever the backend's cast does past +-464."""
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 

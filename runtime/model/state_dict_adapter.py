@@ -43,10 +43,11 @@ def from_hf(hf: dict[str, torch.Tensor], config: MoEConfig) -> dict[str, torch.T
         else:
             out[name] = t
     for (prefix, proj), by_index in experts.items():
-        missing = sorted(set(range(config.num_experts)) - set(by_index))
+        # Stack every expert present; a count that differs from the config fails the shape check later.
+        missing = sorted(set(range(max(config.num_experts, len(by_index)))) - set(by_index))
         if missing:
             raise ModelError(f"checkpoint lacks {prefix}.{missing[0]}.{proj}.weight")
-        out[f"{prefix}.{proj}"] = torch.stack([by_index[e] for e in range(config.num_experts)])
+        out[f"{prefix}.{proj}"] = torch.stack([by_index[e] for e in range(len(by_index))])
     if config.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out

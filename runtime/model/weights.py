@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
-from safetensors.torch import load_file, save, save_file
+from safetensors.torch import load_file, save_file
+from safetensors.torch import save as st_save
 
 from runtime.model import state_dict_adapter
 from runtime.model.config import ModelError, MoEConfig
@@ -54,7 +55,7 @@ def load(directory: str | Path, precision: str = "fp32") -> MoEModel:
 
 def state_dict_bytes(model: MoEModel) -> bytes:
     """Weights as one safetensors blob with Hub names (what WeightsPublished points to)."""
-    return save(_hf_tensors(model), metadata={"format": "pt"})
+    return st_save(_hf_tensors(model), metadata={"format": "pt"})
 
 
 def load_state_dict_bytes(model: MoEModel, data: bytes) -> None:
