@@ -1,0 +1,312 @@
+"""The built-in engine: continuous batching over a preallocated KV cache, on any torch device.
+
+One decode step = one `MoEModel.forward_cached` call over flat tokens: the whole prompt of every
+newly admitted sequence plus the last sampled token of every running one. Sequences join between
+steps when a KV slot is free and leave when they finish, so short and long completions never wait
+for each other and nothing is padded. Each sample has its own seeded `torch.Generator`, so what it
+draws does not depend on which other sequences share its steps.
+
+Threading: the asyncio task `_serve` owns all queues; the math of a step (forward, sampling,
+bookkeeping of the running sequences) runs on one worker thread while the event loop keeps
+talking to Redis (torch releases the GIL inside its ops). Weight swaps run on the same thread
+between two steps, so a step never sees half-loaded weights.
+
+Shape legend: N flat tokens of a step, B running sequences in a step, V vocabulary,
+L MoE layers, K experts per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+from safetensors.torch import save as st_save
+
+from bus.blobs import BlobStore
+from bus.events import BlobRef
+from producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
+from runtime.model.model import MoEModel
+from runtime.model.weights import load_state_dict_bytes
+
+__all__ = ["BuiltinEngine", "sample_tokens"]
+
+_RATE_WINDOW_S = 5.0  # tokens/s is measured over the steps of the last few seconds
+
+
+class _Request:
+    __slots__ = ("prompt", "params", "sequences", "future", "unfinished")
+
+    def __init__(self, prompt: list[int], params: SamplingParams, future: asyncio.Future[list[Completion]]):
+        self.prompt = prompt
+        self.params = params
+        self.future = future
+        self.sequences = [_Sequence(self, i) for i in range(params.n)]
+        self.unfinished = params.n
+
+
+class _Sequence:
+    """One sample of a request, from waiting to finished."""
+
+    __slots__ = ("request", "seed", "generator", "slot", "pending", "position", "tokens", "logprobs",
+                 "routing", "spans", "finish_reason")
+
+    def __init__(self, request: _Request, index: int):
+        self.request = request
+        self.seed = request.params.seed + index
+        self.generator: torch.Generator | None = None  # made on admission, on the model's device
+        self.slot = -1  # KV cache slot while running
+        self.pending: list[int] = list(request.prompt)  # fed at the next step: the prompt, then the last token
+        self.position = 0  # tokens already in this slot's cache
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.routing: list[np.ndarray] = []  # [n, L, K] per step, one row per token fed
+        self.spans: list[tuple[int, int]] = []
+        self.finish_reason = ""
+
+
+class BuiltinEngine(Engine):
+    def __init__(self, model: MoEModel, *, max_batch: int = 64, max_seq_len: int = 0,
+                 blobs: BlobStore | None = None, version: int = 0, max_prefill_tokens: int = 4096):
+        # Fixed at construction.
+        self.model = model.eval()
+        self.max_batch = max_batch  # KV cache slots = sequences decoded together
+        self.max_seq_len = max_seq_len or model.config.max_position_embeddings  # prompt + completion
+        self.max_prefill_tokens = max_prefill_tokens  # prompt tokens admitted per step (bounds step latency)
+        self.blobs = blobs  # where BlobRef weights are fetched from
+        self.device = next(model.parameters()).device
+        self._routing_dtype = routing_dtype(model.config.num_experts)
+        self._cache = model.new_cache(max_batch, self.max_seq_len)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="reel-engine")
+        # Changed by the serving loop (event loop thread), or by the step thread while the loop awaits it.
+        self.version = version
+        self._free_slots = list(range(max_batch - 1, -1, -1))
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._running: list[_Sequence] = []
+        self._updates: list[tuple[Mapping[str, torch.Tensor] | bytes, int, asyncio.Future[None]]] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        # Counters for stats().
+        self._steps = 0
+        self._generated = 0
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+
+    # ---- Engine interface -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._closed:
+            raise EngineClosed("the engine was closed; make a new one")
+        if self._task is None:
+            self._task = asyncio.create_task(self._serve(), name="reel-engine")
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[Completion]:
+        params.validate()
+        prompt = [int(t) for t in prompt_ids]
+        if not 1 <= len(prompt) <= self.max_seq_len:
+            raise EngineError(f"prompt of {len(prompt)} tokens does not fit engine.max_seq_len = "
+                              f"{self.max_seq_len}; shorten the prompt or raise engine.max_seq_len")
+        await self.start()
+        request = _Request(prompt, params, asyncio.get_running_loop().create_future())
+        self._waiting.extend(request.sequences)
+        self._wake.set()
+        # Cancelling the caller cancels the future; the loop then drops the request's sequences.
+        return await request.future
+
+    async def update_weights(self, weights: Mapping[str, torch.Tensor] | BlobRef, version: int) -> None:
+        if isinstance(weights, BlobRef):
+            if self.blobs is None:
+                raise EngineError("update_weights got a BlobRef but the engine has no blob store")
+            weights = await asyncio.to_thread(self.blobs.get, weights)  # verifies sha256, off the step path
+        await self.start()
+        done = asyncio.get_running_loop().create_future()
+        self._updates.append((weights, version, done))
+        self._wake.set()
+        await done
+
+    def stats(self) -> EngineStats:
+        now = time.monotonic()
+        while self._recent and now - self._recent[0][0] > _RATE_WINDOW_S:
+            self._recent.popleft()
+        span = now - self._recent[0][0] if self._recent else 0.0
+        rate = sum(n for _, n in self._recent) / span if span > 0 else 0.0
+        return EngineStats(version=self.version, tokens_per_s=rate, running=len(self._running),
+                           waiting=len(self._waiting), kv_slots_used=self.max_batch - len(self._free_slots),
+                           kv_slots_total=self.max_batch, steps=self._steps, generated_tokens=self._generated)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await asyncio.shield(asyncio.to_thread(self._executor.shutdown, wait=True))
+        self._fail_all(EngineClosed("the engine closed before the request finished"))
+
+    # ---- serving loop (event loop thread) ---------------------------------------------------
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if self._updates:
+                    updates, self._updates = self._updates, []
+                    for weights, version, done in updates:
+                        await loop.run_in_executor(self._executor, self._load, weights)
+                        self.version = version
+                        if not done.done():
+                            done.set_result(None)
+                self._drop_cancelled()
+                self._admit()
+                if not self._running:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                finished = await loop.run_in_executor(self._executor, self._step)
+                self._finish(finished)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._closed = True
+            self._fail_all(EngineError(f"engine step failed: {type(exc).__name__}: {exc}"))
+            raise
+
+    def _admit(self) -> None:
+        budget = self.max_prefill_tokens
+        while self._waiting and self._free_slots:
+            seq = self._waiting[0]
+            if len(seq.pending) > budget and budget < self.max_prefill_tokens:
+                break  # this step's prefill is full; the prompt joins the next step
+            self._waiting.popleft()
+            budget -= len(seq.pending)
+            seq.slot = self._free_slots.pop()
+            seq.generator = torch.Generator(self.device).manual_seed(seq.seed)
+            self._running.append(seq)
+
+    def _drop_cancelled(self) -> None:
+        if any(s.request.future.done() for s in self._waiting):
+            self._waiting = collections.deque(s for s in self._waiting if not s.request.future.done())
+        kept = []
+        for seq in self._running:
+            if seq.request.future.done():
+                self._free_slots.append(seq.slot)
+            else:
+                kept.append(seq)
+        self._running = kept
+
+    def _finish(self, finished: list[_Sequence]) -> None:
+        for seq in finished:
+            self._free_slots.append(seq.slot)
+            request = seq.request
+            request.unfinished -= 1
+            if request.unfinished == 0 and not request.future.done():
+                request.future.set_result([_completion(s) for s in request.sequences])
+
+    def _fail_all(self, error: EngineError) -> None:
+        for seq in [*self._running, *self._waiting]:
+            if not seq.request.future.done():
+                seq.request.future.set_exception(error)
+        for _, _, done in self._updates:
+            if not done.done():
+                done.set_exception(error)
+        self._running, self._waiting, self._updates = [], collections.deque(), []
+
+    # ---- the step thread --------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _load(self, weights: Mapping[str, torch.Tensor] | bytes) -> None:
+        # A state dict takes the blob's path too (safetensors in memory), so both are checked alike.
+        load_state_dict_bytes(self.model, weights if isinstance(weights, bytes) else st_save(dict(weights)))
+
+    @torch.inference_mode()
+    def _step(self) -> list[_Sequence]:
+        """One forward over every running sequence; returns those that finished."""
+        seqs = self._running
+        ids: list[int] = []
+        slots: list[int] = []
+        positions: list[int] = []
+        last: list[int] = []
+        for seq in seqs:
+            n = len(seq.pending)
+            ids += seq.pending
+            slots += [seq.slot] * n
+            positions += range(seq.position, seq.position + n)
+            last.append(len(ids) - 1)
+        dev = self.device
+        out = self.model.forward_cached(
+            torch.tensor(ids, device=dev), torch.tensor(slots, device=dev), torch.tensor(positions, device=dev),
+            self._cache, return_routing=True)
+        logits_BV = out.logits[torch.tensor(last, device=dev)].float()
+        params = [seq.request.params for seq in seqs]
+        tokens_B, logprobs_B = sample_tokens(
+            logits_BV, [p.temperature for p in params], [p.top_p for p in params], [s.generator for s in seqs])
+        routing_NLK = out.routing.to("cpu").numpy().astype(self._routing_dtype)
+        tokens, logprobs = tokens_B.tolist(), logprobs_B.tolist()
+
+        finished = []
+        start = 0
+        for b, seq in enumerate(seqs):
+            end = last[b] + 1
+            seq.routing.append(routing_NLK[start:end])
+            seq.position += end - start
+            start = end
+            if not seq.spans or seq.spans[-1][1] != self.version:
+                seq.spans.append((len(seq.tokens), self.version))
+            seq.tokens.append(tokens[b])
+            seq.logprobs.append(logprobs[b])
+            seq.pending = [tokens[b]]
+            p = seq.request.params
+            if tokens[b] in p.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.tokens) >= p.max_tokens or seq.position >= self.max_seq_len:  # cache row full
+                seq.finish_reason = "length"
+            if seq.finish_reason:
+                finished.append(seq)
+        self._running = [s for s in seqs if not s.finish_reason]
+        self._steps += 1
+        self._generated += len(seqs)
+        self._recent.append((time.monotonic(), len(seqs)))
+        return finished
+
+
+def _completion(seq: _Sequence) -> Completion:
+    return Completion(tokens=seq.tokens, logprobs=seq.logprobs, finish_reason=seq.finish_reason,
+                      routing=np.concatenate(seq.routing), spans=seq.spans, seed=seq.seed)
+
+
+def sample_tokens(logits_BV: torch.Tensor, temperature: list[float], top_p: list[float],
+                  generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row and its log mu (see producers.engine): (tokens_B, logprobs_B).
+
+    Row b is greedy when temperature[b] == 0 (logprob = log softmax of the raw logits). Otherwise
+    mu = softmax(logits / temperature) restricted to the smallest top-p nucleus (tokens by
+    descending probability until their mass reaches top_p) and renormalised; the token is drawn by
+    inverse CDF from one uniform of the row's own generator, so the draw depends only on that row.
+    """
+    dev = logits_BV.device
+    temp_B = torch.tensor(temperature, device=dev, dtype=torch.float32)
+    greedy_B = temp_B == 0
+    top_p_B = torch.where(greedy_B, 1.0, torch.tensor(top_p, device=dev, dtype=torch.float32))
+    logp_BV = torch.log_softmax(logits_BV / torch.where(greedy_B, 1.0, temp_B)[:, None], dim=-1)
+    if bool((top_p_B < 1).any()):
+        sorted_BV, order_BV = logp_BV.sort(dim=-1, descending=True)
+        p_BV = sorted_BV.exp()
+        outside_BV = (p_BV.cumsum(-1) - p_BV) >= top_p_B[:, None]  # mass before the token already >= top_p
+        sorted_BV = sorted_BV.masked_fill(outside_BV, float("-inf"))
+        logp_BV = torch.empty_like(logp_BV).scatter_(-1, order_BV, sorted_BV)
+        logp_BV = logp_BV - logp_BV.logsumexp(-1, keepdim=True)
+    tokens_B = logits_BV.argmax(-1)
+    sampled = [b for b, g in enumerate(generators) if temperature[b] > 0]
+    if sampled:
+        rows = torch.tensor(sampled, device=dev)
+        u_S = torch.stack([torch.rand((), device=dev, generator=generators[b]) for b in sampled])
+        cdf_SV = logp_BV[rows].exp().cumsum(-1)
+        drawn_S = torch.searchsorted(cdf_SV, (u_S * cdf_SV[:, -1])[:, None], right=True)[:, 0]
+        tokens_B[rows] = drawn_S.clamp_(max=logits_BV.shape[-1] - 1)
+    return tokens_B, logp_BV.gather(-1, tokens_B[:, None])[:, 0]

@@ -1,0 +1,205 @@
+"""The engine interface on vLLM's in-process AsyncLLM (production GPUs; see shared notes on the vLLM API).
+
+How Reel's contract maps onto vLLM:
+- token ids in and out: `TokensPrompt` + `skip_tokenizer_init`, `detokenize=False`; only
+  `stop_token_ids` end a sample (`ignore_eos`), and vLLM keeps the stop token, as Reel does;
+- sample i of a request is its own vLLM request with `seed + i` (vLLM's n > 1 fans out with
+  seeds we could not name), sharing the prompt's KV blocks through prefix caching;
+- logprobs: `logprobs_mode="processed_logprobs"`, `logprobs=0` gives the sampled token's logprob
+  after temperature and top-p, i.e. log mu;
+- routing: `enable_return_routed_experts` gives [P + C - 1, L, K] logical expert ids;
+- versions: the prefix cache is salted with the version a request starts under (`cache_salt`),
+  so no request reuses KV blocks computed by other weights. A weight update pauses the scheduler
+  with mode="keep" and clear_cache=False (running requests keep their KV and resume under the new
+  weights), loads the safetensors blob in every worker through `ReelWorkerExtension`, and resumes.
+  Spans come from vLLM's `weight_versions` where this vLLM has them; otherwise a sample gets the
+  version it started under for all its tokens (its staleness is then over-estimated, never under).
+
+Import-guarded: this module imports without vLLM; constructing a VLLMEngine without it raises
+EngineError saying what to install.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import itertools
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from bus.blobs import BlobStore
+from bus.events import BlobRef
+from producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
+
+try:
+    import vllm
+except ImportError:  # the CPU path never needs it
+    vllm = None
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["VLLMEngine", "ReelWorkerExtension"]
+
+_RATE_WINDOW_S = 5.0
+# engine.precision -> (dtype, quantization) of the vLLM model; fp8 is DeepSeek-style 128x128 blocks.
+_PRECISION = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "fp8": ("bfloat16", "fp8_per_block")}
+
+
+class VLLMEngine(Engine):
+    def __init__(self, model_dir: str | Path, *, max_batch: int = 64, max_seq_len: int = 0, precision: str = "bf16",
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, expert_parallel: bool = False,
+                 blobs: BlobStore | None = None, version: int = 0):
+        if vllm is None:
+            raise EngineError("engine.kind = 'vllm' needs vLLM on a CUDA machine; pip install 'reel-rl[vllm]' "
+                              "or set engine.kind = 'builtin'")
+        # Fixed at construction.
+        self.model_dir = Path(model_dir)
+        self.max_batch = max_batch
+        self.max_seq_len = max_seq_len
+        self.precision = precision
+        self.tensor_parallel_size = tensor_parallel_size
+        self.data_parallel_size = data_parallel_size
+        self.expert_parallel = expert_parallel
+        self.blobs = blobs
+        config = json.loads((self.model_dir / "config.json").read_text())
+        self._routing_dtype = routing_dtype(int(config["num_experts"]))
+        # Changed while serving.
+        self.version = version
+        self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM once started
+        self._closed = False
+        self._ids = itertools.count()
+        self._running = 0
+        self._generated = 0
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+
+    async def start(self) -> None:
+        if self._closed:
+            raise EngineClosed("the vLLM engine was closed; make a new one")
+        if self._llm is not None:
+            return
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        dtype, quantization = _PRECISION[self.precision]
+        args = AsyncEngineArgs(
+            model=str(self.model_dir), skip_tokenizer_init=True, dtype=dtype, quantization=quantization,
+            max_num_seqs=self.max_batch, max_model_len=self.max_seq_len or None, enable_prefix_caching=True,
+            enable_return_routed_experts=True, logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{__name__}.ReelWorkerExtension",
+            tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
+            enable_expert_parallel=self.expert_parallel)
+        try:
+            self._llm = AsyncLLM.from_engine_args(args)
+        except Exception as exc:
+            raise EngineError(f"vLLM could not start on {self.model_dir}: {type(exc).__name__}: {exc}") from exc
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[Completion]:
+        params.validate()
+        await self.start()
+        prompt = [int(t) for t in prompt_ids]
+        version = self.version
+        return list(await asyncio.gather(*(self._sample(prompt, params, i, version) for i in range(params.n))))
+
+    async def _sample(self, prompt: list[int], params: SamplingParams, index: int, version: int) -> Completion:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        seed = params.seed + index
+        options: dict[str, Any] = dict(
+            n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, seed=seed,
+            logprobs=0, stop_token_ids=list(params.stop_token_ids), ignore_eos=True, detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY)
+        if "routed_experts_prompt_start" in getattr(VSamplingParams, "__struct_fields__", ()):
+            options["routed_experts_prompt_start"] = 0  # newest vLLM: include the prompt's routing
+        request = TokensPrompt(prompt_token_ids=prompt, cache_salt=f"v{version}")
+        final = None
+        self._running += 1
+        try:
+            async for output in self._llm.generate(request, VSamplingParams(**options), f"reel-{next(self._ids)}"):
+                final = output
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if self._closed:
+                raise EngineClosed("the vLLM engine closed before the request finished") from exc
+            raise EngineError(f"vLLM request failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self._running -= 1
+        out = final.outputs[0]
+        if out.finish_reason not in ("stop", "length"):
+            raise EngineError(f"vLLM ended a request with finish_reason {out.finish_reason!r}")
+        tokens = list(out.token_ids)
+        self._generated += len(tokens)
+        self._recent.append((time.monotonic(), len(tokens)))
+        spans = [(int(s.start), int(s.version)) for s in getattr(out, "weight_versions", None) or ()]
+        return Completion(
+            tokens=tokens,
+            logprobs=[float(step[token].logprob) for step, token in zip(out.logprobs, tokens)],
+            finish_reason=out.finish_reason,
+            routing=np.asarray(out.routed_experts).astype(self._routing_dtype),
+            spans=spans or [(0, version)],
+            seed=seed)
+
+    async def update_weights(self, weights: Mapping[str, torch.Tensor] | BlobRef, version: int) -> None:
+        if self.blobs is None:
+            raise EngineError("the vLLM engine needs a blob store to hand weights to its workers")
+        if not isinstance(weights, BlobRef):
+            from safetensors.torch import save
+
+            weights = await asyncio.to_thread(self.blobs.put, save(dict(weights)))
+        await self.start()
+        await self._llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await self._llm.collective_rpc("reel_load_weights", args=(str(self.blobs.path(weights)), weights.sha256))
+            self.version = version
+        finally:
+            await self._llm.resume_generation()
+
+    def stats(self) -> EngineStats:
+        now = time.monotonic()
+        while self._recent and now - self._recent[0][0] > _RATE_WINDOW_S:
+            self._recent.popleft()
+        rate = sum(n for _, n in self._recent) / _RATE_WINDOW_S
+        return EngineStats(version=self.version, tokens_per_s=rate, running=self._running, waiting=0,
+                           kv_slots_used=min(self._running, self.max_batch), kv_slots_total=self.max_batch,
+                           steps=0, generated_tokens=self._generated)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            await asyncio.to_thread(llm.shutdown)
+
+
+class ReelWorkerExtension:
+    """Mixed into each vLLM GPU worker (`worker_extension_cls`); `collective_rpc` calls its methods there."""
+
+    model_runner: Any  # provided by vLLM's worker
+
+    def reel_load_weights(self, path: str, sha256: str) -> None:
+        """Load a Reel weights blob (safetensors, HF names) in place, after checking its hash."""
+        from safetensors.torch import load
+
+        data = Path(path).read_bytes()
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != sha256:
+            raise ValueError(f"weights blob {path} hashes to {actual}, expected {sha256}")
+        model = self.model_runner.model
+        tensors = iter(load(data).items())
+        try:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        except ImportError:  # older vLLM: unquantised models load in place directly
+            model.load_weights(weights=tensors)
+            return
+        # Quantised (fp8) layers re-run their post-load processing after the raw weights are in.
+        initialize_layerwise_reload(model)
+        model.load_weights(weights=tensors)
+        finalize_layerwise_reload(model, self.model_runner.model_config)
