@@ -1,0 +1,477 @@
+"""Redis Streams: publisher, consumer groups, recovery, dead letters, safe trimming.
+
+An entry has one field `e` = bus.events.encode(event), at stream_key(run, name). Needs Redis >= 6.2
+(XAUTOCLAIM, XTRIM MINID, exclusive ranges) and nothing newer.
+
+    ReelError
+     └── BusError    a Redis command failed; the message names the server and the stream
+
+Retries: `connect` turns off redis-py's automatic retries (10 in redis-py 8) because a retried
+pipeline re-sends its XADDs after a lost reply; readers' connections keep a few (re-reading is
+harmless: a lost XREADGROUP reply leaves entries pending, to be reclaimed). A blocking reader has
+its own connection whose socket timeout exceeds BLOCK, so a quiet stream is not a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import msgspec
+import redis.asyncio
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
+from redis.exceptions import RedisError, ResponseError
+
+from bus.errors import ReelError
+from bus.events import (STREAM_OF, STREAMS, AnyEvent, Event, MalformedEvent, decode, encode, event_key,
+                        stream_key)
+
+__all__ = ["BusError", "connect", "Publisher", "recover_next_seq", "Delivery", "GroupConsumer", "Tail",
+           "safe_trim", "DEAD"]
+
+log = logging.getLogger(__name__)
+E = TypeVar("E", bound=Event)
+_Raw = tuple[str, str, "dict | None", int]  # (stream, entry id, fields, deliveries) as read
+
+DEAD = "dead"  # dead-letter stream name: stream_key(run, DEAD)
+_SEQ = "seq"  # sorted set at stream_key(run, _SEQ): producer -> highest seq it has published
+_FIELD = b"e"
+_READ_MARGIN_S = 10.0  # a blocking reader's socket timeout = BLOCK + this
+_DEDUPE_KEYS = 1 << 20  # (producer, seq) keys a consumer remembers
+_SCAN = 512  # entries per XREVRANGE when recovering a producer's seq
+
+
+class BusError(ReelError):
+    """A Redis command failed; the message names the server and the stream or operation."""
+
+
+def connect(url: str, *, socket_timeout: float | None = 5.0, retries: int = 0) -> redis.asyncio.Redis:
+    """A client for redis://, rediss:// (TLS), unix:// URLs, with user:password for ACLs.
+
+    No retries by default: see the module docstring. Connecting is lazy; the first command that
+    cannot reach the server raises BusError naming it.
+    """
+    backoff = ExponentialWithJitterBackoff(base=0.05, cap=1.0) if retries else NoBackoff()
+    try:
+        return redis.asyncio.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5.0,
+                                      retry=Retry(backoff, retries))
+    except ValueError as exc:
+        raise BusError(f"bad Redis URL {_redact(url)}: {exc}") from exc
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+
+
+def _where(client: redis.asyncio.Redis) -> str:
+    kwargs = client.connection_pool.connection_kwargs
+    if "path" in kwargs:
+        return f"Redis at unix:{kwargs['path']}"
+    return f"Redis at {kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+
+
+@contextlib.contextmanager
+def _boundary(client: redis.asyncio.Redis, what: str) -> Iterator[None]:
+    """Turns redis-py and socket errors into BusError; cancellation passes through untouched."""
+    try:
+        yield
+    except (RedisError, OSError) as exc:
+        raise BusError(f"{_where(client)}: {what} failed ({type(exc).__name__}: {exc})") from exc
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _by_stream(reply: list | None) -> Iterator[tuple[str, list]]:
+    """(key, entries) from an XREAD/XREADGROUP reply (RESP2, the protocol `connect` speaks)."""
+    for key, entries in reply or ():
+        yield _s(key), entries
+
+
+class Publisher:
+    """Stamps events with (run, producer, seq) and XADDs them, one round trip per batch."""
+
+    def __init__(self, redis: redis.asyncio.Redis, run: str, producer: str, next_seq: int = 0):
+        self.redis = redis
+        self.run = run
+        self.producer = producer
+        self.next_seq = next_seq  # never reused: recover it with recover_next_seq after a restart
+
+    def stamp(self, cls: type[E], **fields: Any) -> E:
+        event = cls(run=self.run, producer=self.producer, seq=self.next_seq, **fields)
+        self.next_seq += 1
+        return event
+
+    async def publish(self, events: list[Event]) -> list[str]:
+        """XADD each event to its stream in one pipelined round trip; returns the entry ids."""
+        return await self._send(events, transaction=False)
+
+    async def publish_atomic(self, events: list[Event]) -> list[str]:
+        """Like publish, in MULTI/EXEC: readers see all of the events or none."""
+        return await self._send(events, transaction=True)
+
+    async def _send(self, events: list[Event], *, transaction: bool) -> list[str]:
+        if not events:
+            return []
+        marks: dict[str, int] = {}
+        for event in events:
+            marks[event.producer] = max(marks.get(event.producer, -1), event.seq)
+        keys = [stream_key(self.run, STREAM_OF[type(event)]) for event in events]
+        pipe = self.redis.pipeline(transaction=transaction)
+        # The seq high-water mark goes first, so a batch cut short makes a restart skip seqs rather
+        # than reuse one; GT (Redis 6.2) keeps it monotonic when batches land out of order.
+        pipe.zadd(stream_key(self.run, _SEQ), marks, gt=True)
+        for key, event in zip(keys, events):
+            pipe.xadd(key, {_FIELD: encode(event)})
+        with _boundary(self.redis, f"XADD of {len(events)} events to {', '.join(sorted(set(keys)))}"):
+            return [_s(entry_id) for entry_id in (await pipe.execute())[1:]]
+
+
+class _Stamp(msgspec.Struct):
+    """The idempotency key of an encoded event; decoding skips every other field."""
+
+    producer: str
+    seq: int
+
+
+_stamp_decoder = msgspec.msgpack.Decoder(_Stamp)
+
+
+async def recover_next_seq(redis: redis.asyncio.Redis, run: str, producer: str) -> int:
+    """1 + the highest seq `producer` published in the run (0 if none).
+
+    Publisher records each producer's high-water mark next to the streams, so trimming cannot make
+    a seq reusable; for a producer without a mark, each stream is scanned back to its latest entry.
+    """
+    with _boundary(redis, f"ZSCORE on {stream_key(run, _SEQ)}"):
+        mark = await redis.zscore(stream_key(run, _SEQ), producer)
+    if mark is not None:
+        return int(mark) + 1
+    best = -1
+    for stream in STREAMS:
+        key = stream_key(run, stream)
+        end = "+"
+        while True:
+            with _boundary(redis, f"XREVRANGE on {key}"):
+                entries = await redis.xrevrange(key, max=end, min="-", count=_SCAN)
+            stamps = (_try_stamp(fields) for _, fields in entries)
+            seq = next((s.seq for s in stamps if s is not None and s.producer == producer), None)
+            if seq is not None or len(entries) < _SCAN:
+                best = max(best, -1 if seq is None else seq)
+                break
+            end = "(" + _s(entries[-1][0])
+    return best + 1
+
+
+def _try_stamp(fields: dict) -> _Stamp | None:
+    try:
+        return _stamp_decoder.decode(fields.get(_FIELD, b""))
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+class Delivery(msgspec.Struct, frozen=True):
+    stream: str  # short name, e.g. "trajectories"
+    entry_id: str
+    event: AnyEvent
+    deliveries: int  # times Redis has delivered this entry to the group, this one included
+
+
+class GroupConsumer:
+    """One consumer of a consumer group over some of a run's streams.
+
+    read() returns, in order of priority: this consumer's own pending entries (left by a previous
+    process under the same consumer name), entries idle longer than claim_idle_ms in any consumer
+    of the group (XAUTOCLAIM; so claim_idle_ms must exceed the longest processing time), then new
+    entries (blocking up to block_ms; 0 = do not block). Every delivery must be acked, failed or
+    dead-lettered; a failed one comes back after claim_idle_ms. An entry delivered more than
+    max_deliveries times, or one that does not decode, goes to the dead-letter stream instead.
+    """
+
+    def __init__(self, url: str, run: str, group: str, consumer: str, streams: list[str], *,
+                 block_ms: int = 1000, claim_idle_ms: int = 30_000, max_deliveries: int = 5):
+        # what to read
+        self.url = url
+        self.run = run
+        self.group = group
+        self.consumer = consumer
+        self.streams = list(streams)
+        self.block_ms = block_ms
+        self.claim_idle_ms = claim_idle_ms
+        self.max_deliveries = max_deliveries
+        self._key = {stream: stream_key(run, stream) for stream in self.streams}
+        self._name = {key: stream for stream, key in self._key.items()}
+        # set by start()
+        self._redis: redis.asyncio.Redis | None = None  # acks, claims, dead letters
+        self._reader: redis.asyncio.Redis | None = None  # blocking XREADGROUP only
+        # read state
+        self._history: dict[str, str] = {}  # stream -> cursor through our own pending entries
+        self._claim_from: dict[str, str] = {}  # stream -> XAUTOCLAIM cursor
+        self._next_claim = 0.0  # monotonic time of the next XAUTOCLAIM round
+        self._seen: OrderedDict[tuple[str, int], str] = OrderedDict()  # (producer, seq) -> entry id
+        self._failures: dict[str, str] = {}  # entry id -> last reason given to fail()
+
+    async def __aenter__(self) -> GroupConsumer:
+        try:
+            await self.start()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Create the group on each stream if missing (from the start, MKSTREAM); open connections."""
+        self._redis = connect(self.url, retries=2)
+        self._reader = connect(self.url, socket_timeout=self.block_ms / 1000 + _READ_MARGIN_S, retries=2)
+        for key in self._key.values():
+            with _boundary(self._redis, f"XGROUP CREATE {self.group} on {key}"):
+                try:
+                    await self._redis.xgroup_create(key, self.group, id="0", mkstream=True)
+                except ResponseError as exc:
+                    if "BUSYGROUP" not in str(exc):
+                        raise
+        self._history = {stream: "0" for stream in self.streams}
+        self._claim_from = {stream: "0-0" for stream in self.streams}
+
+    async def close(self) -> None:
+        clients = [c for c in (self._redis, self._reader) if c is not None]
+        self._redis = self._reader = None
+        await asyncio.shield(asyncio.gather(*(c.aclose() for c in clients)))
+
+    async def read(self, count: int = 100) -> list[Delivery]:
+        if self._redis is None:
+            raise RuntimeError("GroupConsumer.read() called before start()")
+        raw = await self._read_history(count) if self._history else []
+        if not raw and time.monotonic() >= self._next_claim:
+            raw = await self._claim(count)
+        if not raw:
+            raw = await self._read_new(count)
+        return await self._accept(raw)
+
+    async def ack(self, deliveries: list[Delivery]) -> None:
+        await self._ack([(d.stream, d.entry_id) for d in deliveries])
+
+    async def fail(self, delivery: Delivery, reason: str) -> None:
+        """Processing failed: retry after claim_idle_ms, or dead-letter once out of deliveries."""
+        if delivery.deliveries >= self.max_deliveries:
+            await self.dead_letter(delivery, f"failed {delivery.deliveries} times, last: {reason}")
+        else:
+            self._failures[delivery.entry_id] = reason
+
+    async def dead_letter(self, delivery: Delivery, reason: str) -> None:
+        await self._dead(delivery.stream, delivery.entry_id, encode(delivery.event), reason)
+
+    async def _read_history(self, count: int) -> list[_Raw]:
+        ids = {self._key[stream]: cursor for stream, cursor in self._history.items()}
+        with _boundary(self._redis, f"XREADGROUP (own pending) on {', '.join(ids)}"):
+            reply = await self._redis.xreadgroup(self.group, self.consumer, ids, count=count)
+        got = []
+        drained = set(self._history)
+        for key, entries in _by_stream(reply):
+            stream = self._name[key]
+            if entries:
+                drained.discard(stream)
+                self._history[stream] = _s(entries[-1][0])
+                got += [(stream, _s(entry_id), fields) for entry_id, fields in entries]
+        for stream in drained:
+            del self._history[stream]
+        return [(*item, n) for item, n in zip(got, await self._delivery_counts(got))]
+
+    async def _claim(self, count: int) -> list[_Raw]:
+        self._next_claim = time.monotonic() + self.claim_idle_ms / 2000
+        pipe = self._redis.pipeline(transaction=False)
+        for stream in self.streams:
+            pipe.xautoclaim(self._key[stream], self.group, self.consumer, self.claim_idle_ms,
+                            start_id=self._claim_from[stream], count=count)
+        with _boundary(self._redis, f"XAUTOCLAIM on {', '.join(self._key.values())}"):
+            replies = await pipe.execute()
+        got = []
+        for stream, reply in zip(self.streams, replies):
+            # Redis 7 replies [cursor, entries, deleted ids] and drops deleted entries from the
+            # pending list; 6.2 replies [cursor, entries] with None for a deleted entry.
+            self._claim_from[stream] = _s(reply[0])
+            got += [(stream, _s(entry_id), fields) for entry_id, fields in reply[1] if entry_id is not None]
+        return [(*item, n) for item, n in zip(got, await self._delivery_counts(got))]
+
+    async def _read_new(self, count: int) -> list[_Raw]:
+        ids = {key: ">" for key in self._key.values()}
+        with _boundary(self._reader, f"XREADGROUP on {', '.join(ids)}"):
+            reply = await self._reader.xreadgroup(self.group, self.consumer, ids, count=count,
+                                                  block=self.block_ms or None)
+        return [(self._name[key], _s(entry_id), fields, 1)
+                for key, entries in _by_stream(reply) for entry_id, fields in entries]
+
+    async def _delivery_counts(self, items: list[tuple[str, str, dict | None]]) -> list[int]:
+        if not items:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for stream, entry_id, _ in items:
+            pipe.xpending_range(self._key[stream], self.group, min=entry_id, max=entry_id, count=1,
+                                consumername=self.consumer)
+        with _boundary(self._redis, f"XPENDING on {', '.join(self._key.values())}"):
+            replies = await pipe.execute()
+        return [reply[0]["times_delivered"] if reply else 1 for reply in replies]
+
+    async def _accept(self, raw: list[_Raw]) -> list[Delivery]:
+        out: list[Delivery] = []
+        skip: list[tuple[str, str]] = []  # duplicates and entries deleted while pending
+        for stream, entry_id, fields, deliveries in raw:
+            if not fields:
+                skip.append((stream, entry_id))
+                continue
+            data = fields.get(_FIELD)
+            try:
+                if data is None:
+                    raise MalformedEvent(f"entry has no '{_FIELD.decode()}' field")
+                event = decode(data)
+            except MalformedEvent as exc:
+                raw_bytes = data or msgspec.msgpack.encode(fields)
+                await self._dead(stream, entry_id, raw_bytes, f"undecodable: {exc}")
+                continue
+            if deliveries > self.max_deliveries:
+                last = self._failures.get(entry_id)
+                await self._dead(stream, entry_id, data, f"delivered {deliveries} times (max_deliveries="
+                                 f"{self.max_deliveries})" + (f", last failure: {last}" if last else ""))
+                continue
+            key = event_key(event)
+            if self._seen.get(key, entry_id) != entry_id:
+                skip.append((stream, entry_id))
+                continue
+            self._seen[key] = entry_id
+            self._seen.move_to_end(key)
+            if len(self._seen) > _DEDUPE_KEYS:
+                self._seen.popitem(last=False)
+            out.append(Delivery(stream, entry_id, event, deliveries))
+        await self._ack(skip)
+        return out
+
+    async def _ack(self, items: list[tuple[str, str]]) -> None:
+        if not items:
+            return
+        by_stream: dict[str, list[str]] = {}
+        for stream, entry_id in items:
+            by_stream.setdefault(stream, []).append(entry_id)
+            self._failures.pop(entry_id, None)
+        pipe = self._redis.pipeline(transaction=False)
+        for stream, entry_ids in by_stream.items():
+            pipe.xack(self._key[stream], self.group, *entry_ids)
+        with _boundary(self._redis, f"XACK on {', '.join(self._key[s] for s in by_stream)}"):
+            await pipe.execute()
+
+    async def _dead(self, stream: str, entry_id: str, raw: bytes, reason: str) -> None:
+        """Move an entry to the dead-letter stream and ack it, atomically (same hash slot)."""
+        dead_key = stream_key(self.run, DEAD)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.xadd(dead_key, {"stream": stream, "entry_id": entry_id, "raw": raw, "reason": reason,
+                             "group": self.group, "consumer": self.consumer})
+        pipe.xack(self._key[stream], self.group, entry_id)
+        with _boundary(self._redis, f"dead-lettering {entry_id} of {self._key[stream]} to {dead_key}"):
+            await pipe.execute()
+        self._failures.pop(entry_id, None)
+        log.warning("dead letter: %s %s of run %s: %s", stream, entry_id, self.run, reason)
+
+
+class Tail:
+    """A watcher: plain XREAD from "0" (everything), "$" (what arrives after the first read()
+    starts) or an entry id (what follows it); any number of tails can attach. Entries that do not
+    decode are skipped with a warning (consumer groups dead-letter them)."""
+
+    def __init__(self, url: str, run: str, streams: list[str], start: str = "0"):
+        self.url = url
+        self.run = run
+        self._name = {stream_key(run, stream): stream for stream in streams}
+        self._cursor = {key: start for key in self._name}  # key -> last entry id read
+        self._redis: redis.asyncio.Redis | None = None
+        self._timeout = 0.0  # socket timeout of _redis; must exceed BLOCK
+
+    async def __aenter__(self) -> Tail:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        client, self._redis = self._redis, None
+        if client is not None:
+            await asyncio.shield(client.aclose())
+
+    async def read(self, count: int = 100, block_ms: int = 1000) -> list[tuple[str, str, AnyEvent]]:
+        """Up to `count` entries per stream, (stream, entry_id, event); block_ms = 0: do not block."""
+        client = await self._client(block_ms)
+        if "$" in self._cursor.values():
+            await self._resolve_now(client)
+        with _boundary(client, f"XREAD on {', '.join(self._cursor)}"):
+            reply = await client.xread(self._cursor, count=count, block=block_ms or None)
+        out = []
+        for key, entries in _by_stream(reply):
+            for entry_id, fields in entries:
+                self._cursor[key] = entry_id = _s(entry_id)
+                try:
+                    out.append((self._name[key], entry_id, decode(fields.get(_FIELD, b""))))
+                except MalformedEvent as exc:
+                    log.warning("tail of run %s skips %s %s: %s", self.run, key, entry_id, exc)
+        return out
+
+    async def _client(self, block_ms: int) -> redis.asyncio.Redis:
+        timeout = block_ms / 1000 + _READ_MARGIN_S
+        if self._redis is None or self._timeout < timeout:
+            await self.close()
+            self._redis, self._timeout = connect(self.url, socket_timeout=timeout, retries=2), timeout
+        return self._redis
+
+    async def _resolve_now(self, client: redis.asyncio.Redis) -> None:
+        """Pin "$" to each stream's last entry, so nothing added between two reads is missed."""
+        keys = [key for key, cursor in self._cursor.items() if cursor == "$"]
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.xrevrange(key, count=1)
+        with _boundary(client, f"XREVRANGE on {', '.join(keys)}"):
+            lasts = await pipe.execute()
+        for key, last in zip(keys, lasts):
+            self._cursor[key] = _s(last[0][0]) if last else "0-0"
+
+
+# Atomic, so no group can be created or read between looking at the groups and trimming.
+_SAFE_TRIM = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local function older(a, b)
+  local ams, aseq = string.match(a, '^(%d+)-(%d+)$')
+  local bms, bseq = string.match(b, '^(%d+)-(%d+)$')
+  return tonumber(ams) < tonumber(bms) or (ams == bms and tonumber(aseq) < tonumber(bseq))
+end
+local floor = nil
+for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local info = {}
+  for i = 1, #group, 2 do info[group[i]] = group[i + 1] end
+  local point = info['last-delivered-id']
+  if tonumber(info['pending']) > 0 then
+    point = redis.call('XPENDING', KEYS[1], info['name'])[2]
+  end
+  if floor == nil or older(point, floor) then floor = point end
+end
+if floor == nil then return 0 end
+return redis.call('XTRIM', KEYS[1], 'MINID', floor)
+"""
+
+
+async def safe_trim(redis: redis.asyncio.Redis, run: str, stream: str) -> int:
+    """Drop entries every group has acknowledged; returns how many were dropped.
+
+    Trim point = min over groups of (oldest pending id, else last-delivered id); a stream without
+    groups is never trimmed.
+    """
+    key = stream_key(run, stream)
+    with _boundary(redis, f"safe trim of {key}"):
+        return int(await redis.eval(_SAFE_TRIM, 1, key))
