@@ -1,0 +1,89 @@
+"""`reel bench engine`: built-in engine tokens/s ÷ transformers `generate` tokens/s, same run.
+
+Both sides decode the same tiny MoE weights (Reel's `save` -> Qwen3MoeForCausalLM.from_pretrained)
+over the same prompts of mixed lengths, greedy, every sequence exactly `max_tokens` long (no stop
+token). transformers gets its best static setup: one left-padded batch with its KV cache. The
+engine gets the same prompts as concurrent requests (continuous batching, no padding). `agree` is
+the share of sequences whose greedy tokens are identical on both sides (a sanity check: both run
+fp32, so only near-ties may differ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import time
+
+import torch
+
+from producers.builtin_engine import BuiltinEngine
+from producers.engine import SamplingParams
+from runtime.model.config import MoEConfig
+from runtime.model.model import MoEModel
+from runtime.model.weights import save
+
+SEED = 0
+VOCAB = 49  # the character tokenizer's vocabulary
+
+
+def bench_engine(args: argparse.Namespace) -> int:
+    quick = bool(getattr(args, "quick", False))
+    prompts_n, max_tokens, max_prompt = (16, 16, 24) if quick else (64, 64, 48)
+    torch.manual_seed(SEED)
+    model = MoEModel(MoEConfig(vocab_size=VOCAB, initializer_range=0.1)).eval()
+    rng = random.Random(SEED)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(4, max_prompt))] for _ in range(prompts_n)]
+
+    engine_s, engine_out = _time_engine(model, prompts, max_tokens)
+    hf_s, hf_out = _time_transformers(model, prompts, max_tokens)
+    tokens = prompts_n * max_tokens
+    engine_tps, hf_tps = tokens / engine_s, tokens / hf_s
+    print(json.dumps({
+        "bench": "engine", "quick": quick, "prompts": prompts_n, "max_tokens": max_tokens,
+        "threads": torch.get_num_threads(), "engine_tokens_per_s": round(engine_tps, 1),
+        "transformers_tokens_per_s": round(hf_tps, 1),
+        "agree": sum(a == b for a, b in zip(engine_out, hf_out)) / prompts_n,
+        "ratio": round(engine_tps / hf_tps, 3),
+    }))
+    return 0
+
+
+def _time_engine(model: MoEModel, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+    async def run() -> tuple[float, list[list[int]]]:
+        max_len = max(map(len, prompts)) + max_tokens
+        async with BuiltinEngine(model, max_batch=len(prompts), max_seq_len=max_len) as engine:
+            await engine.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+            start = time.perf_counter()
+            results = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+            return time.perf_counter() - start, [c.tokens for (c,) in results]
+
+    return asyncio.run(run())
+
+
+def _time_transformers(model: MoEModel, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    from transformers import Qwen3MoeForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the JSON line is the bench's only output
+    with tempfile.TemporaryDirectory() as tmp:
+        save(model, tmp)
+        hf = Qwen3MoeForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    width = max(map(len, prompts))
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for i, p in enumerate(prompts):  # left padding: every prompt ends at the last column
+        input_ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    kwargs = dict(do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        hf.generate(input_ids=input_ids[:1], attention_mask=mask[:1], max_new_tokens=4, **kwargs)  # warm-up
+        start = time.perf_counter()
+        out = hf.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_tokens,
+                          min_new_tokens=max_tokens, **kwargs)
+        seconds = time.perf_counter() - start
+    return seconds, out[:, width:].tolist()
