@@ -262,10 +262,11 @@ class StreamLog:
             seg.size = off = end
 
     def _torn(self, path: Path, offset: int, nbytes: int) -> None:
-        if self.readonly:
+        if self.readonly:  # on a live log this is usually a batch being written: not a warning
             self.torn_bytes = nbytes
-            log.warning("log stream %s: %d bytes after byte %d of %s are a torn write (the writer "
-                        "truncates them when it next opens the log)", self.name, nbytes, offset, path)
+            log.info("log stream %s: %d bytes after byte %d of %s are incomplete (a batch being "
+                     "written, or a torn tail the writer truncates when it next opens the log)",
+                     self.name, nbytes, offset, path)
             return
         fd = os.open(path, os.O_WRONLY)
         try:
@@ -379,6 +380,11 @@ class StreamLog:
             if seg.last_id is not None:
                 return seg.last_id
         return None
+
+    def covers(self, entry_id: str) -> bool:
+        """True if `entry_id` is at or before the last logged entry (ids are appended in order)."""
+        last = self.last_entry_id()
+        return last is not None and _id_key(entry_id) <= _id_key(last)
 
     def records(self, after_entry_id: str | None = None, start: int = 0) -> Iterator[LogRecord]:
         """Records in order: those with entry id > `after_entry_id` and stream index >= `start`.

@@ -1,0 +1,201 @@
+"""The archiver: every event of a run's five streams into the on-disk log, acked only once durable.
+
+One consumer ("archiver") of group "archiver"; the log's flock keeps it to one process per run
+directory, and the fixed consumer name lets a restarted archiver find what its predecessor left
+pending. Each round:
+
+    read    this consumer's pending entries first (delivered before a crash or a lost reply),
+            else new ones (blocking up to block_ms)
+    skip    entries at or before their stream's last logged entry id: logged, but the ack was lost
+    dead    entries that are not Reel events -> the dead-letter stream (acked there, not logged)
+    log     append per stream: one write + one fdatasync per stream per round (group commit)
+    ack     XACK only now: a crash before this re-delivers the entries, and `skip` drops the repeats
+    trim    every trim_every_s, safe_trim (never past what any group has not acknowledged)
+
+It stops when `stop` is set, or once it has logged a RunFinished and a read finds nothing new.
+
+Why not GroupConsumer: it dedupes on (producer, seq) and acks the repeat, so an event published
+twice (a retried XADD) would be twice in the stream but once in the log; and it hands out decoded
+events, whose re-encoding would drop fields a newer producer added. The archiver keeps the bytes
+exactly as they are on the stream and dedupes on entry id only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import redis.asyncio
+from redis.exceptions import RedisError, ResponseError
+
+from bus.events import STREAMS, MalformedEvent, RunFinished, decode, stream_key
+from bus.log import RunLog
+from bus.streams import DEAD, BusError, connect, safe_trim
+
+__all__ = ["Archiver", "main", "GROUP", "CONSUMER"]
+
+log = logging.getLogger(__name__)
+
+GROUP = "archiver"
+CONSUMER = "archiver"
+_FIELD = b"e"
+_READ_MARGIN_S = 10.0  # socket timeout = BLOCK + this, so a quiet stream is not a timeout
+
+Entry = tuple[str, str, dict | None]  # (stream, entry id, fields; None if deleted while pending)
+
+
+class Archiver:
+    """Group `archiver` on all of a run's event streams -> RunLog(run_dir)."""
+
+    def __init__(self, run_dir: Path, bus_url: str, run: str, *, batch: int = 256, block_ms: int = 500,
+                 trim_every_s: float = 10.0, segment_bytes: int = 64 << 20):
+        # what to archive, and where
+        self.run_dir = Path(run_dir)
+        self.bus_url = bus_url
+        self.run_name = run
+        self.streams = list(STREAMS)
+        # knobs
+        self.batch = batch  # entries per stream per read
+        self.block_ms = block_ms
+        self.trim_every_s = trim_every_s
+        self.segment_bytes = segment_bytes
+        # set by run()
+        self.redis: redis.asyncio.Redis | None = None
+        self.log: RunLog | None = None
+        # progress
+        self.archived = 0  # events logged by this process
+        self.repeats = 0  # re-delivered entries found already logged
+        self.finished = False  # a RunFinished has been logged
+        self._key = {stream: stream_key(run, stream) for stream in self.streams}
+        self._name = {key: stream for stream, key in self._key.items()}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.log = RunLog(self.run_dir, self.segment_bytes)
+        self.redis = connect(self.bus_url, socket_timeout=self.block_ms / 1000 + _READ_MARGIN_S, retries=2)
+        try:
+            await self._create_groups()
+            log.info("archiving run %s into %s, after %s", self.run_name, self.log.root,
+                     {s: self.log.stream(s).last_entry_id() for s in self.streams})
+            next_trim = time.monotonic() + self.trim_every_s
+            while not stop.is_set():
+                entries = await self._read("0") or await self._read(">")
+                if entries:
+                    await self._archive(entries)
+                elif self.finished:
+                    log.info("run %s finished and every stream is drained: %d events logged, %d repeats "
+                             "skipped", self.run_name, self.archived, self.repeats)
+                    return
+                if time.monotonic() >= next_trim:
+                    for stream in self.streams:
+                        await safe_trim(self.redis, self.run_name, stream)
+                    next_trim = time.monotonic() + self.trim_every_s
+        finally:
+            self.log.close()
+            await asyncio.shield(self.redis.aclose())
+
+    async def _create_groups(self) -> None:
+        for key in self._key.values():
+            with self._bus(f"XGROUP CREATE {GROUP} on {key}"):
+                try:
+                    await self.redis.xgroup_create(key, GROUP, id="0", mkstream=True)
+                except ResponseError as exc:
+                    if "BUSYGROUP" not in str(exc):
+                        raise
+
+    async def _read(self, cursor: str) -> list[Entry]:
+        """cursor "0": this consumer's pending entries (never blocks); ">": new ones."""
+        ids = {key: cursor for key in self._key.values()}
+        with self._bus(f"XREADGROUP {cursor} on {', '.join(ids)}"):
+            reply = await self.redis.xreadgroup(GROUP, CONSUMER, ids, count=self.batch,
+                                                block=self.block_ms if cursor == ">" else None)
+        return [(self._name[key.decode()], entry_id.decode(), fields)
+                for key, entries in reply or () for entry_id, fields in entries]
+
+    async def _archive(self, entries: list[Entry]) -> None:
+        records: dict[str, list[tuple[str, bytes]]] = {}
+        dead: list[tuple[str, str, bytes, str]] = []
+        finished = False
+        repeats = 0
+        for stream, entry_id, fields in entries:
+            if self.log.stream(stream).covers(entry_id):
+                repeats += 1
+                continue
+            if not fields:  # trimmed or deleted by hand while pending: a gap we can only report
+                log.error("entry %s of %s was deleted before it was archived", entry_id, self._key[stream])
+                continue
+            data = fields.get(_FIELD)
+            try:
+                if data is None:
+                    raise MalformedEvent(f"entry has no '{_FIELD.decode()}' field")
+                finished |= isinstance(decode(data), RunFinished)
+            except MalformedEvent as exc:
+                dead.append((stream, entry_id, data or msgspec.msgpack.encode(fields), f"undecodable: {exc}"))
+                continue
+            records.setdefault(stream, []).append((entry_id, data))
+        if repeats:  # only after a restart or a lost XACK reply
+            log.info("%d re-delivered entries were already logged; acking them", repeats)
+            self.repeats += repeats
+        await self._dead_letter(dead)
+        await asyncio.to_thread(self._append, records)  # fdatasync off the event loop
+        self.archived += sum(map(len, records.values()))
+        self.finished |= finished
+        await self._ack(entries)
+
+    def _append(self, records: dict[str, list[tuple[str, bytes]]]) -> None:
+        for stream, batch in records.items():
+            self.log.stream(stream).append_batch(batch)
+
+    async def _ack(self, entries: list[Entry]) -> None:
+        by_stream: dict[str, list[str]] = {}
+        for stream, entry_id, _ in entries:
+            by_stream.setdefault(stream, []).append(entry_id)
+        pipe = self.redis.pipeline(transaction=False)
+        for stream, entry_ids in by_stream.items():
+            pipe.xack(self._key[stream], GROUP, *entry_ids)
+        with self._bus(f"XACK on {', '.join(self._key[s] for s in by_stream)}"):
+            await pipe.execute()
+
+    async def _dead_letter(self, dead: list[tuple[str, str, bytes, str]]) -> None:
+        """Same fields as GroupConsumer's dead letters; XADD and XACK in one MULTI (same slot)."""
+        if not dead:
+            return
+        dead_key = stream_key(self.run_name, DEAD)
+        pipe = self.redis.pipeline(transaction=True)
+        for stream, entry_id, raw, reason in dead:
+            pipe.xadd(dead_key, {"stream": stream, "entry_id": entry_id, "raw": raw, "reason": reason,
+                                 "group": GROUP, "consumer": CONSUMER})
+            pipe.xack(self._key[stream], GROUP, entry_id)
+            log.warning("dead letter: %s %s of run %s: %s", stream, entry_id, self.run_name, reason)
+        with self._bus(f"dead-lettering {len(dead)} entries to {dead_key}"):
+            await pipe.execute()
+
+    @contextlib.contextmanager
+    def _bus(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except (RedisError, OSError) as exc:
+            raise BusError(f"archiver of run {self.run_name} at {self.bus_url.rpartition('@')[2]}: {what} failed "
+                           f"({type(exc).__name__}: {exc})") from exc
+
+
+def main(run_dir: Path, bus_url: str, run: str, stop: asyncio.Event | None = None) -> int:
+    """`reel role archiver`: archive until SIGTERM/SIGINT (or `stop`), or the run finishes."""
+    import uvloop
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    async def archive() -> None:
+        done = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, done.set)
+        await Archiver(run_dir, bus_url, run).run(done)
+
+    uvloop.run(archive())
+    return 0

@@ -1,0 +1,161 @@
+"""consumers/archiver.py against a real Redis: the log equals the streams, across SIGKILLs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bus.events import (STREAM_OF, STREAMS, BlobRef, RunFinished, Sample, StepCommitted, StepTiming, Tensor, Trajectory,
+                        WeightsPublished, WorkerStats, stream_key)
+from bus.log import LogError, RunLog
+from bus.streams import DEAD, Publisher, connect
+from consumers.archiver import GROUP, Archiver
+
+_ARCHIVER_CHILD = """
+import asyncio, sys
+from pathlib import Path
+from consumers.archiver import Archiver
+import logging
+logging.basicConfig(level=logging.INFO)
+asyncio.run(Archiver(Path(sys.argv[1]), sys.argv[2], sys.argv[3], batch=int(sys.argv[4]), block_ms=100,
+                     trim_every_s=0.2, segment_bytes=64 << 10).run(asyncio.Event()))
+"""
+
+
+def _events(publisher: Publisher, i: int) -> list:
+    """A few events of every stream, sizes from tens of bytes to some KB."""
+    tokens = Tensor.from_numpy(np.arange(i % 50 + 1, dtype=np.int32))
+    sample = Sample(tokens=tokens, logprobs=Tensor.from_numpy(np.zeros(i % 50 + 1, np.float32)), reward=0.5,
+                    finish_reason="stop", seed=i, spans=[(0, i)])
+    return [
+        publisher.stamp(Trajectory, group_id=f"g{i}", env="e", prompt=tokens, samples=[sample] * 4, worker="w"),
+        publisher.stamp(WorkerStats, worker="w", tokens_per_s=1.0, running=1, waiting=0, policy_version=i,
+                        groups_published=i),
+        publisher.stamp(WeightsPublished, version=i, step=i, weights=BlobRef("file:///w", "ab" * 32, 3)),
+        publisher.stamp(StepCommitted, step=i, version=i, groups=[f"g{i}"], dropped=[], loss=0.1, grad_norm=1.0,
+                        weights_sha256="ab" * 32, timing=StepTiming(0.0, 1.0, 0.1)),
+    ]
+
+
+async def _stream_contents(client, run: str) -> dict[str, list[tuple[str, bytes]]]:
+    return {s: [(i.decode(), f[b"e"]) for i, f in await client.xrange(stream_key(run, s))] for s in STREAMS}
+
+
+def _log_contents(run_dir: Path) -> dict[str, list[tuple[str, bytes]]]:
+    with RunLog(run_dir, readonly=True) as run_log:
+        return {s: [(r.entry_id, r.data) for r in run_log.stream(s).records()] for s in run_log.names()}
+
+
+async def _pending(client, run: str) -> int:
+    return sum([(await client.xpending(stream_key(run, s), GROUP))["pending"] for s in STREAMS])
+
+
+async def test_archives_everything_dead_letters_garbage_and_finishes(redis_url: str, run_name: str, tmp_path: Path):
+    async with connect(redis_url) as client:
+        publisher = Publisher(client, run_name, "rollout:0")
+        events = [e for i in range(30) for e in _events(publisher, i)]
+        await publisher.publish(events)
+        await publisher.publish(events[:2])  # a retried XADD: same (producer, seq), new entry ids
+        await client.xadd(stream_key(run_name, "control"), {b"e": b"\xc1 not msgpack"})
+        await publisher.publish([publisher.stamp(RunFinished, reason="done")])
+        archiver = Archiver(tmp_path, redis_url, run_name, batch=16, block_ms=100)
+        await asyncio.wait_for(archiver.run(asyncio.Event()), timeout=30)  # returns on its own
+        on_bus = await _stream_contents(client, run_name)
+        garbage = on_bus["control"].pop(-2)
+        assert _log_contents(tmp_path) == on_bus  # every byte, both copies of the repeated events
+        assert archiver.archived == 30 * 4 + 2 + 1 and archiver.finished
+        (dead,) = await client.xrange(stream_key(run_name, DEAD))
+        assert dead[1][b"entry_id"].decode() == garbage[0] and b"undecodable" in dead[1][b"reason"]
+        assert await _pending(client, run_name) == 0
+
+
+async def test_logged_but_unacked_entries_are_acked_not_logged_twice(redis_url: str, run_name: str, tmp_path: Path):
+    """The crash window between fdatasync and XACK, made deterministic."""
+    async with connect(redis_url) as client:
+        publisher = Publisher(client, run_name, "rollout:0")
+        await publisher.publish([e for i in range(10) for e in _events(publisher, i)])
+        await _run_until_idle(Archiver(tmp_path, redis_url, run_name), client)
+        await publisher.publish([e for i in range(10, 20) for e in _events(publisher, i)])
+        # Deliver the new entries to the archiver's consumer and log half of them, without acking.
+        keys = {stream_key(run_name, s): ">" for s in STREAMS}
+        reply = await client.xreadgroup(GROUP, "archiver", keys, count=1000)
+        with RunLog(tmp_path) as run_log:
+            for key, entries in reply:
+                stream = key.decode().rsplit(":", 1)[1]
+                half = entries[: len(entries) // 2]
+                run_log.stream(stream).append_batch([(i.decode(), f[b"e"]) for i, f in half])
+        archiver = Archiver(tmp_path, redis_url, run_name)
+        await _run_until_idle(archiver, client)
+        assert _log_contents(tmp_path) == await _stream_contents(client, run_name)
+        assert archiver.repeats == sum(len(entries) // 2 for _, entries in reply) > 0
+        assert await _pending(client, run_name) == 0
+
+
+async def _run_until_idle(archiver: Archiver, client) -> None:
+    """Run the archiver until its group has read and acked everything in every stream."""
+    stop = asyncio.Event()
+    running = asyncio.ensure_future(archiver.run(stop))
+    while not running.done():
+        await asyncio.sleep(0.05)
+        groups = [await client.xinfo_groups(stream_key(archiver.run_name, s)) for s in STREAMS]
+        if all(g and g[0]["pending"] == 0 and g[0]["lag"] == 0 for g in groups):
+            stop.set()
+    await running
+
+
+async def test_one_archiver_per_run_dir(redis_url: str, run_name: str, tmp_path: Path):
+    with RunLog(tmp_path) as run_log:
+        run_log.stream("control")
+        with pytest.raises(LogError, match="already open for writing"):
+            await Archiver(tmp_path, redis_url, run_name).run(asyncio.Event())
+
+
+async def test_sigkilled_archiver_leaves_no_gap_and_no_duplicate(redis_url: str, run_name: str, tmp_path: Path):
+    seed = int(os.environ.get("REEL_TEST_SEED", time.time_ns() % 10_000))
+    rng = random.Random(seed)
+    published: dict[str, list[str]] = {s: [] for s in STREAMS}
+    async with connect(redis_url) as client:
+        publisher = Publisher(client, run_name, "rollout:0")
+
+        async def publish() -> None:  # about 5 s of steady load, so kills land in every phase
+            for i in range(0, 1500, 5):
+                events = [e for j in range(i, i + 5) for e in _events(publisher, j)]
+                if i % 95 == 0:  # now and then a retried XADD
+                    events.append(events[0])
+                for event, entry_id in zip(events, await publisher.publish(events)):
+                    published[STREAM_OF[type(event)]].append(entry_id)
+                await asyncio.sleep(0.01)
+
+        def start() -> subprocess.Popen:
+            batch = rng.choice([1, 7, 64])
+            return subprocess.Popen([sys.executable, "-c", _ARCHIVER_CHILD, str(tmp_path), redis_url, run_name,
+                                     str(batch)], stderr=open(tmp_path / "archiver.err", "ab"))
+
+        producing = asyncio.ensure_future(publish())
+        kills = 0
+        while not producing.done():
+            child = start()
+            await asyncio.sleep(rng.uniform(0.3, 0.8))  # start-up takes ~0.3 s; then anywhere in a round
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+            kills += 1
+        await producing
+        published["control"] += await publisher.publish([publisher.stamp(RunFinished, reason="done")])
+        child = start()
+        assert await asyncio.to_thread(child.wait, 30) == 0, (tmp_path / "archiver.err").read_text()
+        logged = _log_contents(tmp_path)
+        assert kills >= 3, f"seed {seed}"
+        for stream in STREAMS:
+            ids = [entry_id for entry_id, _ in logged[stream]]
+            assert ids == published[stream], f"stream {stream}, seed {seed}"
+        assert await _pending(client, run_name) == 0
+        assert await client.xlen(stream_key(run_name, "trajectories")) < len(published["trajectories"])  # trimmed
