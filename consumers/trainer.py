@@ -45,6 +45,7 @@ from runtime.train_step import TrainState, train_step
 
 log = logging.getLogger("reel.trainer")
 PRODUCER = "trainer:0"
+NEVER_RECLAIM_MS = 7 * 24 * 3600 * 1000
 # Test hook: REEL_CRASH_AT="<step>:<stage>" kills the trainer with SIGKILL at that point.
 CRASH_STAGES = ("computed", "weights_written", "checkpoint_written", "committed", "acked")
 
@@ -88,9 +89,12 @@ class Trainer:
 
     async def run_until_done(self, stop: asyncio.Event) -> None:
         self.redis = connect(self.url)
+        # One trainer consumer with a fixed name: after a restart it re-reads its own pending
+        # entries first, so it never needs to reclaim, and must not: it holds entries pending for
+        # as long as a batch takes to fill, and self-claims would count as failed deliveries.
         self.consumer = GroupConsumer(
             self.url, self.run, "trainer", "trainer-0", ["trajectories", "routing"],
-            block_ms=self.config.bus.block_ms, claim_idle_ms=self.config.bus.claim_idle_ms,
+            block_ms=self.config.bus.block_ms, claim_idle_ms=NEVER_RECLAIM_MS,
             max_deliveries=self.config.bus.max_deliveries,
         )
         try:
