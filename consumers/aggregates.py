@@ -155,10 +155,11 @@ class RunAggregates:
         self._policy_version: int | None = None
         self._dead_letters: int | None = None
 
-    def apply(self, event: AnyEvent) -> None:
+    def apply(self, event: AnyEvent) -> StepRow | None:
+        """Fold in one event; returns the step's figures when the event is a new StepCommitted."""
         key = event_key(event)
         if key in self._seen:
-            return
+            return None
         self._seen.put(key, True)
         if not self.run:
             self.run = event.run
@@ -175,12 +176,14 @@ class RunAggregates:
                 self._groups_trained += row.groups
                 self._staleness.update(event.staleness)
                 self._dropped.update(row.dropped_by_reason)
+                return row
             case WeightsPublished():
                 self._policy_version = max(event.version, self._policy_version or 0)
             case WorkerStats():
                 self._workers[event.worker] = event
             case RunFinished():
                 self._finished = event.reason
+        return None
 
     def set_dead_letters(self, count: int) -> None:
         self._dead_letters = count

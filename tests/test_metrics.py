@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import socket
+import urllib.request
+from pathlib import Path
 
 import numpy as np
+import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bus.events import (
-    BlobRef, DroppedGroup, RunFinished, Sample, StepCommitted, StepTiming, Tensor, Trajectory,
-    WeightsPublished, WorkerStats,
+    STREAM_OF, STREAMS, BlobRef, DroppedGroup, RunFinished, Sample, StepCommitted, StepTiming, Tensor,
+    Trajectory, WeightsPublished, WorkerStats, encode, stream_key,
 )
+from bus.log import RunLog
+from bus.streams import GroupConsumer, Publisher, connect
 from consumers.aggregates import RunAggregates
+from consumers.metrics import MetricsError, RunSource, Watcher, locate, read_log, serve
+from runtime import cli
 
 _seq = itertools.count()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _traj(run: str, group_id: str, rewards: list[float], seq: int | None = None) -> Trajectory:
@@ -103,3 +119,172 @@ def test_aggregates_empty_and_idle_window():
     agg.apply(_step("r", 2, [], timing=(0.0, 0.0, 0.0)))  # a zero-length step has no idle share
     s = agg.snapshot()
     assert s.idle_ratio is None and s.recent_steps[0].idle_share == 0.5 and s.step_reward is None
+
+
+# ---------------------------------------------------------------- log: export, final state, CLI
+
+
+def _write_run_dir(run_dir: Path, run: str, events: list, *, bus_url: str | None = None) -> None:
+    """A run directory as the launcher and archiver leave it: config.toml, log/, maybe bus_url."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(f'[run]\nname = "{run}"\n')
+    if bus_url is not None:
+        (run_dir / "bus_url").write_text(bus_url + "\n")
+    with RunLog(run_dir) as log:
+        for i, event in enumerate(events):
+            log.stream(STREAM_OF[type(event)]).append_batch([(f"{1000 + i}-0", encode(event))])
+
+
+def test_export_jsonl_from_log(tmp_path: Path):
+    _write_run_dir(tmp_path / "run", "r", _synthetic_run("r"))
+    out = tmp_path / "steps.jsonl"
+    assert cli.main(["metrics", "export", "--run", str(tmp_path / "run"), "--jsonl", str(out)]) == 0
+    first, second = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert first["step"] == 1 and first["version"] == 1 and first["loss"] == 0.5 and first["grad_norm"] == 1.0
+    assert first["reward"] == pytest.approx(0.75)  # from the logged trajectories of g1, g2
+    assert first["kl_k1"] is None and first["ratio_max"] is None
+    assert first["staleness"] == {"0": 10, "1": 30} and first["staleness_mean"] == pytest.approx(0.75)
+    assert first["idle_share"] == pytest.approx(0.25)
+    assert first["dropped"] == 2 and first["dropped_by_reason"] == {"stale": 2}
+    assert first["timing"] == {"wait": 1.0, "compute": 3.0, "publish": 0.0}
+    assert second["reward"] == 0.6 and second["kl_k1"] == 0.01 and second["kl_k3"] == 0.002
+    assert second["metrics"]["other"] == 5.0 and second["idle_share"] == 0.0
+
+
+def test_finished_run_reads_the_log(tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture,
+                                    monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("COLUMNS", "160")
+    run_dir = tmp_path / "run"
+    # bus_url names a live Redis, but the log holds RunFinished: the log is the whole story.
+    _write_run_dir(run_dir, "r", _synthetic_run("r"), bus_url=redis_url)
+    source = asyncio.run(locate(str(run_dir), None, None))
+    assert source.bus_url is None and source.run == "r"
+    s = read_log(source)
+    assert s.finished == "done" and s.step == 2 and s.groups_seen == 4 and s.staleness == {0: 10, 1: 50, 2: 20}
+    assert cli.main(["top", "--run", str(run_dir), "--once"]) == 0
+    shown = capsys.readouterr().out
+    assert "finished: done" in shown and "rollout:1" in shown and "off_policy" in shown
+
+
+def test_locate_without_a_live_bus(tmp_path: Path, capsys: pytest.CaptureFixture):
+    events = [e for e in _synthetic_run("r") if not isinstance(e, RunFinished)]
+    _write_run_dir(tmp_path / "a", "r", events)  # no bus_url: the log
+    assert asyncio.run(locate(str(tmp_path / "a"), None, None)).bus_url is None
+    _write_run_dir(tmp_path / "b", "r", events, bus_url=f"redis://127.0.0.1:{_free_port()}/0")  # nobody there
+    assert asyncio.run(locate(str(tmp_path / "b"), None, None)).bus_url is None
+    assert cli.main(["top", "--run", str(tmp_path / "missing")]) == 1
+    assert "config.toml does not exist" in capsys.readouterr().err
+    with pytest.raises(MetricsError, match="--bus URL and --name NAME"):
+        asyncio.run(locate(None, "redis://x", None))
+
+
+# ---------------------------------------------------------------- live bus
+
+
+async def _publish(redis_url: str, events: list) -> None:
+    client = connect(redis_url)
+    try:
+        await Publisher(client, events[0].run, "test:0").publish(events)
+    finally:
+        await client.aclose()
+
+
+async def test_watchers_see_every_step_and_create_no_group(redis_url: str, run_name: str):
+    events = _synthetic_run(run_name)
+    await _publish(redis_url, events[:-1])  # all but RunFinished
+    trainer = GroupConsumer(redis_url, run_name, "trainer", "trainer-0", ["trajectories", "routing"], block_ms=0)
+    archiver = GroupConsumer(redis_url, run_name, "archiver", "archiver-0", list(STREAMS), block_ms=0)
+    first, second = Watcher(redis_url, run_name), Watcher(redis_url, run_name)
+    late = Watcher(redis_url, run_name, start="$")
+    try:
+        async with trainer, archiver:
+            await late.poll(block_ms=0)  # pins "$" before the rest arrives
+            got = await archiver.read(count=100)
+            assert sum(d.stream == "steps" for d in got) == 2
+            await archiver.ack(got)
+            dead = (await trainer.read(count=100))[0]
+            await trainer.dead_letter(dead, "test: poison")
+            for watcher in (first, second):
+                await watcher.catch_up()
+            await _publish(redis_url, [_step(run_name, 3, [], staleness={3: 4})])
+            for watcher in (first, second, late):
+                await watcher.catch_up()
+                assert [r.step for r in watcher.snapshot.recent_steps] == ([3] if watcher is late else [1, 2, 3])
+                assert watcher.snapshot.dead_letters == 1
+            s = first.snapshot
+            assert s.groups_seen == 4 and s.dropped == {"off_policy": 1, "stale": 2}
+            assert s.staleness == {0: 10, 1: 50, 2: 20, 3: 4} and s.finished is None
+            client = connect(redis_url)
+            try:  # watchers read with plain XREAD: the only groups are the two consumers'
+                for stream in STREAMS:
+                    groups = {g["name"].decode() for g in await client.xinfo_groups(stream_key(run_name, stream))}
+                    assert groups == ({"trainer", "archiver"} if stream in ("trajectories", "routing")
+                                      else {"archiver"})
+            finally:
+                await client.aclose()
+    finally:
+        for watcher in (first, second, late):
+            await watcher.close()
+
+
+async def test_locate_live_run(tmp_path: Path, redis_url: str, run_name: str):
+    _write_run_dir(tmp_path / "run", run_name, [_weights(run_name, 0)], bus_url=redis_url)
+    assert await locate(str(tmp_path / "run"), None, None) == RunSource(run_name, redis_url, tmp_path / "run")
+    assert (await locate(None, redis_url, run_name)).bus_url == redis_url
+
+
+def _scrape(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+async def test_prometheus_endpoint(redis_url: str, run_name: str):
+    await _publish(redis_url, _synthetic_run(run_name))
+    port, stop = _free_port(), asyncio.Event()
+    server = asyncio.create_task(serve(RunSource(run_name, redis_url, None), port, stop, addr="127.0.0.1"))
+    try:
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            try:
+                families = await asyncio.to_thread(_scrape, port)
+            except OSError:
+                continue
+            if families["reel_trainer_step"].samples:
+                break
+        value = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+        run = ("run", run_name)
+        assert value[("reel_trainer_step", (run,))] == 2
+        assert value[("reel_policy_version", (run,))] == 2
+        assert value[("reel_run_finished", (run,))] == 1
+        assert value[("reel_reward_mean", (run,))] == pytest.approx(0.5)  # groups 0.5, 1, 0, 0.5
+        assert value[("reel_mismatch_kl_k3", (run,))] == 0.002
+        assert value[("reel_mismatch_kl_k1", (run,))] == 0.01
+        assert value[("reel_importance_ratio_mean", (run,))] == 1.01
+        assert value[("reel_trainer_idle_ratio", (run,))] == pytest.approx(1 / 6)
+        assert value[("reel_worker_tokens_per_second", (run, ("worker", "rollout:1")))] == 50.0
+        assert value[("reel_worker_version_lag", (run, ("worker", "rollout:0")))] == 1
+        assert value[("reel_groups_dropped_total", (("reason", "stale"), run))] == 2
+        assert value[("reel_staleness_tokens_total", (run, ("versions_behind", "1")))] == 50
+        assert value[("reel_dead_letters_total", (run,))] == 0
+        expected = {"reel_reward_mean", "reel_reward_p50", "reel_reward_p90", "reel_mismatch_kl_k1",
+                    "reel_mismatch_kl_k2", "reel_mismatch_kl_k3", "reel_importance_ratio_mean",
+                    "reel_importance_ratio_min", "reel_importance_ratio_max", "reel_trainer_idle_ratio",
+                    "reel_trainer_step", "reel_policy_version", "reel_worker_tokens_per_second",
+                    "reel_worker_version_lag", "reel_groups_dropped", "reel_dead_letters", "reel_staleness_tokens"}
+        assert expected <= set(families)
+        assert not families["reel_mismatch_kl_k2"].samples  # the trainer did not write it: no sample
+    finally:
+        stop.set()
+        await asyncio.wait_for(server, 5)
+    with pytest.raises(OSError):
+        await asyncio.to_thread(_scrape, port)  # the server is gone
+
+
+def test_top_once_on_a_live_bus(redis_url: str, run_name: str, capsys: pytest.CaptureFixture,
+                                monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("COLUMNS", "160")
+    asyncio.run(_publish(redis_url, _synthetic_run(run_name)[:-1]))
+    assert cli.main(["top", "--bus", redis_url, "--name", run_name, "--once"]) == 0
+    shown = capsys.readouterr().out
+    assert "running" in shown and f"live {redis_url}" in shown and "rollout:1" in shown

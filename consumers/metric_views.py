@@ -1,0 +1,149 @@
+"""Views of a run's `Snapshot` (consumers/aggregates.py): the Prometheus collector and the
+`reel top` layout. Pure: they read a snapshot and touch no bus, file or socket.
+
+Prometheus names follow the conventions: `reel_` prefix, base units, `_total` on counters, a `run`
+label on everything and a `worker` label on per-worker figures. A figure not known yet (no step
+committed, a metrics key the trainer did not write) has its family but no sample, so dashboards
+show a gap rather than a made-up zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from rich.columns import Columns
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from consumers.aggregates import MISMATCH_KEYS, Snapshot
+
+__all__ = ["SnapshotCollector", "render"]
+
+# (name, help, figure of a Snapshot); every metric also has a `run` label.
+_GAUGES: list[tuple[str, str, Callable[[Snapshot], float | None]]] = [
+    ("reel_trainer_step", "Latest committed trainer step.", lambda s: s.step),
+    ("reel_policy_version", "Latest published policy version.", lambda s: s.policy_version),
+    ("reel_run_finished", "1 once the run has finished.", lambda s: float(s.finished is not None)),
+    ("reel_reward_mean", "Mean group reward over the last K groups.", lambda s: s.reward_mean),
+    ("reel_reward_p50", "Median group reward over the last K groups.", lambda s: s.reward_p50),
+    ("reel_reward_p90", "90th percentile group reward over the last K groups.", lambda s: s.reward_p90),
+    ("reel_reward_step_mean", "Mean reward of the latest step's batch.", lambda s: s.step_reward),
+    ("reel_trainer_loss", "Loss of the latest step.", lambda s: s.loss),
+    ("reel_trainer_grad_norm", "Gradient norm of the latest step.", lambda s: s.grad_norm),
+    ("reel_trainer_idle_ratio", "Trainer wait / (wait + compute + publish) over recent steps.",
+     lambda s: s.idle_ratio),
+    ("reel_staleness_mean_versions", "Token-weighted mean staleness of the latest step, in versions.",
+     lambda s: s.recent_steps[-1].staleness_mean if s.recent_steps else None),
+]
+# metrics key written by the trainer -> (name, help)
+_STEP_METRICS = {
+    "kl_k1": ("reel_mismatch_kl_k1", "k1 estimate of KL(inference || trainer) on the latest step."),
+    "kl_k2": ("reel_mismatch_kl_k2", "k2 estimate of KL(inference || trainer) on the latest step."),
+    "kl_k3": ("reel_mismatch_kl_k3", "k3 estimate of KL(inference || trainer) on the latest step."),
+    "ratio_mean": ("reel_importance_ratio_mean", "Mean trainer/inference importance ratio."),
+    "ratio_min": ("reel_importance_ratio_min", "Smallest trainer/inference importance ratio."),
+    "ratio_max": ("reel_importance_ratio_max", "Largest trainer/inference importance ratio."),
+    "ratio_frac_outside": ("reel_importance_ratio_frac_outside", "Share of tokens whose ratio is outside the trust band."),
+    "entropy": ("reel_policy_entropy", "Mean token entropy of the trainer policy."),
+}
+_WORKER_GAUGES: list[tuple[str, str, Callable]] = [
+    ("reel_worker_tokens_per_second", "Generated tokens per second of a rollout worker.", lambda w: w.tokens_per_s),
+    ("reel_worker_version_lag", "Latest policy version minus the worker's.", lambda w: w.version_lag),
+    ("reel_worker_policy_version", "Policy version a rollout worker samples with.", lambda w: w.policy_version),
+    ("reel_worker_running", "Sequences a rollout worker is decoding.", lambda w: w.running),
+    ("reel_worker_waiting", "Sequences queued on a rollout worker.", lambda w: w.waiting),
+    ("reel_worker_idle_ratio", "Share of time a rollout worker's engine is idle.", lambda w: w.idle_share),
+]
+
+
+def _family(cls: type, name: str, doc: str, run: str, values: dict, label: str | None = None):
+    """A metric family with one sample per {label value: figure}; figures of None are left out."""
+    family = cls(name, doc, labels=["run", label] if label else ["run"])
+    for key, value in values.items():
+        if value is not None:
+            family.add_metric([run, str(key)] if label else [run], float(value))
+    return family
+
+
+class SnapshotCollector(Collector):
+    """Yields the figures of whatever snapshot `current()` returns at scrape time."""
+
+    def __init__(self, current: Callable[[], Snapshot]):
+        self._current = current
+
+    def collect(self):
+        s = self._current()
+        for name, doc, figure in _GAUGES:
+            yield _family(GaugeMetricFamily, name, doc, s.run, {None: figure(s)})
+        for key, (name, doc) in _STEP_METRICS.items():
+            yield _family(GaugeMetricFamily, name, doc, s.run, {None: s.mismatch.get(key)})
+        for name, doc, figure in _WORKER_GAUGES:
+            yield _family(GaugeMetricFamily, name, doc, s.run, {w.worker: figure(w) for w in s.workers}, "worker")
+        yield _family(CounterMetricFamily, "reel_worker_groups_published", "Groups a rollout worker published.",
+                      s.run, {w.worker: w.groups_published for w in s.workers}, "worker")
+        yield _family(CounterMetricFamily, "reel_staleness_tokens", "Trained tokens by versions behind.",
+                      s.run, s.staleness, "versions_behind")
+        yield _family(CounterMetricFamily, "reel_groups_dropped", "Groups the trainer dropped, by reason.",
+                      s.run, s.dropped, "reason")
+        yield _family(CounterMetricFamily, "reel_groups_received", "Trajectory groups seen on the bus.",
+                      s.run, {None: s.groups_seen})
+        yield _family(CounterMetricFamily, "reel_groups_trained", "Groups used by committed steps.",
+                      s.run, {None: s.groups_trained})
+        yield _family(CounterMetricFamily, "reel_dead_letters", "Entries in the run's dead-letter stream.",
+                      s.run, {None: s.dead_letters})
+
+
+def _fmt(value: float | int | None, pct: bool = False) -> str:
+    if value is None:
+        return "-"
+    if pct:
+        return f"{100 * value:.1f}%"
+    return str(value) if isinstance(value, int) else f"{value:.4g}"
+
+
+def _pairs(title: str, rows: list[tuple[str, ...]]) -> Table:
+    """Label, value and, for histograms, a bar."""
+    table = Table(title=title, show_header=False, box=None, title_justify="left", title_style="bold")
+    table.add_column(style="cyan")
+    table.add_column(justify="right")
+    if rows and len(rows[0]) == 3:
+        table.add_column(style="blue")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def render(s: Snapshot, where: str) -> RenderableType:
+    status = Text(f"finished: {s.finished}", "yellow") if s.finished else Text("running", "green")
+    head = Text.assemble((f"reel top  {s.run}", "bold"), f"   {where}   ", status)
+    training = _pairs("training", [
+        ("step", _fmt(s.step)), ("policy version", _fmt(s.policy_version)), ("loss", _fmt(s.loss)),
+        ("grad norm", _fmt(s.grad_norm)), ("reward (step)", _fmt(s.step_reward)),
+        (f"reward mean ({s.window_groups} groups)", _fmt(s.reward_mean)),
+        ("reward p50 / p90", f"{_fmt(s.reward_p50)} / {_fmt(s.reward_p90)}"),
+        ("trainer idle", _fmt(s.idle_ratio, pct=True)),
+        ("groups seen / trained", f"{s.groups_seen} / {s.groups_trained}"),
+        ("dead letters", _fmt(s.dead_letters)),
+    ])
+    mismatch = _pairs("mismatch", [(k, _fmt(s.mismatch.get(k))) for k in MISMATCH_KEYS])
+    tokens = sum(s.staleness.values())
+    staleness = _pairs("staleness (tokens)", [
+        (f"{k} behind", str(n), "#" * round(20 * n / tokens)) for k, n in s.staleness.items()])
+    dropped = _pairs("dropped groups", [(reason, str(n)) for reason, n in s.dropped.items()] or [("none", "")])
+    workers = Table(title="rollout workers", title_justify="left", title_style="bold", box=None)
+    for column in ("worker", "tokens/s", "running", "waiting", "version", "lag", "groups", "idle"):
+        workers.add_column(column, justify="left" if column == "worker" else "right")
+    for w in s.workers:
+        workers.add_row(w.worker, f"{w.tokens_per_s:.1f}", str(w.running), str(w.waiting), str(w.policy_version),
+                        _fmt(w.version_lag), str(w.groups_published), _fmt(w.idle_share, pct=True))
+    steps = Table(title="recent steps", title_justify="left", title_style="bold", box=None)
+    for column in ("step", "loss", "reward", "kl_k3", "ratio max", "staleness", "idle", "dropped"):
+        steps.add_column(column, justify="right")
+    for r in s.recent_steps[-8:]:
+        steps.add_row(str(r.step), _fmt(r.loss), _fmt(r.reward), _fmt(r.metrics.get("kl_k3")),
+                      _fmt(r.metrics.get("ratio_max")), _fmt(r.staleness_mean), _fmt(r.idle_share, pct=True),
+                      str(r.dropped))
+    return Group(head, Columns([training, mismatch, staleness, dropped], padding=(1, 4)), workers, steps)
