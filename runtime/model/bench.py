@@ -1,0 +1,130 @@
+"""`reel bench r3` and `reel bench fp8`: how far trainer and inference disagree, with and without alignment.
+
+Both sample completions from a tiny random-init MoE with the KV-cached engine path, record the
+sampled tokens' logprobs and routing, then score the same tokens with the full-sequence trainer
+path. Mismatch is mean k3 = r - 1 - log r, r = pi_train / pi_inference, over sampled tokens.
+  r3   inference bf16, trainer fp32; ratio = KL without router replay / KL with it
+  fp8  inference fp8, trainer replays routing; ratio = KL of a bf16 trainer / KL of an fp8 trainer
+
+Init: matrices ~ N(0, 0.1). At HF's default 0.02 a random model of this width is a near-uniform
+policy (entropy close to log V) whose expert outputs barely move the logits, unlike a trained
+one; r3 also reports the ratio at 0.02 so the choice is visible.
+
+Shape legend: B sequences, T = prompt + completion tokens, G completion tokens, V vocab,
+L MoE layers, K top-k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import msgspec
+import torch
+
+from runtime.model.config import MoEConfig
+from runtime.model.determinism import set_determinism
+from runtime.model.model import MoEModel
+
+BENCH_CONFIG = MoEConfig(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         num_experts=16, num_experts_per_tok=2, max_position_embeddings=256,
+                         initializer_range=0.1)
+
+
+@torch.no_grad()
+def sample(model: MoEModel, prompts_BP: torch.Tensor, new_tokens: int, seed: int):
+    """Engine-style sampling: one prefill call for all prompts, then batched decode steps.
+
+    -> tokens [B, T], inference logprobs of the completion [B, G], routing of every token [B, T, L, K]
+    (the last token is never fed back, so its routing row stays 0; nothing scores it), mean entropy.
+    """
+    B, P = prompts_BP.shape
+    T = P + new_tokens
+    cache = model.new_cache(B, T)
+    gen = torch.Generator().manual_seed(seed)
+    tokens_BT = torch.zeros(B, T, dtype=torch.long)
+    tokens_BT[:, :P] = prompts_BP
+    routing_BTLK = torch.zeros(B, T, len(model.config.moe_layers), model.config.num_experts_per_tok, dtype=torch.long)
+    logprobs_BG = torch.zeros(B, new_tokens)
+    entropy = 0.0
+    slots_B = torch.arange(B)
+    out = model.forward_cached(prompts_BP.flatten(), slots_B.repeat_interleave(P), torch.arange(P).repeat(B), cache,
+                               return_routing=True)
+    routing_BTLK[:, :P] = out.routing.view(B, P, *out.routing.shape[1:])
+    logits_BV = out.logits.view(B, P, -1)[:, -1]
+    for g in range(new_tokens):
+        logp_BV = torch.log_softmax(logits_BV, dim=-1)
+        entropy -= float((logp_BV.exp() * logp_BV).sum(-1).mean()) / new_tokens
+        next_B = torch.multinomial(logp_BV.exp(), 1, generator=gen).squeeze(1)
+        tokens_BT[:, P + g] = next_B
+        logprobs_BG[:, g] = logp_BV.gather(1, next_B[:, None]).squeeze(1)
+        if g + 1 < new_tokens:
+            out = model.forward_cached(next_B, slots_B, torch.full((B,), P + g), cache, return_routing=True)
+            routing_BTLK[:, P + g] = out.routing
+            logits_BV = out.logits
+    return tokens_BT, logprobs_BG, routing_BTLK, entropy
+
+
+@torch.no_grad()
+def score(model: MoEModel, tokens_BT: torch.Tensor, new_tokens: int, replay_BTLK: torch.Tensor | None = None):
+    """-> trainer logprobs of the completion [B, G], trainer's own routing [B, T, L, K]."""
+    out = model(tokens_BT, replay_routing_BTLK=replay_BTLK, return_routing=True)
+    logp_BTV = torch.log_softmax(out.logits[:, -new_tokens - 1:-1], dim=-1)
+    return logp_BTV.gather(2, tokens_BT[:, -new_tokens:, None]).squeeze(2), out.routing
+
+
+def k3(train_logp: torch.Tensor, infer_logp: torch.Tensor) -> float:
+    log_r = train_logp.double() - infer_logp.double()
+    return float((log_r.exp() - 1 - log_r).mean())
+
+
+def _setup(args: argparse.Namespace, inference_precision: str, init_std: float):
+    set_determinism(0)
+    model = MoEModel(msgspec.structs.replace(BENCH_CONFIG, initializer_range=init_std), precision=inference_precision)
+    B, P, G = (8, 16, 32) if args.quick else (32, 32, 128)
+    prompts_BP = torch.randint(0, BENCH_CONFIG.vocab_size, (B, P))
+    return model, G, sample(model, prompts_BP, G, seed=1)
+
+
+def _r3(args: argparse.Namespace, init_std: float) -> dict:
+    model, G, (tokens_BT, infer_logp, routing_BTLK, entropy) = _setup(args, "bf16", init_std)
+    model.precision = "fp32"
+    free_logp, own_BTLK = score(model, tokens_BT, G)
+    replay_logp, _ = score(model, tokens_BT, G, routing_BTLK)
+    fed = slice(0, tokens_BT.shape[1] - 1)  # the last token was never fed at inference
+    same = (own_BTLK[:, fed].sort(-1).values == routing_BTLK[:, fed].sort(-1).values).all(-1)
+    kl_free, kl_replay = k3(free_logp, infer_logp), k3(replay_logp, infer_logp)
+    return {"tokens": infer_logp.numel(), "entropy": round(entropy, 3), "kl_k3_no_replay": kl_free,
+            "kl_k3_replay": kl_replay, "routing_disagreement": round(1 - same.float().mean().item(), 4),
+            "ratio": round(kl_free / kl_replay, 2)}
+
+
+def bench_r3(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    main = _r3(args, BENCH_CONFIG.initializer_range)
+    default = _r3(args, 0.02)
+    print(json.dumps({
+        "bench": "r3", "inference": "bf16", "trainer": "fp32", "init_std": BENCH_CONFIG.initializer_range, **main,
+        "ratio_init_0.02": default["ratio"], "routing_disagreement_init_0.02": default["routing_disagreement"],
+        "seconds": round(time.perf_counter() - t0, 2),
+    }))
+    return 0
+
+
+def bench_fp8(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    model, G, (tokens_BT, infer_logp, routing_BTLK, entropy) = _setup(args, "fp8", BENCH_CONFIG.initializer_range)
+    model.precision = "bf16"
+    bf16_logp, _ = score(model, tokens_BT, G, routing_BTLK)
+    model.precision = "fp8"
+    fp8_logp, _ = score(model, tokens_BT, G, routing_BTLK)
+    kl_bf16, kl_fp8 = k3(bf16_logp, infer_logp), k3(fp8_logp, infer_logp)
+    print(json.dumps({
+        "bench": "fp8", "inference": "fp8", "router_replay": True, "init_std": BENCH_CONFIG.initializer_range,
+        "tokens": infer_logp.numel(), "entropy": round(entropy, 3),
+        "kl_k3_bf16_trainer": kl_bf16, "kl_k3_fp8_trainer": kl_fp8,
+        "ratio": round(kl_bf16 / max(kl_fp8, 1e-30), 2), "seconds": round(time.perf_counter() - t0, 2),
+    }))
+    return 0
