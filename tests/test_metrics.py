@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import socket
 import urllib.request
 from pathlib import Path
@@ -12,6 +13,7 @@ import numpy as np
 import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import CollectorRegistry
 
 from bus.events import (
     STREAM_OF, STREAMS, BlobRef, DroppedGroup, RunFinished, Sample, StepCommitted, StepTiming, Tensor,
@@ -20,6 +22,7 @@ from bus.events import (
 from bus.log import RunLog
 from bus.streams import GroupConsumer, Publisher, connect
 from consumers.aggregates import RunAggregates
+from consumers.metric_views import SnapshotCollector
 from consumers.metrics import MetricsError, RunSource, Watcher, locate, read_log, serve
 from runtime import cli
 
@@ -288,3 +291,19 @@ def test_top_once_on_a_live_bus(redis_url: str, run_name: str, capsys: pytest.Ca
     assert cli.main(["top", "--bus", redis_url, "--name", run_name, "--once"]) == 0
     shown = capsys.readouterr().out
     assert "running" in shown and f"live {redis_url}" in shown and "rollout:1" in shown
+
+
+def test_dashboard_queries_only_exported_metrics():
+    """Every series the Grafana dashboard queries is one the exporter serves (a rename breaks this)."""
+    agg = RunAggregates()
+    for event in _synthetic_run("r"):
+        agg.apply(event)
+    agg.set_dead_letters(0)
+    snapshot = agg.snapshot()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(lambda: snapshot))
+    served = {f.name for f in registry.collect()} | {s.name for f in registry.collect() for s in f.samples}
+    dashboard = orjson.loads((Path(__file__).parent.parent / "ops" / "grafana" / "reel.json").read_bytes())
+    queried = {name for p in dashboard["panels"] for t in p.get("targets", [])
+               for name in re.findall(r"\breel_[a-z0-9_]+", t["expr"])}
+    assert len(queried) >= 20 and queried <= served, queried - served
