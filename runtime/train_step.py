@@ -52,19 +52,20 @@ class TokenLogprobs(NamedTuple):
     logp_BT: torch.Tensor
     entropy_BT: torch.Tensor
     routing_BTLK: torch.Tensor | None
+    aux_loss: torch.Tensor | None
 
 
 def token_logprobs(model: MoEModel, batch: Batch, rows: slice, *, router_replay: bool,
-                   with_routing: bool = False) -> TokenLogprobs:
+                   with_routing: bool = False, aux_loss: bool = False) -> TokenLogprobs:
     """log pi(target) under logits / temperature (the distribution the engine sampled from)."""
     replay = batch.routing_BTLK[rows] if router_replay and batch.routing_BTLK is not None else None
     out = model(batch.input_ids_BT[rows], batch.attention_mask_BT[rows], replay_routing_BTLK=replay,
-                return_routing=with_routing)
+                return_routing=with_routing, aux_loss=aux_loss)
     logits_BTV = out.logits.float() / batch.temperature_B[rows, None, None]
     logprobs_BTV = F.log_softmax(logits_BTV, dim=-1)
     logp_BT = logprobs_BTV.gather(-1, batch.targets_BT[rows, :, None]).squeeze(-1)
     entropy_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
-    return TokenLogprobs(logp_BT, entropy_BT.detach(), out.routing)
+    return TokenLogprobs(logp_BT, entropy_BT.detach(), out.routing, out.aux_loss)
 
 
 def train_step(state: TrainState, batch: Batch, config: Config) -> tuple[TrainState, StepResult]:
@@ -91,13 +92,16 @@ def train_step(state: TrainState, batch: Batch, config: Config) -> tuple[TrainSt
         for rows in ranges:
             mask_BT = batch.loss_mask_BT[rows]
             n = int(mask_BT.sum())
-            current = token_logprobs(model, batch, rows, router_replay=cfg.router_replay)
+            current = token_logprobs(model, batch, rows, router_replay=cfg.router_replay,
+                                     aux_loss=cfg.aux_loss_coef > 0)
             row_index_BT = torch.arange(rows.start, rows.stop)[:, None].expand_as(mask_BT)
             loss, _ = loss_mod.policy_loss(
                 logp_new_N=current.logp_BT[mask_BT], logp_old_N=logp_old_N[offset:offset + n],
                 logp_mu_N=batch.logp_mu_BT[rows][mask_BT], advantages_N=batch.advantages_BT[rows][mask_BT],
                 seq_index_N=row_index_BT[mask_BT], cfg=loss_cfg,
             )
+            if current.aux_loss is not None:  # load balancing on the router's full scores
+                loss = loss + cfg.aux_loss_coef * current.aux_loss
             # Each micro-batch's token-mean is reweighted to its share of the step's tokens, so
             # accumulation equals one pass over the whole batch.
             (loss * (n / total_tokens)).backward()

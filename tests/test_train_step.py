@@ -1,0 +1,149 @@
+"""The training step: deterministic, resumable from a checkpoint, router replay wired through."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from bus.events import Sample, Tensor, Trajectory
+from runtime import checkpoint
+from runtime.batch import Group, build_batch
+from runtime.config import Config, TrainerSection, from_dict
+from runtime.model.config import MoEConfig
+from runtime.model.model import MoEModel
+from runtime.train_step import TrainState, make_optimizer, train_step, weights_sha256
+
+MODEL = MoEConfig(vocab_size=24, hidden_size=32, moe_intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2)
+
+
+def _config(**trainer: object) -> Config:
+    return from_dict({"trainer": {"batch_groups": 2, **trainer}, "rollout": {"concurrency": 2}})
+
+
+def _groups(model: MoEModel, seed: int, n_groups: int = 2, samples: int = 4) -> list[Group]:
+    """Groups sampled from `model` itself (so logprobs and routing are real), rewards made up."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = []
+    for g in range(n_groups):
+        prompt = torch.randint(3, MODEL.vocab_size, (int(torch.randint(2, 5, (1,), generator=gen)),), generator=gen)
+        out_samples, routing = [], []
+        for s in range(samples):
+            completion = torch.randint(3, MODEL.vocab_size, (int(torch.randint(2, 6, (1,), generator=gen)),),
+                                       generator=gen)
+            ids = torch.cat([prompt, completion[:-1]])[None]
+            with torch.no_grad():
+                out = model(ids, return_routing=True)
+            logp = torch.log_softmax(out.logits[0], -1)[len(prompt) - 1:].gather(-1, completion[:, None])[:, 0]
+            # Perturb mu a little: inference never matches the trainer exactly.
+            logp = logp + 0.01 * torch.randn(logp.shape, generator=gen)
+            out_samples.append(Sample(tokens=Tensor.from_torch(completion.int()), logprobs=Tensor.from_torch(logp),
+                                      reward=float(torch.rand((), generator=gen)), finish_reason="stop", seed=s,
+                                      spans=[(0, 0)]))
+            routing.append(out.routing[0].numpy().astype(np.uint8))
+        traj = Trajectory(run="t", producer="rollout:0", seq=g, group_id=f"g{seed}-{g}", env="test",
+                          prompt=Tensor.from_torch(prompt.int()), samples=out_samples, worker="0")
+        groups.append(Group(traj, routing))
+    return groups
+
+
+def _state(config: Config, seed: int = 0) -> TrainState:
+    torch.manual_seed(seed)
+    model = MoEModel(MODEL)
+    return TrainState(model, make_optimizer(model, config.trainer), 0)
+
+
+@pytest.mark.parametrize("objective", ["tis", "icepop", "mis", "none"])
+def test_same_batches_same_weights(objective: str) -> None:
+    config = _config(objective=objective, optimizer_steps=2)
+    hashes = []
+    for _ in range(2):
+        state = _state(config)
+        batches = [build_batch(_groups(state.model, seed)) for seed in (1, 2)]
+        for batch in batches:
+            state, result = train_step(state, batch, config)
+            assert np.isfinite(result.loss) and result.grad_norm > 0
+        hashes.append(result.weights_sha256)
+    assert hashes[0] == hashes[1]
+
+
+def test_checkpoint_resume_is_bitwise() -> None:
+    config = _config()
+    state = _state(config)
+    b1, b2 = (build_batch(_groups(state.model, s)) for s in (1, 2))
+    state, _ = train_step(state, b1, config)
+    saved = checkpoint.checkpoint_bytes(state)
+    _, straight = train_step(state, b2, config)
+
+    fresh = _state(config, seed=123)  # different weights: the checkpoint must overwrite everything
+    restored = checkpoint.restore(saved, fresh.model, config.trainer, source="test")
+    assert restored.step == 1
+    _, resumed = train_step(restored, b2, config)
+    assert resumed.weights_sha256 == straight.weights_sha256
+    assert resumed.loss == straight.loss and resumed.grad_norm == straight.grad_norm
+
+
+def test_router_replay_uses_logged_ids_and_router_gets_gradients() -> None:
+    config = _config(router_replay=True)
+    state = _state(config)
+    groups = _groups(state.model, 1)
+    # Replace the logged routing with other ids so that replay is visible.
+    flipped = [Group(g.trajectory, [(r + 1) % MODEL.num_experts for r in g.routing]) for g in groups]
+    batch = build_batch(flipped)
+    seen: list[torch.Tensor] = []
+    gate = state.model.model.layers[0].mlp.gate
+    hook = gate.register_forward_hook(lambda mod, args, out: seen.append(out[1].detach().clone()))
+    before = gate.weight.detach().clone()
+    try:
+        train_step(state, batch, config)
+    finally:
+        hook.remove()
+    logged_N = batch.routing_BTLK[:, :, 0].flatten(0, 1)
+    assert all(torch.equal(ids, logged_N) for ids in seen)
+    assert not torch.equal(before, gate.weight.detach())  # the router was trained through replay
+
+
+def test_without_router_replay_the_model_routes_itself() -> None:
+    config = _config(router_replay=False)
+    state = _state(config)
+    flipped = [Group(g.trajectory, [(r + 1) % MODEL.num_experts for r in g.routing]) for g in _groups(state.model, 1)]
+    batch = build_batch(flipped)
+    seen: list[torch.Tensor] = []
+    gate = state.model.model.layers[0].mlp.gate
+    hook = gate.register_forward_hook(lambda mod, args, out: seen.append(out[1].detach().clone()))
+    try:
+        train_step(state, batch, config)
+    finally:
+        hook.remove()
+    assert not torch.equal(seen[0], batch.routing_BTLK[:, :, 0].flatten(0, 1))
+
+
+def test_micro_batches_accumulate_to_the_full_batch() -> None:
+    whole, split = _config(), _config(micro_batch_tokens=16)
+    s1, s2 = _state(whole), _state(split)
+    batch = build_batch(_groups(s1.model, 3))
+    _, r1 = train_step(s1, batch, whole)
+    _, r2 = train_step(s2, batch, split)
+    assert abs(r1.loss - r2.loss) < 1e-5 and abs(r1.grad_norm - r2.grad_norm) < 1e-4
+    p1 = torch.cat([p.flatten() for p in s1.model.parameters()])
+    p2 = torch.cat([p.flatten() for p in s2.model.parameters()])
+    assert torch.allclose(p1, p2, atol=1e-6)
+
+
+def test_mismatch_metrics_and_staleness_reported() -> None:
+    config = _config()
+    state = _state(config)
+    _, result = train_step(state, build_batch(_groups(state.model, 1)), config)
+    assert result.metrics["kl_k3"] > 0 and result.metrics["tokens"] > 0
+    assert set(result.staleness) == {0} and result.staleness[0] == result.metrics["tokens"]
+    assert weights_sha256(state.model) == result.weights_sha256
+
+
+def test_load_balancing_loss_changes_the_step() -> None:
+    plain, balanced = _config(), _config(aux_loss_coef=0.5)
+    s1, s2 = _state(plain), _state(balanced)
+    batch = build_batch(_groups(s1.model, 4))
+    _, r1 = train_step(s1, batch, plain)
+    _, r2 = train_step(s2, batch, balanced)
+    assert r1.weights_sha256 != r2.weights_sha256 and r2.loss > r1.loss
