@@ -1,0 +1,369 @@
+"""Rollout worker: prompts from the env through the engine, out as Trajectory + RoutingTrace events.
+
+    wait for policy version 0 (the `weights` stream) and for the `steps` stream to be read
+    loop: wait for room (concurrency, async gate) -> start a group
+          a group: seeded prompt -> engine.generate(n = group_size) -> rewards ->
+                   one Publisher.publish([Trajectory, RoutingTrace])
+    background: newest WeightsPublished -> fetch + verify the blob -> engine.update_weights (in place,
+                between two decode steps); StepCommitted -> last committed version; WorkerStats
+    stop: start nothing new, finish in-flight groups for up to DRAIN_TIMEOUT_S, log the rest as
+          abandoned (a partial group is never published)
+
+Async gate (rollout.async_level = a). Let c be the newest policy version that is both committed
+(the `version` of the newest StepCommitted; 0 before any commit, version 0 being the initial
+policy) and live in this worker's engine: a commit counts once its weights are loaded here, so no
+round is sampled under weights older than the gate assumes. A worker splits its groups into rounds
+of R = min(rollout.concurrency, ceil(trainer.batch_groups / rollout.workers)) groups, R being its
+share of one trainer batch; round r is meant for the step that turns version r into r + 1. Its
+g-th group (counting from 0 in this process) belongs to round r(g) = c0 + g // R, c0 being c when
+the process started its first group, and may start only when
+
+    r(g) - c <= a.
+
+So a = 0 is synchronous: one batch share under version c, then nothing until version c + 1 is
+committed and loaded; a = 1 lets a worker generate the next round while the trainer computes the
+current one. Either way at most `concurrency` groups are in flight. A restarted worker starts a
+fresh round at the current c.
+
+Identity: producer "rollout:<worker>"; its next seq is recovered from the bus and the run's log,
+so a restart never reuses one; group ids are "<worker>-<seq base>-<counter>" with the seq base of
+this process, unique across restarts. A group's prompt rng and sample seeds derive from
+(run.seed, worker, seq base, counter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from bus.blobs import BlobStore
+from bus.events import RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished, WorkerStats
+from bus.log import LogError, RunLog
+from bus.streams import Publisher, Tail, connect, recover_next_seq
+from producers.engine import Completion, Engine, SamplingParams
+from producers.envs import Env, Prompt, make_env
+from runtime.config import Config, load
+from runtime.initial_policy import init_dir
+
+log = logging.getLogger("reel.rollout")
+
+ROUTING_INLINE_BYTES = 256 << 10  # a group's routing above this goes to the blob store
+DRAIN_TIMEOUT_S = 10.0  # on stop, how long in-flight groups may take to finish (the launcher waits 20 s)
+_READ = 100  # entries per XREAD of the followed streams
+_PUBLISHED_STREAMS = ("trajectories", "routing", "control")
+
+
+class RolloutWorker:
+    # Fixed at construction.
+    run_dir: Path
+    url: str
+    index: int  # worker index (rollout.workers of them)
+    config: Config
+    run_name: str
+    name: str  # producer "rollout:<index>"
+    env: Env
+    blobs: BlobStore
+    round_size: int  # R of the async gate (module docstring)
+    # Set when run() starts.
+    publisher: Publisher | None
+    seq_base: int  # the producer's first seq in this process; part of group ids and seeds
+    engine: Engine | None  # made when the first weights arrive (their config is in the run's init/)
+    # Progress, changed only on the event loop.
+    committed: int  # newest committed policy version (0 before any commit)
+    first_round: int  # c0 of the async gate: c when this process started its first group
+    started: int  # groups started by this process
+    published: int  # groups published by this process
+    in_flight: dict[str, asyncio.Task[None]]
+    abandoned: list[str]
+
+    def __init__(self, run_dir: Path, url: str, index: int, config: Config):
+        self.run_dir = Path(run_dir)
+        self.url = url
+        self.index = index
+        self.config = config
+        self.run_name = config.run.name
+        self.name = f"rollout:{index}"
+        self.env = make_env(config.env, config.rollout.max_tokens)
+        self.blobs = BlobStore(self.run_dir / "blobs")
+        r = config.rollout
+        self.round_size = min(r.concurrency, math.ceil(config.trainer.batch_groups / r.workers))
+        self.publisher = None
+        self.seq_base = 0
+        self.engine = None
+        self.committed = 0
+        self.first_round = 0
+        self.started = 0
+        self.published = 0
+        self.in_flight = {}
+        self.abandoned = []
+        self._changed = asyncio.Event()  # set whenever a gate condition may have changed
+        self._steps_read = False  # the steps stream has been read up to its end once
+        self._background: list[asyncio.Task[None]] = []
+        self._failures: list[BaseException] = []
+        self._idle_since: float | None = time.monotonic()  # no group in flight since then
+        self._idle_s = 0.0  # idle seconds since the last WorkerStats
+        self._stats_at = time.monotonic()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        redis = connect(self.url)
+        try:
+            self.seq_base = await self._recover_seq(redis)
+            self.publisher = Publisher(redis, self.run_name, self.name, self.seq_base)
+            self._background = [asyncio.create_task(self._follow_weights(), name="follow-weights"),
+                                asyncio.create_task(self._follow_steps(), name="follow-steps"),
+                                asyncio.create_task(self._report_stats(), name="worker-stats")]
+            log.info("%s starts (seq %d); waiting for policy version 0", self.name, self.seq_base)
+            while not stop.is_set() and not self._ready():
+                await self._wait(stop)
+            if self._ready():
+                self.first_round = self._gate_version()
+            while not stop.is_set():
+                if self._may_start():
+                    self._start_group()
+                else:
+                    await self._wait(stop)
+            await self._drain()
+        finally:
+            tasks = [*self._background, *self.in_flight.values()]  # groups are left only when run() fails
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self.engine is not None:
+                await self.engine.close()
+            await asyncio.shield(redis.aclose())
+        log.info("%s stopped: %d groups published, %d abandoned", self.name, self.published, len(self.abandoned))
+
+    # ---- gate ---------------------------------------------------------------------------------
+
+    def _ready(self) -> bool:
+        return self.engine is not None and self.engine.version >= 0 and self._steps_read
+
+    def _gate_version(self) -> int:
+        """c of the async gate: committed and live here."""
+        return min(self.committed, self.engine.version)
+
+    def _may_start(self) -> bool:
+        round_ = self.first_round + self.started // self.round_size
+        return (len(self.in_flight) < self.config.rollout.concurrency
+                and round_ - self._gate_version() <= self.config.rollout.async_level)
+
+    async def _wait(self, stop: asyncio.Event) -> None:
+        """Until stop, a gate change or a background failure (which is raised here)."""
+        self._changed.clear()
+        waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(self._changed.wait())]
+        try:
+            await asyncio.wait([*waiters, *self._background], timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+        for task in self._background:
+            if task.done():
+                task.result()  # raises the task's error
+                raise RuntimeError(f"{task.get_name()} of {self.name} stopped unexpectedly")
+        if self._failures:
+            raise self._failures[0]
+
+    # ---- groups -------------------------------------------------------------------------------
+
+    def _start_group(self) -> None:
+        counter = self.started
+        group_id = f"{self.index}-{self.seq_base}-{counter}"
+        seed = group_seed(self.config.run.seed, self.index, self.seq_base, counter)
+        self.started += 1
+        if not self.in_flight and self._idle_since is not None:
+            self._idle_s += time.monotonic() - self._idle_since
+            self._idle_since = None
+        task = asyncio.create_task(self._group(group_id, seed), name=f"group-{group_id}")
+        self.in_flight[group_id] = task
+        task.add_done_callback(lambda t: self._group_done(group_id, t))
+
+    def _group_done(self, group_id: str, task: asyncio.Task[None]) -> None:
+        del self.in_flight[group_id]
+        if not self.in_flight:
+            self._idle_since = time.monotonic()
+        if not task.cancelled() and task.exception() is not None:
+            self._failures.append(task.exception())
+        self._changed.set()
+
+    async def _group(self, group_id: str, seed: int) -> None:
+        r = self.config.rollout
+        prompt = self.env.sample(random.Random(seed))
+        params = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
+                                stop_token_ids=(self.env.tokenizer.eos_id,), seed=seed)
+        completions = await self.engine.generate(prompt.ids, params)
+        experts = [Tensor.from_numpy(c.routing) for c in completions]
+        blob = None
+        if sum(len(t.data) for t in experts) > ROUTING_INLINE_BYTES:
+            blob = await asyncio.to_thread(self.blobs.put, msgspec.msgpack.encode(experts))
+        trajectory = self.publisher.stamp(
+            Trajectory, group_id=group_id, env=self.env.name, prompt=Tensor.from_numpy(np.asarray(prompt.ids, np.int32)),
+            samples=[self._sample(prompt, c) for c in completions], worker=self.name, meta=prompt.meta,
+            temperature=r.temperature)
+        trace = (self.publisher.stamp(RoutingTrace, group_id=group_id, blob=blob) if blob is not None
+                 else self.publisher.stamp(RoutingTrace, group_id=group_id, experts=experts))
+        await self.publisher.publish([trajectory, trace])
+        self.published += 1
+
+    def _sample(self, prompt: Prompt, c: Completion) -> Sample:
+        return Sample(tokens=Tensor.from_numpy(np.asarray(c.tokens, np.int32)),
+                      logprobs=Tensor.from_numpy(np.asarray(c.logprobs, np.float32)),
+                      reward=float(self.env.reward(prompt, c.tokens)), finish_reason=c.finish_reason, seed=c.seed,
+                      spans=list(c.spans))
+
+    async def _drain(self) -> None:
+        if self.in_flight:
+            log.info("%s stopping: waiting up to %.0f s for %d groups in flight", self.name, DRAIN_TIMEOUT_S,
+                     len(self.in_flight))
+            await asyncio.wait(list(self.in_flight.values()), timeout=DRAIN_TIMEOUT_S)
+        unfinished = dict(self.in_flight)
+        for task in unfinished.values():
+            task.cancel()
+        await asyncio.gather(*unfinished.values(), return_exceptions=True)
+        self.abandoned += unfinished
+        if unfinished:
+            log.warning("%s abandoned %d unfinished groups (not published): %s", self.name, len(unfinished),
+                        ", ".join(unfinished))
+        for error in self._failures:
+            log.error("%s: a group failed: %s", self.name, error)
+
+    # ---- background ---------------------------------------------------------------------------
+
+    async def _follow_weights(self) -> None:
+        async with Tail(self.url, self.run_name, ["weights"], start="0") as tail:
+            while True:
+                events = await _read_to_end(tail, block_ms=1000)
+                latest = max((e for e in events if isinstance(e, WeightsPublished)), key=lambda e: e.version,
+                             default=None)
+                if latest is None or (self.engine is not None and latest.version <= self.engine.version):
+                    continue
+                if self.engine is None:
+                    model_dir = init_dir(self.run_dir)  # the trainer wrote it before publishing version 0
+                    self.engine = await asyncio.to_thread(make_engine, self.config, model_dir, self.blobs)
+                    await self.engine.start()
+                started = time.monotonic()
+                await self.engine.update_weights(latest.weights, latest.version)
+                log.info("%s: policy version %d live (%.2f s)", self.name, latest.version, time.monotonic() - started)
+                self._changed.set()
+
+    async def _follow_steps(self) -> None:
+        async with Tail(self.url, self.run_name, ["steps"], start="0") as tail:
+            while True:
+                events = await _read_to_end(tail, block_ms=1000 if self._steps_read else 0)
+                versions = [e.version for e in events if isinstance(e, StepCommitted)]
+                self.committed = max([self.committed, *versions])
+                self._steps_read = True
+                self._changed.set()
+
+    async def _report_stats(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.rollout.stats_every_s)
+            if self.engine is None:
+                continue
+            now = time.monotonic()
+            idle = self._idle_s + (now - self._idle_since if self._idle_since is not None else 0.0)
+            share = min(1.0, idle / max(now - self._stats_at, 1e-9))
+            self._idle_s, self._stats_at = 0.0, now
+            if self._idle_since is not None:
+                self._idle_since = now
+            s = self.engine.stats()
+            await self.publisher.publish([self.publisher.stamp(
+                WorkerStats, worker=self.name, tokens_per_s=s.tokens_per_s, running=s.running, waiting=s.waiting,
+                policy_version=s.version, groups_published=self.published, idle_share=share)])
+
+    async def _recover_seq(self, redis) -> int:
+        on_bus = await recover_next_seq(redis, self.run_name, self.name)
+        # Entries the archiver made durable may be trimmed from the bus; the log still has them.
+        in_log = await asyncio.to_thread(next_seq_in_log, self.run_dir, self.name)
+        return max(on_bus, in_log)
+
+
+async def _read_to_end(tail: Tail, block_ms: int) -> list:
+    """Events up to the stream's current end (a full batch means more are waiting)."""
+    batch = await tail.read(count=_READ, block_ms=block_ms)
+    events = [e for _, _, e in batch]
+    while len(batch) == _READ:
+        batch = await tail.read(count=_READ, block_ms=0)
+        events += [e for _, _, e in batch]
+    return events
+
+
+class _Key(msgspec.Struct):
+    producer: str
+    seq: int
+
+
+_key_decoder = msgspec.msgpack.Decoder(_Key)
+
+
+def next_seq_in_log(run_dir: Path, producer: str) -> int:
+    """1 + the highest seq of `producer` in the run's on-disk log (0 if none)."""
+    try:
+        run_log = RunLog(run_dir, readonly=True)
+    except LogError:
+        return 0  # no log yet
+    best = -1
+    try:
+        for stream in set(_PUBLISHED_STREAMS) & set(run_log.names()):
+            for record in run_log.stream(stream).records():
+                key = _key_decoder.decode(record.data)
+                if key.producer == producer:
+                    best = max(best, key.seq)
+    finally:
+        run_log.close()
+    return best + 1
+
+
+def group_seed(run_seed: int, worker: int, seq_base: int, counter: int) -> int:
+    """A 63-bit seed for one group's prompt and samples (sample i uses seed + i)."""
+    digest = hashlib.sha256(f"reel-group:{run_seed}:{worker}:{seq_base}:{counter}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2
+
+
+def make_engine(config: Config, model_dir: Path, blobs: BlobStore) -> Engine:
+    """The configured engine for the model in `model_dir` (HF layout); version -1 until weights arrive."""
+    e = config.engine
+    if e.kind == "vllm":
+        from producers.vllm import VLLMEngine
+
+        return VLLMEngine(model_dir, max_batch=e.max_batch, max_seq_len=e.max_seq_len, precision=e.precision,
+                          tensor_parallel_size=e.tensor_parallel_size, data_parallel_size=e.data_parallel_size,
+                          expert_parallel=e.expert_parallel, blobs=blobs, version=-1)
+    from producers.builtin_engine import BuiltinEngine
+    from runtime.model.config import MoEConfig
+    from runtime.model.model import MoEModel
+
+    model = MoEModel(MoEConfig.from_hf_dict(json.loads((model_dir / "config.json").read_text())), e.precision)
+    return BuiltinEngine(model, max_batch=e.max_batch, max_seq_len=e.max_seq_len, blobs=blobs, version=-1)
+
+
+def main(run_dir: Path, bus_url: str, worker: int) -> int:
+    """`reel role rollout`: run worker `worker` of the run in `run_dir` until SIGTERM/SIGINT."""
+    config = load(Path(run_dir) / "config.toml")
+    logging.basicConfig(level=config.log.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("REEL_TORCH_THREADS", "1")))
+    rollout = RolloutWorker(Path(run_dir), bus_url, worker, config)
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await rollout.run(stop)
+
+    import uvloop
+
+    uvloop.run(serve())
+    return 0

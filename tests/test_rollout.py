@@ -1,0 +1,239 @@
+"""The rollout worker on a real Redis: groups out, weights in, the async gate, crash and restart."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bus.blobs import BlobStore
+from bus.events import (
+    RoutingTrace, StepCommitted, StepTiming, Trajectory, WeightsPublished, WorkerStats, decode, stream_key,
+)
+from bus.streams import Publisher, connect
+from producers import rollout
+from producers.rollout import RolloutWorker
+from runtime.batch import decode_routing
+from runtime.config import load
+from runtime.model.config import MoEConfig
+from runtime.model.model import MoEModel
+from runtime.model.weights import save, state_dict_bytes
+
+torch.set_num_threads(2)
+
+
+def make_run(tmp_path: Path, run_name: str, *, async_level: int, concurrency: int = 2, batch_groups: int = 2,
+             max_tokens: int = 6) -> Path:
+    """A run directory as the trainer leaves it before version 0: config.toml and init/."""
+    run_dir = tmp_path / run_name
+    (run_dir / "blobs").mkdir(parents=True)
+    (run_dir / "config.toml").write_text(f"""
+[run]
+name = "{run_name}"
+[rollout]
+concurrency = {concurrency}
+group_size = 3
+async_level = {async_level}
+max_tokens = {max_tokens}
+stats_every_s = 0.2
+[trainer]
+batch_groups = {batch_groups}
+max_off_policy_steps = {max(async_level, 4)}
+""")
+    torch.manual_seed(0)
+    save(MoEModel(MoEConfig(vocab_size=49, initializer_range=0.1)), run_dir / "init")
+    return run_dir
+
+
+async def publish_weights(url: str, run_dir: Path, version: int, model: MoEModel, *, commit: bool) -> None:
+    """What the trainer does after step `version`: WeightsPublished (+ StepCommitted) in one call."""
+    redis = connect(url)
+    try:
+        ref = BlobStore(run_dir / "blobs").put(state_dict_bytes(model))
+        trainer = Publisher(redis, run_dir.name, "trainer:0", next_seq=10 * version)
+        events = [trainer.stamp(WeightsPublished, version=version, step=version, weights=ref)]
+        if commit:
+            events.append(trainer.stamp(StepCommitted, step=version, version=version, groups=[], dropped=[], loss=0.0,
+                                        grad_norm=0.0, weights_sha256=ref.sha256, timing=StepTiming(0, 0, 0)))
+        await trainer.publish(events)
+    finally:
+        await redis.aclose()
+
+
+async def stream_events(url: str, run: str, stream: str) -> list:
+    redis = connect(url)
+    try:
+        return [decode(fields[b"e"]) for _, fields in await redis.xrange(stream_key(run, stream))]
+    finally:
+        await redis.aclose()
+
+
+async def wait_for(url: str, run: str, count: int, timeout: float = 20.0) -> list[Trajectory]:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = await stream_events(url, run, "trajectories")
+        if len(found) >= count:
+            return found
+        assert time.monotonic() < deadline, f"only {len(found)} of {count} groups arrived"
+        await asyncio.sleep(0.05)
+
+
+def initial_model(run_dir: Path) -> MoEModel:
+    from runtime.model.weights import load as load_model
+
+    return load_model(run_dir / "init")
+
+
+async def test_worker_publishes_whole_groups_with_their_routing(redis_url: str, run_name: str, tmp_path) -> None:
+    run_dir = make_run(tmp_path, run_name, async_level=1)
+    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    await asyncio.sleep(0.3)
+    assert worker.started == 0  # no weights yet: nothing is generated
+    await publish_weights(redis_url, run_dir, 0, initial_model(run_dir), commit=False)
+    groups = await wait_for(redis_url, run_name, 4)
+    await asyncio.sleep(0.3)
+    stop.set()
+    await asyncio.wait_for(task, 20)
+
+    traces = {t.group_id: t for t in await stream_events(redis_url, run_name, "routing")}
+    groups = await stream_events(redis_url, run_name, "trajectories")
+    assert len(groups) == 4 == worker.published  # async_level 1, rounds of 2: two rounds before a commit
+    assert len({g.group_id for g in groups}) == 4 and set(traces) == {g.group_id for g in groups}
+    for group in groups:
+        assert group.producer == "rollout:0" and group.worker == "rollout:0" and group.env == "reverse_text"
+        assert traces[group.group_id].seq == group.seq + 1  # published together
+        prompt = group.prompt.numpy()
+        assert prompt.dtype == np.int32 and len(group.samples) == 3
+        assert len({s.seed for s in group.samples}) == 3
+        for sample, experts in zip(group.samples, traces[group.group_id].experts):
+            tokens = sample.tokens.numpy()
+            assert tokens.dtype == np.int32 and sample.logprobs.numpy().dtype == np.float32
+            assert 1 <= len(tokens) <= 6 and len(sample.logprobs.numpy()) == len(tokens)
+            assert sample.spans == [(0, 0)] and 0.0 <= sample.reward <= 1.0
+            assert sample.finish_reason in ("stop", "length")
+            assert experts.dtype == "uint8" and experts.shape == [len(prompt) + len(tokens) - 1, 2, 2]
+    stats = [e for e in await stream_events(redis_url, run_name, "control") if isinstance(e, WorkerStats)]
+    assert stats and stats[-1].worker == "rollout:0" and stats[-1].policy_version == 0
+
+
+@pytest.mark.parametrize("async_level", [0, 1])
+async def test_async_gate(redis_url: str, run_name: str, tmp_path, async_level: int) -> None:
+    run_dir = make_run(tmp_path, run_name, async_level=async_level, concurrency=4, batch_groups=2)
+    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
+    assert worker.round_size == 2  # the worker's share of a batch, below concurrency
+    model = initial_model(run_dir)
+    await publish_weights(redis_url, run_dir, 0, model, commit=False)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    before_commit = 2 * (async_level + 1)
+    await wait_for(redis_url, run_name, before_commit)
+    await asyncio.sleep(0.5)
+    assert worker.started == before_commit and not worker.in_flight  # waiting for a commit
+
+    # New weights alone do not release the gate; their commit does.
+    await publish_weights(redis_url, run_dir, 1, model, commit=False)
+    await asyncio.sleep(0.5)
+    assert worker.started == before_commit
+    await publish_weights(redis_url, run_dir, 1, model, commit=True)
+    groups = await wait_for(redis_url, run_name, before_commit + 2)
+    await asyncio.sleep(0.5)
+    assert worker.started == before_commit + 2
+    stop.set()
+    await asyncio.wait_for(task, 20)
+    # The released round was sampled under version 1 (synchronous: on-policy for step 2).
+    assert all(s.spans == [(0, 1)] for g in groups[before_commit:] for s in g.samples)
+
+
+async def test_new_weights_reach_the_running_worker(redis_url: str, run_name: str, tmp_path) -> None:
+    run_dir = make_run(tmp_path, run_name, async_level=100)
+    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
+    model = initial_model(run_dir)
+    await publish_weights(redis_url, run_dir, 0, model, commit=False)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    await wait_for(redis_url, run_name, 2)
+    await publish_weights(redis_url, run_dir, 1, model, commit=False)
+    deadline = time.monotonic() + 20
+    while not any(s.spans[-1][1] == 1 for g in await stream_events(redis_url, run_name, "trajectories")
+                  for s in g.samples):
+        assert time.monotonic() < deadline, "no group was sampled under version 1"
+        await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(task, 20)
+
+
+async def test_big_routing_goes_to_the_blob_store(redis_url: str, run_name: str, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(rollout, "ROUTING_INLINE_BYTES", 0)
+    run_dir = make_run(tmp_path, run_name, async_level=0)
+    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
+    await publish_weights(redis_url, run_dir, 0, initial_model(run_dir), commit=False)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    (group, _) = await wait_for(redis_url, run_name, 2)
+    stop.set()
+    await asyncio.wait_for(task, 20)
+    trace = next(t for t in await stream_events(redis_url, run_name, "routing") if t.group_id == group.group_id)
+    assert trace.experts == [] and trace.blob is not None
+    routing = decode_routing(trace, BlobStore(run_dir / "blobs").get(trace.blob))  # as the trainer reads it
+    assert [r.shape[0] for r in routing] == [len(group.prompt.numpy()) + len(s.tokens.numpy()) - 1
+                                            for s in group.samples]
+
+
+async def test_stop_abandons_unfinished_groups_unpublished(redis_url: str, run_name: str, tmp_path,
+                                                           monkeypatch) -> None:
+    monkeypatch.setattr(rollout, "DRAIN_TIMEOUT_S", 0.0)
+    run_dir = make_run(tmp_path, run_name, async_level=0, max_tokens=200)
+    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
+    await publish_weights(redis_url, run_dir, 0, initial_model(run_dir), commit=False)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    while not worker.in_flight:
+        await asyncio.sleep(0.01)
+    stop.set()
+    await asyncio.wait_for(task, 20)
+    published = {g.group_id for g in await stream_events(redis_url, run_name, "trajectories")}
+    assert worker.abandoned and not set(worker.abandoned) & published
+    assert len(published) == worker.published
+
+
+async def test_killed_worker_loses_no_group_and_a_new_one_uses_fresh_seqs(redis_url: str, run_name: str,
+                                                                         tmp_path) -> None:
+    run_dir = make_run(tmp_path, run_name, async_level=100)
+    await publish_weights(redis_url, run_dir, 0, initial_model(run_dir), commit=False)
+    code = f"from pathlib import Path; from producers.rollout import main; main(Path({str(run_dir)!r}), {redis_url!r}, 0)"
+    with open(tmp_path / "worker.log", "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, REEL_TORCH_THREADS="1"),
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        await wait_for(redis_url, run_name, 3, timeout=40)
+    except AssertionError:
+        raise AssertionError((tmp_path / "worker.log").read_text()[-3000:]) from None
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    assert proc.returncode == -signal.SIGKILL
+    before = await stream_events(redis_url, run_name, "trajectories")
+    traces = await stream_events(redis_url, run_name, "routing")
+    assert {g.group_id for g in before} == {t.group_id for t in traces if isinstance(t, RoutingTrace)}
+    old_seqs = {e.seq for e in before + traces} | {e.seq for e in await stream_events(redis_url, run_name, "control")}
+
+    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    await wait_for(redis_url, run_name, len(before) + 2)
+    stop.set()
+    await asyncio.wait_for(task, 20)
+    after = (await stream_events(redis_url, run_name, "trajectories"))[len(before):]
+    assert worker.seq_base == max(old_seqs) + 1
+    assert all(g.seq > max(old_seqs) for g in after)
+    assert not {g.group_id for g in after} & {g.group_id for g in before}
