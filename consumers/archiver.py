@@ -5,7 +5,7 @@ directory, and the fixed consumer name lets a restarted archiver find what its p
 pending. Each round:
 
     read    this consumer's pending entries first (delivered before a crash or a lost reply),
-            else new ones (blocking up to block_ms)
+            else new ones (blocking up to block_ms); the next read overlaps this round's writing
     skip    entries at or before their stream's last logged entry id: logged, but the ack was lost
     dead    entries that are not Reel events -> the dead-letter stream (acked there, not logged)
     log     append per stream: one write + one fdatasync per stream per round (group commit)
@@ -28,6 +28,7 @@ import logging
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -48,6 +49,15 @@ _FIELD = b"e"
 _READ_MARGIN_S = 10.0  # socket timeout = BLOCK + this, so a quiet stream is not a timeout
 
 Entry = tuple[str, str, dict | None]  # (stream, entry id, fields; None if deleted while pending)
+
+
+class _Round(msgspec.Struct):
+    """One read's worth of work."""
+
+    entries: list[Entry]  # all of them are acked at the end
+    records: dict[str, list[tuple[str, bytes]]] = {}  # stream -> (entry id, event bytes) to log
+    dead: list[tuple[str, str, bytes, str]] = []  # (stream, entry id, raw, reason)
+    finished: bool = False  # a RunFinished is among the records
 
 
 class Archiver:
@@ -78,15 +88,22 @@ class Archiver:
     async def run(self, stop: asyncio.Event) -> None:
         self.log = RunLog(self.run_dir, self.segment_bytes)
         self.redis = connect(self.bus_url, socket_timeout=self.block_ms / 1000 + _READ_MARGIN_S, retries=2)
+        disk = ThreadPoolExecutor(1, thread_name_prefix="archiver-disk")  # fdatasync off the event loop
+        committing: asyncio.Task | None = None  # the previous round's log append + ack
         try:
             await self._create_groups()
             log.info("archiving run %s into %s, after %s", self.run_name, self.log.root,
                      {s: self.log.stream(s).last_entry_id() for s in self.streams})
             next_trim = time.monotonic() + self.trim_every_s
             while not stop.is_set():
-                entries = await self._read("0") or await self._read(">")
+                # Two rounds overlap: the next read runs while the last one is written. Entries being
+                # written are still pending, so our pending list is read only when nothing is.
+                entries = (await self._read("0") if committing is None else []) or await self._read(">")
+                if committing is not None:
+                    await committing
+                    committing = None
                 if entries:
-                    await self._archive(entries)
+                    committing = asyncio.ensure_future(self._commit(self._prepare(entries), disk))
                 elif self.finished:
                     log.info("run %s finished and every stream is drained: %d events logged, %d repeats "
                              "skipped", self.run_name, self.archived, self.repeats)
@@ -95,7 +112,10 @@ class Archiver:
                     for stream in self.streams:
                         await safe_trim(self.redis, self.run_name, stream)
                     next_trim = time.monotonic() + self.trim_every_s
+            if committing is not None:
+                await committing
         finally:
+            disk.shutdown(wait=True)  # even when cancelled, no append may outlive the log's fds
             self.log.close()
             await asyncio.shield(self.redis.aclose())
 
@@ -117,10 +137,9 @@ class Archiver:
         return [(self._name[key.decode()], entry_id.decode(), fields)
                 for key, entries in reply or () for entry_id, fields in entries]
 
-    async def _archive(self, entries: list[Entry]) -> None:
-        records: dict[str, list[tuple[str, bytes]]] = {}
-        dead: list[tuple[str, str, bytes, str]] = []
-        finished = False
+    def _prepare(self, entries: list[Entry]) -> _Round:
+        """Sort a read into records to log and entries to dead-letter; drop repeats."""
+        round_ = _Round(entries)
         repeats = 0
         for stream, entry_id, fields in entries:
             if self.log.stream(stream).covers(entry_id):
@@ -133,19 +152,22 @@ class Archiver:
             try:
                 if data is None:
                     raise MalformedEvent(f"entry has no '{_FIELD.decode()}' field")
-                finished |= isinstance(decode(data), RunFinished)
+                round_.finished |= isinstance(decode(data), RunFinished)
             except MalformedEvent as exc:
-                dead.append((stream, entry_id, data or msgspec.msgpack.encode(fields), f"undecodable: {exc}"))
+                round_.dead.append((stream, entry_id, data or msgspec.msgpack.encode(fields), f"undecodable: {exc}"))
                 continue
-            records.setdefault(stream, []).append((entry_id, data))
+            round_.records.setdefault(stream, []).append((entry_id, data))
         if repeats:  # only after a restart or a lost XACK reply
             log.info("%d re-delivered entries were already logged; acking them", repeats)
             self.repeats += repeats
-        await self._dead_letter(dead)
-        await asyncio.to_thread(self._append, records)  # fdatasync off the event loop
-        self.archived += sum(map(len, records.values()))
-        self.finished |= finished
-        await self._ack(entries)
+        return round_
+
+    async def _commit(self, round_: _Round, disk: ThreadPoolExecutor) -> None:
+        await self._dead_letter(round_.dead)
+        await asyncio.get_running_loop().run_in_executor(disk, self._append, round_.records)
+        self.archived += sum(map(len, round_.records.values()))
+        self.finished |= round_.finished
+        await self._ack(round_.entries)
 
     def _append(self, records: dict[str, list[tuple[str, bytes]]]) -> None:
         for stream, batch in records.items():
