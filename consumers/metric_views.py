@@ -40,18 +40,20 @@ _GAUGES: list[tuple[str, str, Callable[[Snapshot], float | None]]] = [
 ]
 # metrics key written by the trainer -> (name, help)
 _STEP_METRICS = {
-    "kl_k1": ("reel_mismatch_kl_k1", "k1 estimate of KL(inference || trainer) on the latest step."),
-    "kl_k2": ("reel_mismatch_kl_k2", "k2 estimate of KL(inference || trainer) on the latest step."),
-    "kl_k3": ("reel_mismatch_kl_k3", "k3 estimate of KL(inference || trainer) on the latest step."),
+    "kl_k1": ("reel_mismatch_kl_k1", "k1 estimator of the inference/trainer KL, latest step's sampled tokens."),
+    "kl_k2": ("reel_mismatch_kl_k2", "k2 estimator of the inference/trainer KL, latest step's sampled tokens."),
+    "kl_k3": ("reel_mismatch_kl_k3", "k3 estimator of the inference/trainer KL, latest step's sampled tokens."),
     "ratio_mean": ("reel_importance_ratio_mean", "Mean trainer/inference importance ratio."),
     "ratio_min": ("reel_importance_ratio_min", "Smallest trainer/inference importance ratio."),
     "ratio_max": ("reel_importance_ratio_max", "Largest trainer/inference importance ratio."),
-    "ratio_frac_outside": ("reel_importance_ratio_frac_outside", "Share of tokens whose ratio is outside the trust band."),
+    "ratio_frac_outside": ("reel_importance_ratio_frac_outside",
+                           "Share of tokens whose ratio is outside the trust band."),
     "entropy": ("reel_policy_entropy", "Mean token entropy of the trainer policy."),
 }
 _WORKER_GAUGES: list[tuple[str, str, Callable]] = [
     ("reel_worker_tokens_per_second", "Generated tokens per second of a rollout worker.", lambda w: w.tokens_per_s),
-    ("reel_worker_version_lag", "Latest policy version minus the worker's.", lambda w: w.version_lag),
+    ("reel_worker_version_lag", "Latest published policy version minus the one in the worker's last stats.",
+     lambda w: w.version_lag),
     ("reel_worker_policy_version", "Policy version a rollout worker samples with.", lambda w: w.policy_version),
     ("reel_worker_running", "Sequences a rollout worker is decoding.", lambda w: w.running),
     ("reel_worker_waiting", "Sequences queued on a rollout worker.", lambda w: w.waiting),

@@ -18,6 +18,7 @@ import heapq
 import signal
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import msgspec
 import orjson
@@ -51,7 +52,11 @@ class RunSource(msgspec.Struct, frozen=True):
     run_dir: Path | None
 
     def describe(self) -> str:
-        return f"live {self.bus_url}" if self.bus_url else f"log {self.run_dir}"
+        """Where the figures come from, without the URL's password."""
+        if self.bus_url is None:
+            return f"log {self.run_dir}"
+        parts = urlsplit(self.bus_url)
+        return f"live {parts._replace(netloc=parts.netloc.rpartition('@')[2]).geturl()}"
 
 
 # ---------------------------------------------------------------- sources
@@ -128,7 +133,6 @@ class Watcher:
     """
 
     def __init__(self, url: str, run: str, *, start: str = "0", window_groups: int = 64):
-        self.url = url
         self.run = run
         self.aggregates = RunAggregates(run, window_groups=window_groups)
         self.snapshot = self.aggregates.snapshot()
@@ -143,7 +147,7 @@ class Watcher:
         try:
             dead = await self._redis.xlen(stream_key(self.run, DEAD))
         except (aioredis.RedisError, OSError) as exc:
-            raise BusError(f"cannot read the dead-letter stream of run {self.run} at {self.url}: {exc}") from exc
+            raise BusError(f"cannot read the dead-letter stream {stream_key(self.run, DEAD)}: {exc}") from exc
         self.aggregates.set_dead_letters(dead)
         self.snapshot = self.aggregates.snapshot()
         return len(batch)

@@ -234,6 +234,7 @@ async def test_locate_live_run(tmp_path: Path, redis_url: str, run_name: str):
     _write_run_dir(tmp_path / "run", run_name, [_weights(run_name, 0)], bus_url=redis_url)
     assert await locate(str(tmp_path / "run"), None, None) == RunSource(run_name, redis_url, tmp_path / "run")
     assert (await locate(None, redis_url, run_name)).bus_url == redis_url
+    assert RunSource("r", "redis://reel:secret@host:6379/0", None).describe() == "live redis://host:6379/0"
 
 
 def _scrape(port: int) -> dict:
