@@ -1,7 +1,7 @@
 """How replay results look: rich tables for the terminal and matplotlib PNGs.
 
 Figures are built with matplotlib's object API (`Figure`, no pyplot): PNGs render through the Agg
-canvas and no global backend or window is ever touched.
+canvas and no global backend or window is ever touched. matplotlib is imported only to plot.
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 from rich.console import Console, Group
 from rich.table import Table
 
@@ -102,6 +100,8 @@ def print_view(renderable: object) -> None:
 
 
 def plot_step(r: StepReport, analysis: BatchAnalysis, path: Path) -> None:
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(15, 4.2))
     ax_ratio, ax_stale, ax_route = fig.subplots(1, 3)
     fig.suptitle(f"step {r.step}: {'bitwise' if r.bitwise else 'NOT bitwise'}, KL k3 {r.kl.k3:.2e} "
@@ -123,6 +123,9 @@ def plot_step(r: StepReport, analysis: BatchAnalysis, path: Path) -> None:
 
 
 def plot_range(rows: list[RangeRow], path: Path) -> None:
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
     steps = [row.step for row in rows]
     fig = Figure(figsize=(12, 8))
     (ax_kl, ax_ratio), (ax_stale, ax_reward) = fig.subplots(2, 2, sharex=True)

@@ -1,0 +1,178 @@
+"""`reel replay`: every step of a finished run re-executes bitwise; mismatch analysis; errors.
+
+The runs are built in-process by tests/runbuilder.py (no Redis): a 4-step run with stale groups
+(bf16 engine, fp32 trainer, checkpoints at steps 2 and 4), a run whose routers are undecided
+(random init, 8 experts) so bf16 sampling flips some top-k choices, and an fp8 run.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+
+from bus.log import LogCorrupted, RunLog
+from replay.analysis import Run, StepNotLogged, replay_step
+from runtime.cli import main as reel
+from runtime.reexecute import ReplayMismatch
+from runbuilder import build_run
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("replay")
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        mp.setenv("REEL_CACHE", str(root / "cache"))
+        # producers/warmstart.py logs float(loss) of a tensor that requires grad; not replay's concern.
+        warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad", category=UserWarning)
+        return {
+            "main": build_run(root / "main"),
+            "r3": build_run(root / "r3", {"init": {"warmup_steps": 0}, "model": {"num_experts": 8}}, stale=False),
+            "fp8": build_run(root / "fp8", {"init": {"warmup_steps": 0}, "trainer": {"precision": "fp8"},
+                                            "run": {"steps": 2}}, engine_precision="fp8", stale=False),
+        }
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]:
+    code = reel(list(argv))
+    return code, orjson.loads(capsys.readouterr().out)
+
+
+def test_every_step_replays_bitwise_and_matches_the_logged_metrics(runs):
+    run = Run(runs["main"])
+    for step, restored_from in ((1, 0), (2, 0), (3, 2), (4, 2)):
+        report, analysis = replay_step(run, step)
+        commit = run.commits[step]
+        assert report.bitwise and report.weights_sha256_match and report.mismatch is None, step
+        assert report.restored_from == restored_from
+        # The analysis scores π_old exactly as train_step did: the logged mismatch metrics, to the bit.
+        assert (report.kl.k1, report.kl.k2, report.kl.k3) == (
+            commit.metrics["kl_k1"], commit.metrics["kl_k2"], commit.metrics["kl_k3"])
+        assert (report.ratio.mean, report.ratio.frac_outside) == (
+            commit.metrics["ratio_mean"], commit.metrics["ratio_frac_outside"])
+        assert report.staleness == commit.staleness
+        assert report.tokens == len(analysis.log_ratio_N) == sum(commit.staleness.values())
+    assert any(behind > 0 for behind in run.commits[3].staleness)
+
+
+def test_json_output_schema(runs, capsys, tmp_path):
+    png = tmp_path / "step.png"
+    code, out = _json(capsys, "replay", "step", "3", "--run", str(runs["main"]), "--json", "--plot", str(png))
+    assert code == 0
+    floats = ("loss", "logged_loss", "grad_norm", "logged_grad_norm", "replay_seconds", "original_seconds")
+    for key in floats:
+        assert isinstance(out[key], float), key
+    for key in ("step", "tokens", "restored_from"):
+        assert isinstance(out[key], int) and not isinstance(out[key], bool), key
+    for key in ("bitwise", "weights_sha256_match", "router_replay"):
+        assert isinstance(out[key], bool), key
+    for key in ("kl", "kl_without_router_replay"):
+        assert set(out[key]) == {"k1", "k2", "k3"} and all(isinstance(v, float) for v in out[key].values())
+    assert out["kl_without_fp8_alignment"] is None and out["mismatch"] is None and out["precision"] == "fp32"
+    assert set(out["ratio"]) == {"mean", "min", "max", "frac_outside_0.5_2"}
+    assert all(k.isdigit() and isinstance(v, int) for k, v in out["staleness"].items())
+    assert len(out["router_agreement"]) == 2 and all(0.0 <= a <= 1.0 for a in out["router_agreement"])
+    assert out["step"] == 3 and out["bitwise"] is True and out["loss"] == out["logged_loss"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tables_without_json(runs, capsys):
+    assert reel(["replay", "step", "2", "--run", str(runs["main"])]) == 0
+    out = capsys.readouterr().out
+    assert "replay of step 2: bitwise" in out and "without router replay" in out and "versions behind" in out
+    assert reel(["replay", "range", "1..4", "--run", str(runs["main"])]) == 0
+    assert "steps 1..4 (logged)" in capsys.readouterr().out
+
+
+def test_range_from_commits_and_recomputed(runs, capsys, tmp_path):
+    png = tmp_path / "range.png"
+    code, out = _json(capsys, "replay", "range", "2..4", "--run", str(runs["main"]), "--json", "--recompute",
+                      "--plot", str(png))
+    assert code == 0 and [row["step"] for row in out["steps"]] == [2, 3, 4]
+    for row in out["steps"]:
+        assert row["recomputed"]["bitwise"] is True
+        assert row["recomputed"]["kl"] == row["kl"]  # recomputed from the log = what the trainer logged
+        assert isinstance(row["reward_mean"], float) and row["staleness_mean"] >= 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, out = _json(capsys, "replay", "range", "1..2", "--run", str(runs["main"]), "--json")
+    assert code == 0 and all(row["recomputed"] is None for row in out["steps"])
+
+
+def test_router_replay_brings_the_trainer_closer_to_inference(runs):
+    """bf16 sampling flips some top-k choices of undecided routers; replaying them lowers the KL."""
+    run = Run(runs["r3"])
+    flipped = 0
+    for step in sorted(run.commits):
+        report, _ = replay_step(run, step)
+        assert report.bitwise
+        if min(report.router_agreement) < 1.0:
+            flipped += 1
+            assert report.kl_without_router_replay.k3 > report.kl.k3, step
+        else:
+            assert report.kl_without_router_replay == report.kl
+    assert flipped >= 2
+
+
+def test_fp8_counterfactual(runs):
+    run = Run(runs["fp8"])
+    report, _ = replay_step(run, 2)
+    assert report.bitwise and report.precision == "fp8"
+    # The engine sampled in fp8 too: scoring in bf16 instead moves the trainer away from it.
+    assert report.kl_without_fp8_alignment is not None
+    assert report.kl_without_fp8_alignment.k3 > report.kl.k3
+
+
+def test_replay_of_one_step_is_not_slower_than_the_original(runs):
+    run = Run(runs["main"])
+    best = min(replay_step(run, 3)[0].replay_seconds for _ in range(3))  # from the checkpoint of step 2
+    assert best <= 1.5 * run.commits[3].timing.compute
+
+
+def test_tampered_trajectory_is_detected_not_replayed(runs, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs["main"], run_dir)
+    with RunLog(run_dir, readonly=True) as run_log:
+        record = next(run_log.stream("trajectories").records())
+    with open(record.segment, "r+b") as f:
+        f.seek(record.offset + 8 + len(record.data) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(LogCorrupted, match=f"byte {record.offset} of segment {record.segment}"):
+        Run(run_dir)
+    assert reel(["replay", "step", "1", "--run", str(run_dir), "--json"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "corrupted" in captured.err and record.segment.name in captured.err
+
+
+def test_step_outside_the_log_names_the_range(runs, capsys):
+    for step in ("0", "5"):
+        assert reel(["replay", "step", step, "--run", str(runs["main"])]) == 1
+        assert capsys.readouterr().err.strip() == (
+            f"reel: step {step} is not in the log of {runs['main']}, which holds steps 1..4")
+    assert reel(["replay", "range", "3..9", "--run", str(runs["main"])]) == 1
+    assert "step 5 (of the range 3..9) is not in the log" in capsys.readouterr().err
+    assert reel(["replay", "range", "3-4", "--run", str(runs["main"])]) == 1
+    assert "must be A..B" in capsys.readouterr().err
+    with pytest.raises(StepNotLogged):
+        replay_step(Run(runs["main"]), 7)
+
+
+def test_changed_config_is_named(runs, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs["main"], run_dir)
+    config = run_dir / "config.toml"
+    config.write_text(config.read_text().replace("lr = 0.001", "lr = 0.002"))
+    # Step 3 starts from the checkpoint of step 2: it runs, and says why it differs.
+    code, out = _json(capsys, "replay", "step", "3", "--run", str(run_dir), "--json")
+    assert code == 1 and out["bitwise"] is False and out["weights_sha256_match"] is False
+    assert "config hash" in out["mismatch"] and out["logged_loss"] == out["loss"]  # lr acts after the loss
+    # Step 4 needs step 3 re-executed first: that catch-up step must reproduce, so it raises.
+    with pytest.raises(ReplayMismatch, match="step 3 re-executed to different weights .*config hash"):
+        replay_step(Run(run_dir), 4)
