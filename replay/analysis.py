@@ -184,7 +184,7 @@ def replay_step(run: Run, step: int, on_step: OnStep | None = None) -> tuple[Ste
         check_reproduced(commit, result, run.config)
     except ReplayMismatch as exc:
         mismatch = str(exc)
-    bitwise = weights_match and result.loss == commit.loss and result.grad_norm == commit.grad_norm
+    bitwise = reproduces(commit, result)
     if not bitwise and mismatch is None:
         mismatch = f"step {step} re-executed to the same weights but a different loss or grad norm"
     cfg = run.config.trainer
@@ -202,7 +202,10 @@ def replay_step(run: Run, step: int, on_step: OnStep | None = None) -> tuple[Ste
 
 def replay_range(run: Run, first: int, last: int, *, recompute: bool,
                  on_step: OnStep | None = None) -> list[RangeRow]:
-    """Per-step figures of first..last from the commits; --recompute re-executes them too."""
+    """Per-step figures of first..last from the commits; `recompute` re-executes them too.
+
+    Steps before `first` must reproduce (ReplayMismatch otherwise); within the range a step that
+    does not is marked bitwise false and the next ones continue from its re-executed weights."""
     if first > last:
         raise StepNotLogged(f"range {first}..{last} is empty; write A..B with A <= B")
     run.require(first, last, why=f" (of the range {first}..{last})")
@@ -215,16 +218,21 @@ def replay_range(run: Run, first: int, last: int, *, recompute: bool,
         commit = run.commits[step]
         analysis = analyse_batch(state, build_batch(run.lookup.groups_of(commit)), run.config)
         state, result, _ = _timed_step(state, commit, run)
-        bitwise = (result.weights_sha256 == commit.weights_sha256 and result.loss == commit.loss
-                   and result.grad_norm == commit.grad_norm)
         agreement = analysis.router_agreement
         rows[i].recomputed = Recomputed(
-            bitwise=bitwise, kl=analysis.kl, kl_without_router_replay=analysis.kl_without_router_replay,
+            bitwise=reproduces(commit, result), kl=analysis.kl,
+            kl_without_router_replay=analysis.kl_without_router_replay,
             kl_without_fp8_alignment=analysis.kl_without_fp8_alignment,
             router_agreement_mean=float(np.mean(agreement)) if agreement else None)
         if on_step is not None:
             on_step(step)
     return rows
+
+
+def reproduces(commit: StepCommitted, result: StepResult) -> bool:
+    """Loss, grad norm and weight hash all exactly as committed."""
+    return (result.weights_sha256 == commit.weights_sha256 and result.loss == commit.loss
+            and result.grad_norm == commit.grad_norm)
 
 
 def _timed_step(state: TrainState, commit: StepCommitted, run: Run) -> tuple[TrainState, StepResult, float]:
@@ -251,8 +259,8 @@ def analyse_batch(state: TrainState, batch: Batch, config: Config) -> BatchAnaly
         outs = [token_logprobs(model, batch, rows, router_replay=router_replay, with_routing=with_routing)
                 for rows in ranges]
         logp_N = torch.cat([o.logp_BT[mask_BT[rows]] for o, rows in zip(outs, ranges)])
-        routing = torch.cat([o.routing_BTLK for o in outs]) if with_routing and outs[0].routing_BTLK is not None else None
-        return logp_N, routing
+        routing = [o.routing_BTLK for o in outs if o.routing_BTLK is not None]  # none: no MoE layer
+        return logp_N, torch.cat(routing) if routing else None
 
     try:
         logp_N, own_routing_BTLK = score(cfg.precision, replay, with_routing=not replay)

@@ -29,7 +29,8 @@ def step_view(r: StepReport) -> Group:
     for column in ("", "replayed", "logged", ""):
         check.add_column(column, justify="right")
     check.add_row("loss", f"{r.loss:.9g}", f"{r.logged_loss:.9g}", _same(r.loss, r.logged_loss))
-    check.add_row("grad norm", f"{r.grad_norm:.9g}", f"{r.logged_grad_norm:.9g}", _same(r.grad_norm, r.logged_grad_norm))
+    check.add_row("grad norm", f"{r.grad_norm:.9g}", f"{r.logged_grad_norm:.9g}",
+                  _same(r.grad_norm, r.logged_grad_norm))
     check.add_row("weights sha256", "", "", "[green]=[/]" if r.weights_sha256_match else "[red]differs[/]")
     check.add_row("compute seconds", f"{r.replay_seconds:.3f}", f"{r.original_seconds:.3f}",
                   f"x{r.replay_seconds / r.original_seconds:.2f}" if r.original_seconds > 0 else "")
@@ -87,8 +88,9 @@ def range_view(rows: list[RangeRow]) -> Table:
             rc = row.recomputed
             assert rc is not None
             fp8 = rc.kl_without_fp8_alignment
-            cells += ["[green]yes[/]" if rc.bitwise else "[red]no[/]", _num(rc.kl.k3), _num(rc.kl_without_router_replay.k3),
-                      _num(fp8.k3) if fp8 else "-", _num(rc.router_agreement_mean, ".2%")]
+            cells += ["[green]yes[/]" if rc.bitwise else "[red]no[/]", _num(rc.kl.k3),
+                      _num(rc.kl_without_router_replay.k3), _num(fp8.k3) if fp8 else "-",
+                      _num(rc.router_agreement_mean, ".2%")]
         table.add_row(*cells)
     return table
 

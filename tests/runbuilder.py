@@ -147,7 +147,8 @@ class _Writer:
         for i, (toks, lps) in enumerate(zip(tokens, logprobs)):
             finished = toks[-1] == self.env.tokenizer.eos_id
             samples.append(Sample(
-                tokens=Tensor.from_numpy(np.array(toks, np.int32)), logprobs=Tensor.from_numpy(np.array(lps, np.float32)),
+                tokens=Tensor.from_numpy(np.array(toks, np.int32)),
+                logprobs=Tensor.from_numpy(np.array(lps, np.float32)),
                 reward=self.env.reward(prompt, toks), finish_reason="stop" if finished else "length", seed=seed + i,
                 spans=[(first, v) for first, v in spans if first < len(toks)]))
         group_id = f"g{step}-{index}"
