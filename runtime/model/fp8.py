@@ -83,13 +83,13 @@ def fake_quant_blocks(w: torch.Tensor) -> torch.Tensor:
 def _deep_gemm(xq, xs, wq, ws) -> torch.Tensor:  # pragma: no cover - needs a Hopper GPU
     M, K = xq.shape
     N = wq.shape[0]
-    pad_k = _ceil(K) - K
-    if pad_k:  # the kernel needs K % 128 == 0; zero columns add nothing
-        xq, wq = F.pad(xq.view(torch.uint8), (0, pad_k)), F.pad(wq.view(torch.uint8), (0, pad_k))
-        xq, wq = xq.view(torch.float8_e4m3fn), wq.view(torch.float8_e4m3fn)
-    out = torch.empty(M, N, dtype=torch.bfloat16, device=xq.device)
-    deep_gemm.fp8_gemm_nt((xq, xs), (wq, ws), out)
-    return out.float()
+    # The kernel wants K and N in whole 128-blocks; zero padding adds nothing to the products.
+    xq = F.pad(xq.view(torch.uint8), (0, _ceil(K) - K)).view(torch.float8_e4m3fn)
+    wq = F.pad(wq.view(torch.uint8), (0, _ceil(K) - K, 0, _ceil(N) - N)).view(torch.float8_e4m3fn)
+    out = torch.empty(M, _ceil(N), dtype=torch.bfloat16, device=xq.device)
+    # fp32 scales as computed (SM90 recipe), not rounded to powers of two
+    deep_gemm.fp8_gemm_nt((xq, xs), (wq, ws), out, disable_ue8m0_cast=True)
+    return out[:, :N].float()
 
 
 class _FP8Linear(torch.autograd.Function):

@@ -70,7 +70,8 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions_N: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [N, D] for the rotate-half convention of HF Llama/Qwen."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions_N.device) / head_dim))
+    dims = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions_N.device)
+    inv_freq = 1.0 / (theta ** (dims / head_dim))
     freqs_ND = positions_N[:, None].float() * inv_freq
     emb_ND = torch.cat((freqs_ND, freqs_ND), dim=-1)
     return emb_ND.cos(), emb_ND.sin()

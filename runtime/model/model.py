@@ -114,7 +114,8 @@ class MoEModel(nn.Module):
         moe_layers = set(config.moe_layers)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(config, i in moe_layers) for i in range(config.num_hidden_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(config, i in moe_layers)
+                                          for i in range(config.num_hidden_layers))
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
