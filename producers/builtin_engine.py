@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +36,7 @@ from runtime.model.weights import load_state_dict_bytes
 
 __all__ = ["BuiltinEngine", "sample_tokens"]
 
+log = logging.getLogger("reel.engine")
 _RATE_WINDOW_S = 5.0  # tokens/s is measured over the steps of the last few seconds
 
 
@@ -91,7 +93,9 @@ class BuiltinEngine(Engine):
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._failure: EngineError | None = None  # why serving stopped, when a step or weight swap failed
         # Counters for stats().
+        self._started_at = 0.0
         self._steps = 0
         self._generated = 0
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
@@ -99,9 +103,12 @@ class BuiltinEngine(Engine):
     # ---- Engine interface -------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self._failure is not None:
+            raise self._failure
         if self._closed:
             raise EngineClosed("the engine was closed; make a new one")
         if self._task is None:
+            self._started_at = time.monotonic()
             self._task = asyncio.create_task(self._serve(), name="reel-engine")
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[Completion]:
@@ -132,8 +139,8 @@ class BuiltinEngine(Engine):
         now = time.monotonic()
         while self._recent and now - self._recent[0][0] > _RATE_WINDOW_S:
             self._recent.popleft()
-        span = now - self._recent[0][0] if self._recent else 0.0
-        rate = sum(n for _, n in self._recent) / span if span > 0 else 0.0
+        window = min(_RATE_WINDOW_S, now - self._started_at)
+        rate = sum(n for _, n in self._recent) / window if self._recent and window > 0 else 0.0
         return EngineStats(version=self.version, tokens_per_s=rate, running=len(self._running),
                            waiting=len(self._waiting), kv_slots_used=self.max_batch - len(self._free_slots),
                            kv_slots_total=self.max_batch, steps=self._steps, generated_tokens=self._generated)
@@ -155,13 +162,13 @@ class BuiltinEngine(Engine):
         loop = asyncio.get_running_loop()
         try:
             while True:
-                if self._updates:
-                    updates, self._updates = self._updates, []
-                    for weights, version, done in updates:
-                        await loop.run_in_executor(self._executor, self._load, weights)
-                        self.version = version
-                        if not done.done():
-                            done.set_result(None)
+                while self._updates:  # an update leaves the queue once live, so a failure reaches its caller
+                    weights, version, done = self._updates[0]
+                    await loop.run_in_executor(self._executor, self._load, weights)
+                    self.version = version
+                    self._updates.pop(0)
+                    if not done.done():
+                        done.set_result(None)
                 self._drop_cancelled()
                 self._admit()
                 if not self._running:
@@ -172,10 +179,10 @@ class BuiltinEngine(Engine):
                 self._finish(finished)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
-            self._closed = True
-            self._fail_all(EngineError(f"engine step failed: {type(exc).__name__}: {exc}"))
-            raise
+        except Exception as exc:  # every waiter gets the error, and so does every later call
+            log.exception("engine stopped")
+            self._failure = EngineError(f"engine failed: {type(exc).__name__}: {exc}")
+            self._fail_all(self._failure)
 
     def _admit(self) -> None:
         budget = self.max_prefill_tokens

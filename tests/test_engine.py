@@ -174,6 +174,11 @@ async def test_update_from_state_dict_and_a_corrupt_blob(model: MoEModel, tmp_pa
     await engine.update_weights(good, version=4)
     (completion,) = await engine.generate([1, 5, 9], SamplingParams(temperature=0.0, max_tokens=5))
     assert completion.tokens == greedy_reference(model, [1, 5, 9], 5)
+    # Weights that do not fit the model stop the engine: it would not serve half-swapped weights.
+    with pytest.raises(EngineError, match="lacks tensor"):
+        await engine.update_weights({"lm_head.weight": torch.zeros(VOCAB, 64)}, version=5)
+    with pytest.raises(EngineError, match="engine failed"):
+        await engine.generate([1], SamplingParams())
     await engine.close()
 
 
