@@ -274,7 +274,9 @@ def main(run_dir: Path, bus_url: str) -> int:
     import uvloop
 
     config = load_config(run_dir / "config.toml")
-    torch.set_num_threads(int(os.environ.get("REEL_TORCH_THREADS", "1")))
+    # The thread count is part of what makes a step bit-exact (CPU reductions split by thread):
+    # it comes from the config (trainer.threads, hashed into every commit), never the environment.
+    torch.set_num_threads(config.trainer.threads or 1)
     logging.basicConfig(level=config.log.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     trainer = Trainer(run_dir, bus_url, config)
 

@@ -88,7 +88,7 @@ def train(mcfg: MoEConfig, config: Config, env: Env) -> MoEModel:
         optimizer.step()
         schedule.step()
         if step % 50 == 0 or step == steps - 1:
-            log.info("warm-start step %d/%d loss %.3f", step + 1, steps, float(loss))
+            log.info("warm-start step %d/%d loss %.3f", step + 1, steps, loss.item())
     torch.set_num_threads(threads)
     return model
 

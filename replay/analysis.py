@@ -14,7 +14,6 @@ Legend: B rows, T positions, L MoE layers, K experts per token, N completion tok
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -152,10 +151,9 @@ class Run:
                 raise StepNotLogged(f"step {step}{why} is not in the log of {self.run_dir}, which holds {held}")
 
     def prepare(self) -> None:
-        """The trainer's numerics: its thread count (CPU reductions split by thread) and deterministic kernels.
-
-        The trainer role runs with REEL_TORCH_THREADS, which the launcher sets to trainer.threads or 1."""
-        threads = int(os.environ.get("REEL_TORCH_THREADS", 0)) or self.config.trainer.threads or 1
+        """The trainer's numerics: its thread count (CPU reductions split by thread; the trainer
+        takes it from trainer.threads, never the environment) and deterministic kernels."""
+        threads = self.config.trainer.threads or 1
         set_determinism(self.config.run.seed, threads=threads)
 
     def state_before(self, step: int, on_step: OnStep | None = None) -> tuple[TrainState, int]:

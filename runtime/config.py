@@ -82,6 +82,10 @@ class EngineSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     kv_connector: str = ""  # NixlConnector | MooncakeConnector | OffloadingConnector | MooncakeStoreConnector
     kv_offload_cpu_gib: float = 0.0
     kv_offload_disk_dir: str = ""
+    # Added for `reel launch slurm` (runtime/vllm_args.py checks them with the keys above):
+    eplb: bool = False  # --enable-eplb: rebalance experts across expert-parallel ranks
+    mooncake_protocol: Literal["rdma", "tcp"] = "rdma"  # MooncakeStoreConnector transport
+    serve_args: str = ""  # more `vllm serve` arguments, as shell words ("--gpu-memory-utilization 0.9")
 
 
 class RolloutSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -123,7 +127,7 @@ class TrainerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     aux_loss_coef: float = 0.0
     precision: Precision = "fp32"
     checkpoint_every: int = 5
-    threads: int = 0  # torch threads; 0 = chosen by the launcher
+    threads: int = 0  # torch threads of the trainer (part of bit-exactness); 0 = 1
 
 
 class LogSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -235,6 +239,9 @@ def validate(c: Config) -> None:
         _require(m.num_experts <= 65535, "model.num_experts must fit in uint16 (<= 65535)")
     _require(c.bus.url == "" or c.bus.url.split("://")[0] in ("redis", "rediss", "unix"),
              f"bus.url = {c.bus.url!r} must start with redis://, rediss:// or unix:// (or be empty)")
+    from runtime.vllm_args import validate_engine  # here: vllm_args imports this module
+
+    validate_engine(c)
 
 
 def to_toml(c: Config) -> str:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bus.errors import ReelError
 from runtime import config as config_mod
-from runtime.config import Config, ConfigError
+from runtime.config import Config
 from runtime.progress import Progress
 
 # Roles are reached by name (runtime/ never imports producers/ or consumers/ directly).

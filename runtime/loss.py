@@ -169,8 +169,10 @@ def mismatch_metrics(logp_old_N: Tensor, logp_mu_N: Tensor, mask_N: Tensor | Non
 
 
 def staleness_histogram(versions_N: Tensor, step: int, mask_N: Tensor | None = None) -> dict[int, int]:
-    """{step - version: tokens}: how many policy versions behind each unmasked token was sampled
-    (`step` is the trainer step that consumes the tokens, as in DESIGN.md)."""
+    """{step - version: tokens}: how many policy versions behind each unmasked token was sampled.
+
+    The trainer passes `step` = the version of the weights it is about to update (steps done so
+    far), so 0 means on-policy and `trainer.max_off_policy_steps` bounds exactly this number."""
     behind = step - versions_N[_keep(mask_N, versions_N)].long()
     values, counts = torch.unique(behind, sorted=True, return_counts=True)
     return dict(zip(values.tolist(), counts.tolist()))

@@ -9,7 +9,7 @@ import torch
 from bus.events import Sample, Tensor, Trajectory
 from runtime import checkpoint
 from runtime.batch import Group, build_batch
-from runtime.config import Config, TrainerSection, from_dict
+from runtime.config import Config, from_dict
 from runtime.model.config import MoEConfig
 from runtime.model.model import MoEModel
 from runtime.train_step import TrainState, make_optimizer, train_step, weights_sha256
