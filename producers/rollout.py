@@ -110,6 +110,7 @@ class RolloutWorker:
         self._changed = asyncio.Event()  # set whenever a gate condition may have changed
         self._steps_read = False  # the steps stream has been read up to its end once
         self._background: list[asyncio.Task[None]] = []
+        self._publishing: set[str] = set()  # groups whose events are being sent: never cancelled
         self._failures: list[BaseException] = []
         self._idle_since: float | None = time.monotonic()  # no group in flight since then
         self._idle_s = 0.0  # idle seconds since the last WorkerStats
@@ -135,10 +136,10 @@ class RolloutWorker:
                     await self._wait(stop)
             await self._drain()
         finally:
-            tasks = [*self._background, *self.in_flight.values()]  # groups are left only when run() fails
-            for task in tasks:
+            await self._stop_groups()  # none are left unless run() failed
+            for task in self._background:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*self._background, return_exceptions=True)
             if self.engine is not None:
                 await self.engine.close()
             await asyncio.shield(redis.aclose())
@@ -212,7 +213,11 @@ class RolloutWorker:
             temperature=r.temperature)
         trace = (self.publisher.stamp(RoutingTrace, group_id=group_id, blob=blob) if blob is not None
                  else self.publisher.stamp(RoutingTrace, group_id=group_id, experts=experts))
-        await self.publisher.publish([trajectory, trace])
+        self._publishing.add(group_id)
+        try:
+            await self.publisher.publish([trajectory, trace])
+        finally:
+            self._publishing.discard(group_id)
         self.published += 1
 
     def _sample(self, prompt: Prompt, c: Completion) -> Sample:
@@ -226,16 +231,25 @@ class RolloutWorker:
             log.info("%s stopping: waiting up to %.0f s for %d groups in flight", self.name, DRAIN_TIMEOUT_S,
                      len(self.in_flight))
             await asyncio.wait(list(self.in_flight.values()), timeout=DRAIN_TIMEOUT_S)
-        unfinished = dict(self.in_flight)
-        for task in unfinished.values():
-            task.cancel()
-        await asyncio.gather(*unfinished.values(), return_exceptions=True)
+        unfinished = await self._stop_groups()
         self.abandoned += unfinished
         if unfinished:
             log.warning("%s abandoned %d unfinished groups (not published): %s", self.name, len(unfinished),
                         ", ".join(unfinished))
         for error in self._failures:
             log.error("%s: a group failed: %s", self.name, error)
+
+    async def _stop_groups(self) -> list[str]:
+        """Cancel the groups still generating; let those already publishing finish.
+
+        Cutting a publish short could drop the connection between the two XADDs of a group and
+        leave a Trajectory without its RoutingTrace, so a publish is bounded only by its socket timeout.
+        """
+        generating = [g for g in self.in_flight if g not in self._publishing]
+        for group_id in generating:
+            self.in_flight[group_id].cancel()
+        await asyncio.gather(*self.in_flight.values(), return_exceptions=True)
+        return generating
 
     # ---- background ---------------------------------------------------------------------------
 

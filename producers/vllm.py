@@ -133,6 +133,8 @@ class VLLMEngine(Engine):
             raise EngineError(f"vLLM request failed: {type(exc).__name__}: {exc}") from exc
         finally:
             self._running -= 1
+        if final is None:
+            raise EngineError("vLLM ended a request without any output")
         out = final.outputs[0]
         if out.finish_reason not in ("stop", "length"):
             raise EngineError(f"vLLM ended a request with finish_reason {out.finish_reason!r}")
