@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import importlib.util
+import json
 import math
 
 import numpy as np
@@ -226,3 +227,12 @@ def test_vllm_engine_says_how_to_install_vllm(tmp_path) -> None:
 
     with pytest.raises(EngineError, match="pip install"):
         VLLMEngine(tmp_path)
+
+
+def test_bench_engine_quick_prints_one_json_line(capsys: pytest.CaptureFixture) -> None:
+    from runtime import cli
+
+    assert cli.main(["bench", "engine", "--quick"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    result = json.loads(line)
+    assert result["bench"] == "engine" and result["ratio"] > 0 and result["agree"] >= 0.9
