@@ -208,8 +208,8 @@ class RolloutWorker:
         if sum(len(t.data) for t in experts) > ROUTING_INLINE_BYTES:
             blob = await asyncio.to_thread(self.blobs.put, msgspec.msgpack.encode(experts))
         trajectory = self.publisher.stamp(
-            Trajectory, group_id=group_id, env=self.env.name, prompt=Tensor.from_numpy(np.asarray(prompt.ids, np.int32)),
-            samples=[self._sample(prompt, c) for c in completions], worker=self.name, meta=prompt.meta,
+            Trajectory, group_id=group_id, env=self.env.name,
+            prompt=Tensor.from_numpy(np.asarray(prompt.ids, np.int32)), samples=[self._sample(prompt, c) for c in completions], worker=self.name, meta=prompt.meta,
             temperature=r.temperature)
         trace = (self.publisher.stamp(RoutingTrace, group_id=group_id, blob=blob) if blob is not None
                  else self.publisher.stamp(RoutingTrace, group_id=group_id, experts=experts))

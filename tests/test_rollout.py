@@ -210,7 +210,8 @@ async def test_killed_worker_loses_no_group_and_a_new_one_uses_fresh_seqs(redis_
                                                                          tmp_path) -> None:
     run_dir = make_run(tmp_path, run_name, async_level=100)
     await publish_weights(redis_url, run_dir, 0, initial_model(run_dir), commit=False)
-    code = f"from pathlib import Path; from producers.rollout import main; main(Path({str(run_dir)!r}), {redis_url!r}, 0)"
+    code = (f"from pathlib import Path; from producers.rollout import main; "
+            f"main(Path({str(run_dir)!r}), {redis_url!r}, 0)")
     with open(tmp_path / "worker.log", "wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, REEL_TORCH_THREADS="1"),
                                 stdout=out, stderr=subprocess.STDOUT)
