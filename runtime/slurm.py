@@ -1,0 +1,397 @@
+"""`reel launch slurm|status|cancel`: a whole run as one Slurm heterogeneous job.
+
+`reel launch slurm CONFIG` renders ops/slurm/reel.sbatch into RUN_DIR/slurm/job.sbatch and
+submits it (with --dry-run it prints the script and touches nothing). One het group per pool:
+    0 control    Redis (ops/redis/redis.conf), the archiver, the metrics exporter; with vLLM also
+                 the rollout workers (HTTP clients), the P/D router and the Mooncake master
+    1.. rollout  built-in engine: the rollout workers; vLLM: one pool (`rollout`) or two
+                 (`prefill`, `decode`) of `vllm serve` nodes (runtime/vllm_args.py)
+    last trainer torchrun over its nodes, `reel role trainer`
+The job id goes to RUN_DIR/slurm_job_id; `reel launch status|cancel RUN_DIR` wrap squeue/scancel.
+
+Errors: a config or flag combination that cannot run is a ConfigError (exit 2) naming the key or
+flag; a Slurm command that is missing or fails is a SlurmError (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import NamedTuple
+
+from bus.errors import ReelError
+from runtime import config as config_mod
+from runtime import vllm_args
+from runtime.config import Config, ConfigError
+from runtime.vllm_args import Expand, Pool
+
+OPS = Path(__file__).resolve().parents[1] / "ops"
+TEMPLATE = OPS / "slurm" / "reel.sbatch"
+REDIS_CONF = OPS / "redis" / "redis.conf"
+SAFE_PATH = re.compile(r"[A-Za-z0-9_./+-]+")  # run directories go unquoted into #SBATCH lines
+
+
+class SlurmError(ReelError):
+    """A Slurm command is missing or failed, or a run directory has no submitted job."""
+
+
+class JobOptions(NamedTuple):
+    time: str = "01:00:00"
+    partition: str | None = None
+    account: str | None = None
+    rollout_nodes: int = 1
+    trainer_nodes: int = 1
+    gpus_per_node: int = 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> JobOptions:
+        return cls(args.time, args.partition, args.account, args.rollout_nodes, args.trainer_nodes,
+                   args.gpus_per_node)
+
+
+class Component(NamedTuple):
+    name: str
+    nodes: int
+    options: list[str]  # sbatch options of this het group
+    runs: str  # what runs there, for the script's header
+
+
+# ---- handlers -------------------------------------------------------------------------------
+
+def main_submit(args: argparse.Namespace) -> int:
+    config = config_mod.load(args.config)
+    run_dir = Path(args.run_dir or Path(config.run.out_dir) / config.run.name).absolute()
+    script = render(config, run_dir, JobOptions.from_args(args))
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    _which("sbatch")
+    from runtime.launch import prepare_run_dir  # the run directory layout is the local launcher's
+
+    prepare_run_dir(run_dir, Path(args.config).read_text(), config, resume=False)
+    try:
+        job = submit(run_dir, script)
+    except SlurmError:
+        shutil.rmtree(run_dir)  # made by this call and holds nothing else: let a fixed retry reuse it
+        raise
+    print(f"reel: submitted Slurm job {job}; run directory {run_dir}\n"
+          f"reel: follow it with `reel launch status {run_dir}`; its output is {run_dir}/slurm/job-{job}.out")
+    return 0
+
+
+def submit(run_dir: Path, script: str) -> str:
+    """Write the script to RUN_DIR/slurm/job.sbatch, sbatch it, record the job id; returns the id."""
+    (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
+    path = run_dir / "slurm" / "job.sbatch"
+    path.write_text(script)
+    job = _run(["sbatch", "--parsable", str(path)]).strip().split(";")[0]
+    (run_dir / "slurm_job_id").write_text(job + "\n")
+    return job
+
+
+def main_status(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    job = job_id(run_dir)
+    _which("squeue")
+    queued = subprocess.run(["squeue", "-h", "-j", job, "-o", "%i|%T|%M|%D|%R"], capture_output=True, text=True)
+    rows = [line.split("|") for line in queued.stdout.splitlines() if line.strip()]
+    if queued.returncode == 0 and rows:
+        print(f"job {job} ({run_dir}):")
+        for component, state, elapsed, nodes, where in rows:
+            print(f"  {component:<10} {state:<12} {elapsed:>10}  {nodes} node(s)  {where}")
+    else:
+        shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True)
+        states = re.findall(r"HetJobOffset=(\d+).*?JobState=(\S+).*?ExitCode=(\S+)", shown.stdout, re.S)
+        if shown.returncode == 0 and states:
+            print(f"job {job} ({run_dir}) has left the queue:")
+            for offset, state, code in states:
+                print(f"  {job}+{offset:<8} {state:<12} exit code {code}")
+        else:
+            print(f"job {job} ({run_dir}) is no longer known to Slurm")
+    print(f"output: {run_dir}/slurm/job-{job}.out")
+    return 0
+
+
+def main_cancel(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    job = job_id(run_dir)
+    _which("scancel")
+    _run(["scancel", job])
+    print(f"reel: cancelled Slurm job {job}: every component gets SIGTERM (the job script stops them "
+          f"in order), then SIGKILL after Slurm's KillWait")
+    return 0
+
+
+def job_id(run_dir: Path) -> str:
+    try:
+        return (run_dir / "slurm_job_id").read_text().strip()
+    except FileNotFoundError:
+        raise SlurmError(f"{run_dir} has no slurm_job_id: it was not submitted with `reel launch slurm`") from None
+
+
+# ---- rendering ------------------------------------------------------------------------------
+
+def render(c: Config, run_dir: Path, opts: JobOptions) -> str:
+    """The job script for config `c` with run directory `run_dir` (absolute, shared by every node)."""
+    check(c, run_dir, opts)
+    vllm = c.engine.kind == "vllm"
+    pools = vllm_args.pools(c, opts.rollout_nodes) if vllm else []
+    components = _components(c, opts, pools)
+    trainer = len(components) - 1
+    lines = [*_control_lines(), *_trainer_lines(c, opts, trainer)]
+    worker = ["env", "OMP_NUM_THREADS=1", "REEL_TORCH_THREADS=1", "bash", "-c",
+              'exec "$REEL" role rollout --run "$RUN_DIR" --worker "$SLURM_PROCID"']
+    if vllm:
+        lines += [*_vllm_lines(c, pools), "# het group 0: the rollout workers, once vLLM answers",
+                  start_line("rollout", 0, "rollout-%t.log", ["--nodes=1", f"--ntasks={c.rollout.workers}"], worker)]
+    else:
+        lines += ["# het group 1: rollout workers (built-in engine); worker index = task rank",
+                  start_line("rollout", 1, "rollout-%t.log",
+                             [f"--nodes={opts.rollout_nodes}", f"--ntasks={c.rollout.workers}"], worker)]
+    settings = {"RUN_DIR": str(run_dir), "RUN_NAME": c.run.name, **_binaries(c),
+                "FINISHER": "trainer", "DRAINER": "archiver"}
+    return job_script(header=_header(c, run_dir, components, vllm), components=components, opts=opts,
+                      job_name=f"reel-{c.run.name}", output=f"{run_dir}/slurm/job-%j.out", chdir=str(run_dir),
+                      settings=settings, body="\n".join(lines))
+
+
+def _components(c: Config, opts: JobOptions, pools: list[Pool]) -> list[Component]:
+    """The het groups: control, the rollout side (built-in workers or vLLM pools), the trainer."""
+    vllm = bool(pools)
+    control = ["redis-server (ops/redis/redis.conf: AOF, fsync every second; a password made for this job; "
+               "bound to this node's address)", "the archiver", "the metrics exporter"]
+    if c.engine.kv_connector == "MooncakeStoreConnector":
+        control.append("the Mooncake store master")
+    if c.engine.pd_disaggregation:
+        control.append("vllm-router (P/D)")
+    if vllm:
+        control.append(f"{c.rollout.workers} rollout worker(s), clients of vLLM (`reel role rollout --worker K`)")
+    components = [Component("control", 1, ["--nodes=1", f"--ntasks={c.rollout.workers if vllm else 1}"],
+                            ", ".join(control))]
+    gpus = [f"--gpus-per-node={opts.gpus_per_node}", "--exclusive"] if opts.gpus_per_node else []
+    components += [Component(pool.role, pool.nodes, [f"--nodes={pool.nodes}", "--ntasks-per-node=1", *gpus],
+                             _pool_summary(c, pool)) for pool in pools]
+    if not vllm:
+        components.append(Component("rollout", opts.rollout_nodes,
+                                    [f"--nodes={opts.rollout_nodes}", f"--ntasks={c.rollout.workers}", *gpus],
+                                    f"{c.rollout.workers} rollout worker(s) on the built-in engine "
+                                    f"(`reel role rollout --worker K`, K = task rank)"))
+    components.append(Component("trainer", opts.trainer_nodes,
+                                [f"--nodes={opts.trainer_nodes}", "--ntasks-per-node=1",
+                                 f"--cpus-per-task={c.trainer.threads or 1}", *gpus],
+                                f"torchrun, {opts.gpus_per_node or 1} process(es) per node: `reel role trainer`"))
+    return components
+
+
+def _control_lines() -> list[str]:
+    return ["# het group 0: control", "start_bus 0", 'wait_until "the bus" bus_ok',
+            start_line("archiver", 0, "archiver.log", ["--nodes=1", "--ntasks=1"],
+                       [Expand("$REEL"), "role", "archiver", "--run", Expand("$RUN_DIR")]),
+            "METRICS_PORT=$((PORT_BASE + 1))",
+            start_line("metrics", 0, "metrics.log", ["--nodes=1", "--ntasks=1"],
+                       [Expand("$REEL"), "metrics", "serve", "--run", Expand("$RUN_DIR"),
+                        "--port", Expand("$METRICS_PORT")]),
+            'echo "reel: metrics at http://$BUS_HOST:$METRICS_PORT/metrics"', ""]
+
+
+def _trainer_lines(c: Config, opts: JobOptions, group: int) -> list[str]:
+    threads = c.trainer.threads or 1
+    return [f"# het group {group}: trainer (torchrun rendezvous on its first node)",
+            f"TRAINER_HEAD=$(group_addr {group} 0)", "TRAINER_PORT=$((PORT_BASE + 2))",
+            start_line("trainer", group, "trainer-%n.log", [f"--nodes={opts.trainer_nodes}", "--ntasks-per-node=1"],
+                       ["env", f"OMP_NUM_THREADS={threads}", f"REEL_TORCH_THREADS={threads}", Expand("$TORCHRUN"),
+                        f"--nnodes={opts.trainer_nodes}", f"--nproc-per-node={opts.gpus_per_node or 1}",
+                        "--rdzv-backend=c10d", Expand("--rdzv-endpoint=$TRAINER_HEAD:$TRAINER_PORT"),
+                        Expand("--rdzv-id=$SLURM_JOB_ID"),
+                        # "--": torchrun would otherwise take the role's --run for an abbreviated option
+                        "--no-python", "--", Expand("$REEL"), "role", "trainer", "--run", Expand("$RUN_DIR")]),
+            ""]
+
+
+def _binaries(c: Config) -> dict[str, str]:
+    found = {"REEL": _beside_python("reel"), "PYTHON": sys.executable, "TORCHRUN": _beside_python("torchrun"),
+             "REDIS_SERVER": shutil.which("redis-server") or "redis-server", "REDIS_CONF": str(REDIS_CONF)}
+    if c.engine.kind == "vllm":
+        found["VLLM"] = _beside_python("vllm")
+    if c.engine.pd_disaggregation:
+        found["VLLM_ROUTER"] = _beside_python("vllm-router")
+    if c.engine.kv_connector == "MooncakeStoreConnector":
+        found["MOONCAKE_MASTER"] = _beside_python("mooncake_master")
+    return found
+
+
+def job_script(*, header: str, components: list[Component], opts: JobOptions, job_name: str, output: str,
+               chdir: str, settings: dict[str, str], body: str) -> str:
+    """Fill ops/slurm/reel.sbatch: `settings` become exported shell variables, `body` starts the steps."""
+    sbatch = [f"#SBATCH --job-name={job_name} --output={output} --chdir={chdir}"]
+    for i, comp in enumerate(components):
+        if i:
+            sbatch.append("#SBATCH hetjob")
+        extra = [f"--time={opts.time}"] + [f"--partition={opts.partition}"] * bool(opts.partition) \
+            + [f"--account={opts.account}"] * bool(opts.account)
+        sbatch.append(f"#SBATCH {' '.join(comp.options + extra)}  # {i}: {comp.name}")
+    values = {"HEADER": header, "SBATCH": "\n".join(sbatch), "COMPONENTS": body,
+              "SETTINGS": "\n".join(f"export {k}={shlex.quote(v)}" for k, v in settings.items())}
+    return re.sub(r"\{\{(\w+)\}\}", lambda m: values[m.group(1)], TEMPLATE.read_text())
+
+
+def check(c: Config, run_dir: Path, opts: JobOptions) -> None:
+    """Refuse a job that cannot run, naming the key or flag to change."""
+    _require(SAFE_PATH.fullmatch(str(run_dir)) is not None,
+             f"--run-dir {run_dir} has characters a job script cannot carry; use letters, digits and _ . / + -")
+    _require(not c.bus.url, f"bus.url = {c.bus.url!r}: `reel launch slurm` starts the run's own Redis on the "
+                            f"control node; remove bus.url")
+    for flag, text in (("--time", opts.time), ("--partition", opts.partition), ("--account", opts.account)):
+        _require(text is None or re.fullmatch(r"[A-Za-z0-9_:.,-]+", text) is not None,
+                 f"{flag} {text!r} is not a Slurm {flag[2:]} (letters, digits and _ : . , - only)")
+    for flag, value in (("--rollout-nodes", opts.rollout_nodes), ("--trainer-nodes", opts.trainer_nodes)):
+        _require(value >= 1, f"{flag} {value} must be at least 1")
+    _require(opts.gpus_per_node >= 0, f"--gpus-per-node {opts.gpus_per_node} must be >= 0")
+    if c.engine.kind == "builtin":
+        _require(c.rollout.workers >= opts.rollout_nodes,
+                 f"--rollout-nodes {opts.rollout_nodes} exceeds rollout.workers = {c.rollout.workers}: a node "
+                 f"would run no worker; lower --rollout-nodes or raise rollout.workers")
+        return
+    _require(not (c.engine.pd_disaggregation and opts.rollout_nodes != 1),
+             "with engine.pd_disaggregation = true the pools' sizes are engine.prefill_nodes and "
+             "engine.decode_nodes; drop --rollout-nodes")
+    for pool in vllm_args.pools(c, opts.rollout_nodes):
+        vllm_args.check_layout(c, pool, opts.gpus_per_node)
+
+
+def _vllm_lines(c: Config, pools: list[Pool]) -> list[str]:
+    lines: list[str] = []
+    store = c.engine.kv_connector == "MooncakeStoreConnector"
+    if store:
+        lines += ["# het group 0: the Mooncake store master (each vLLM node adds its segment to the store)",
+                  "MOONCAKE_PORT=$((PORT_BASE + 4))",
+                  start_line("mooncake-master", 0, "mooncake-master.log", ["--nodes=1", "--ntasks=1"],
+                         [Expand("$MOONCAKE_MASTER"), Expand("--rpc_address=$BUS_HOST"),
+                          Expand("--rpc_port=$MOONCAKE_PORT")]), ""]
+    for group, pool in enumerate(pools, start=1):
+        lines += [_comment(f"het group {group}: {_pool_summary(c, pool)}"), f"{pool.head_var}=$(group_addr {group} 0)"]
+        for node in range(pool.nodes):
+            addr = Expand(f"$(group_addr {group} {node})")
+            if store:
+                text = json.dumps(vllm_args.mooncake_store_config(c, "@ADDR@", "@MASTER@"))
+                text = text.replace("@ADDR@", addr).replace("@MASTER@", "$BUS_HOST:$MOONCAKE_PORT")
+                lines += [f'cat > "{vllm_args.mooncake_config_path(pool, node)}" <<EOF', text, "EOF"]
+            env = [f"{k}={v}" if not isinstance(v, Expand) else Expand(f"{k}={v}")
+                   for k, v in vllm_args.serve_env(c, pool, node, addr).items()]
+            lines.append(start_line(f"vllm-{pool.role}-{node}", group, f"vllm-{pool.role}-{node}.log",
+                                ["--nodes=1", "--ntasks=1", f"--relative={node}"],
+                                ["env", *env, *vllm_args.serve_argv(c, pool, node)]))
+        lines.append("")
+    heads = [f"http://${p.head_var}:{vllm_args.API_PORT}" for p in pools]
+    if c.engine.pd_disaggregation:
+        lines += ["# het group 0: the P/D router in front of the prefill and decode pools",
+                  "ROUTER_PORT=$((PORT_BASE + 3))",
+                  start_line("vllm-router", 0, "vllm-router.log", ["--nodes=1", "--ntasks=1"],
+                         [Expand("$VLLM_ROUTER"), "--vllm-pd-disaggregation", "--prefill", Expand(heads[0]),
+                          "--decode", Expand(heads[1]), "--host", Expand("$BUS_HOST"), "--port",
+                          Expand("$ROUTER_PORT"), "--policy", "consistent_hash"]),
+                  'export REEL_VLLM_URL="http://$BUS_HOST:$ROUTER_PORT"']
+    else:
+        lines.append(f'export REEL_VLLM_URL="{heads[0]}"')
+    lines.append(f'export REEL_VLLM_SERVERS="{",".join(heads)}"  # every API server: weight updates go to each')
+    lines += [f'wait_until "vLLM at {url}" http_ok "{url}/health"' for url in heads]
+    if c.engine.pd_disaggregation:
+        lines.append('wait_until "the P/D router" http_ok "$REEL_VLLM_URL/health"')
+    return lines
+
+
+def _pool_summary(c: Config, pool: Pool) -> str:
+    e = c.engine
+    what = {"rollout": "vLLM (prefill and decode)", "prefill": "vLLM prefill", "decode": "vLLM decode"}[pool.role]
+    parts = [f"{what}, data parallel {e.data_parallel_size} x tensor parallel {e.tensor_parallel_size}"]
+    if e.expert_parallel:
+        backend = vllm_args.ALL2ALL.get(pool.role)
+        parts.append("expert parallel" + (f" ({backend})" if backend else ""))
+    if e.kv_connector:
+        parts.append(e.kv_connector + (" + CPU offload" if e.kv_connector in vllm_args.PD_CONNECTORS
+                                       and e.kv_offload_cpu_gib else ""))
+    return ", ".join(parts)
+
+
+def _header(c: Config, run_dir: Path, components: list[Component], vllm: bool) -> str:
+    text = [f'Reel run "{c.run.name}" as one Slurm heterogeneous job, rendered by `reel launch slurm` from '
+            f"ops/slurm/reel.sbatch. Run directory (shared by every node): {run_dir}; the run's config is "
+            f"its config.toml.", ""]
+    text += [f"Het group {i}, {comp.name} ({comp.nodes} node{'s' * (comp.nodes > 1)}): {comp.runs}."
+             for i, comp in enumerate(components)]
+    text += ["", "Every role finds Redis through REEL_BUS_URL (redis://:PASSWORD@HOST:PORT/0), exported below "
+                 "and written to RUN_DIR/bus_url (mode 0600) while the job runs."]
+    if vllm:
+        text.append("Rollout workers send generate requests to REEL_VLLM_URL and weight updates to every "
+                    "server in REEL_VLLM_SERVERS.")
+    text += ["Setup: none here. The trainer role publishes RunStarted and the version-0 weights itself when "
+             "the run has no WeightsPublished yet, so this script only starts roles.",
+             "End: when the trainer exits 0, RunFinished is announced, the archiver drains and exits, and the "
+             "rest stop (Redis last): exit 0. When a component ends before that, its name and exit code go to "
+             "stderr, the others stop, and the job exits with that code.",
+             "Paths below were resolved where the job was submitted: every node must see them."]
+    out: list[str] = []
+    for para in text:
+        indent = "#   " if para.startswith("Het group") else "# "
+        out += ["#"] if not para else textwrap.wrap(para, 98, initial_indent="# ", subsequent_indent=indent,
+                                                    break_long_words=False, break_on_hyphens=False)
+    return "\n".join(out)
+
+
+def start_line(name: str, group: int, log: str, srun: list[str], command: list[str]) -> str:
+    words = ["start", name, str(group), Expand(f"$ROLES/{log}"), *srun, "--", *command]
+    return _wrap([f'"{w}"' if isinstance(w, Expand) else shlex.quote(w) for w in words])
+
+
+def _wrap(words: list[str], width: int = 100) -> str:
+    """Join shell words into continued lines of at most ~width, keeping `--flag value` together."""
+    units: list[str] = []
+    for word in words:
+        if units and units[-1].startswith("--") and " " not in units[-1] and "=" not in units[-1] \
+                and not word.startswith("-"):
+            units[-1] += " " + word
+        else:
+            units.append(word)
+    lines, line = [], ""
+    for unit in units:
+        if line and len(line) + 1 + len(unit) > width:
+            lines.append(line + " \\")
+            line = "    " + unit
+        else:
+            line = f"{line} {unit}" if line else unit
+    return "\n".join(lines + [line])
+
+
+def _comment(text: str) -> str:
+    return "\n".join(textwrap.wrap(text, 98, initial_indent="# ", subsequent_indent="#   ", break_on_hyphens=False))
+
+
+def _beside_python(name: str) -> str:
+    """An executable of this environment (the venv's reel, torchrun, vllm), else whatever PATH has."""
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else shutil.which(name) or name
+
+
+def _which(command: str) -> None:
+    if shutil.which(command) is None:
+        raise SlurmError(f"{command} is not on PATH: run this where Slurm's commands are (or use --dry-run)")
+
+
+def _run(argv: list[str]) -> str:
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        why = done.stderr.strip() or done.stdout.strip()
+        raise SlurmError(f"{' '.join(argv[:2])} failed (exit {done.returncode}): {why}")
+    return done.stdout
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

