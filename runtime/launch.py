@@ -162,6 +162,7 @@ class RoleProcess:
         with open(log_path, "ab") as log:
             self.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                           start_new_session=True)
+        log_path.with_suffix(".pid").write_text(str(self.popen.pid))  # for operators (and tests)
 
     def poll(self) -> int | None:
         return self.popen.poll()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import socket
@@ -57,7 +58,8 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture
 def run_name(request: pytest.FixtureRequest) -> str:
     """A run name unique to the test, so tests sharing the Redis server never see each other's streams."""
-    return f"t{os.getpid()}-{request.node.name[:40]}".replace("[", "-").replace("]", "")
+    digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:10]
+    return f"t{os.getpid()}-{request.node.name[:30]}-{digest}".replace("[", "-").replace("]", "")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -72,3 +74,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if deselected:
             config.hook.pytest_deselected(items=deselected)
             items[:] = [i for i in items if "gpu" not in i.keywords]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_start_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Warm-starts are cached per test session (never in the user's ~/.cache)."""
+    previous = os.environ.get("REEL_CACHE")
+    os.environ["REEL_CACHE"] = str(tmp_path_factory.mktemp("reel-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("REEL_CACHE", None)
+    else:
+        os.environ["REEL_CACHE"] = previous

@@ -1,0 +1,109 @@
+"""`reel run` end to end on this CPU: every role a real process, a real Redis, the real log."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bus.events import StepCommitted, Trajectory, WeightsPublished
+from bus.log import RunLog
+from runtime.cli import main
+
+pytestmark = pytest.mark.slow
+
+TINY = """
+[run]
+name = "{name}"
+steps = {steps}
+[model]
+hidden_size = 32
+moe_intermediate_size = 32
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+head_dim = 8
+num_experts = 4
+num_experts_per_tok = 2
+[init]
+warmup_steps = 30
+[env]
+min_len = 2
+max_len = 4
+[rollout]
+concurrency = 4
+group_size = 4
+async_level = 1
+max_tokens = 6
+[trainer]
+batch_groups = 4
+checkpoint_every = 2
+max_off_policy_steps = 2
+"""
+
+
+def _config(tmp_path: Path, name: str, steps: int) -> Path:
+    path = tmp_path / f"{name}.toml"
+    path.write_text(TINY.format(name=name, steps=steps))
+    return path
+
+
+def _commits(run_dir: Path) -> list[StepCommitted]:
+    with RunLog(run_dir, readonly=True) as log:
+        return [e for _, e in log.events("steps") if isinstance(e, StepCommitted)]
+
+
+def test_short_run_commits_every_step_and_replays_bitwise(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    assert main(["run", str(_config(tmp_path, "e2e", 4)), "--out", str(run_dir), "--no-live"]) == 0
+    commits = _commits(run_dir)
+    assert [c.step for c in commits] == [1, 2, 3, 4]
+    assert all(0.0 <= c.metrics["reward_mean"] <= 1.0 for c in commits)
+    with RunLog(run_dir, readonly=True) as log:
+        assert log.verify()["trajectories"] >= 4 * 4
+        versions = [e.version for _, e in log.events("weights") if isinstance(e, WeightsPublished)]
+    assert versions == [0, 1, 2, 3, 4]
+    assert main(["log", "verify", "--run", str(run_dir)]) == 0
+    capsys.readouterr()
+    for step in (1, 2, 3, 4):
+        assert main(["replay", "step", str(step), "--run", str(run_dir), "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["bitwise"] is True, report
+    assert not (run_dir / "bus_url").exists()  # the embedded Redis was stopped
+
+
+def test_killed_role_stops_the_run_and_resume_completes_it(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    config = _config(tmp_path, "kill", 30)
+    argv = [sys.executable, "-m", "runtime.cli", "run", str(config), "--out", str(run_dir), "--no-live"]
+    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not ((run_dir / "log" / "steps").is_dir() and _commits(run_dir)):
+            assert launcher.poll() is None, launcher.communicate()
+            time.sleep(0.2)
+        os.kill(int((run_dir / "roles" / "rollout-0.pid").read_text()), signal.SIGKILL)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 1
+    assert "role rollout-0 stopped" in err and "--resume" not in err.splitlines()[0]
+    stopped_at = len(_commits(run_dir))
+    assert stopped_at < 30
+
+    resumed = subprocess.run(argv + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    commits = _commits(run_dir)
+    assert [c.step for c in commits] == list(range(1, 31))
+    trained = [g for c in commits for g in c.groups]
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    with RunLog(run_dir, readonly=True) as log:
+        published = {e.group_id for _, e in log.events("trajectories") if isinstance(e, Trajectory)}
+    assert set(trained) <= published
