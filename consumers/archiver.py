@@ -4,9 +4,10 @@ One consumer ("archiver") of group "archiver"; the log's flock keeps it to one p
 directory, and the fixed consumer name lets a restarted archiver find what its predecessor left
 pending. Each round:
 
-    read    this consumer's pending entries first (delivered before a crash or a lost reply),
-            else new ones (blocking up to block_ms); the next read overlaps this round's writing
-    skip    entries at or before their stream's last logged entry id: logged, but the ack was lost
+    read    this consumer's pending entries (left by a crashed predecessor) until none are left,
+            then new ones (blocking up to block_ms); the next read overlaps this round's writing
+    skip    entries at or before their stream's last logged entry id: logged by a predecessor that
+            died before acking them
     dead    entries that are not Reel events -> the dead-letter stream (acked there, not logged)
     log     append per stream: one write + one fdatasync per stream per round (group commit)
     ack     XACK only now: a crash before this re-delivers the entries, and `skip` drops the repeats
@@ -54,7 +55,7 @@ Entry = tuple[str, str, dict | None]  # (stream, entry id, fields; None if delet
 class _Round(msgspec.Struct):
     """One read's worth of work."""
 
-    entries: list[Entry]  # all of them are acked at the end
+    entries: list[Entry]  # all of them are acked once the records are durable
     records: dict[str, list[tuple[str, bytes]]] = {}  # stream -> (entry id, event bytes) to log
     dead: list[tuple[str, str, bytes, str]] = []  # (stream, entry id, raw, reason)
     finished: bool = False  # a RunFinished is among the records
@@ -84,27 +85,32 @@ class Archiver:
         self.finished = False  # a RunFinished has been logged
         self._key = {stream: stream_key(run, stream) for stream in self.streams}
         self._name = {key: stream for stream, key in self._key.items()}
+        self._history: dict[str, str] | None = {s: "0" for s in self.streams}  # pending-list cursors
 
     async def run(self, stop: asyncio.Event) -> None:
         self.log = RunLog(self.run_dir, self.segment_bytes)
-        self.redis = connect(self.bus_url, socket_timeout=self.block_ms / 1000 + _READ_MARGIN_S, retries=2)
+        self.redis = connect(self.bus_url, socket_timeout=self.block_ms / 1000 + _READ_MARGIN_S)  # no retries: see _read
         disk = ThreadPoolExecutor(1, thread_name_prefix="archiver-disk")  # fdatasync off the event loop
-        committing: asyncio.Task | None = None  # the previous round's log append + ack
+        writing: asyncio.Future | None = None  # the previous round's append, on the disk thread
+        written: _Round | None = None
         try:
             await self._create_groups()
             log.info("archiving run %s into %s, after %s", self.run_name, self.log.root,
                      {s: self.log.stream(s).last_entry_id() for s in self.streams})
             next_trim = time.monotonic() + self.trim_every_s
             while not stop.is_set():
-                # Two rounds overlap: the next read runs while the last one is written. Entries being
-                # written are still pending, so our pending list is read only when nothing is.
-                entries = (await self._read("0") if committing is None else []) or await self._read(">")
-                if committing is not None:
-                    await committing
-                    committing = None
+                # Rounds overlap: while one is written, the next read takes what is there without blocking.
+                blocking = writing is None
+                entries = await self._read(blocking)
+                if writing is not None:
+                    await writing
+                    await self._done(written)
+                    writing = None
                 if entries:
-                    committing = asyncio.ensure_future(self._commit(self._prepare(entries), disk))
-                elif self.finished:
+                    written = self._prepare(entries)
+                    await self._dead_letter(written.dead)
+                    writing = asyncio.get_running_loop().run_in_executor(disk, self._append, written.records)
+                elif self.finished and blocking:
                     log.info("run %s finished and every stream is drained: %d events logged, %d repeats "
                              "skipped", self.run_name, self.archived, self.repeats)
                     return
@@ -112,8 +118,9 @@ class Archiver:
                     for stream in self.streams:
                         await safe_trim(self.redis, self.run_name, stream)
                     next_trim = time.monotonic() + self.trim_every_s
-            if committing is not None:
-                await committing
+            if writing is not None:
+                await writing
+                await self._done(written)
         finally:
             disk.shutdown(wait=True)  # even when cancelled, no append may outlive the log's fds
             self.log.close()
@@ -128,14 +135,28 @@ class Archiver:
                     if "BUSYGROUP" not in str(exc):
                         raise
 
-    async def _read(self, cursor: str) -> list[Entry]:
-        """cursor "0": this consumer's pending entries (never blocks); ">": new ones."""
-        ids = {key: cursor for key in self._key.values()}
-        with self._bus(f"XREADGROUP {cursor} on {', '.join(ids)}"):
+    async def _read(self, block: bool) -> list[Entry]:
+        """Our pending entries (left by a predecessor) until there are none, then new ones.
+
+        Entries are logged in stream order, so the log always holds a prefix of what was delivered
+        and "at or before the last logged id" means "logged". That is why pending entries must all
+        come before any new one, and why reads are never retried: a retried XREADGROUP whose first
+        reply was lost would leave delivered entries behind. A bus error ends the archiver instead;
+        the next one finds those entries in its pending list."""
+        cursors = self._history or {stream: ">" for stream in self.streams}
+        ids = {self._key[stream]: cursor for stream, cursor in cursors.items()}
+        with self._bus(f"XREADGROUP on {', '.join(ids)}"):
             reply = await self.redis.xreadgroup(GROUP, CONSUMER, ids, count=self.batch,
-                                                block=self.block_ms if cursor == ">" else None)
-        return [(self._name[key.decode()], entry_id.decode(), fields)
-                for key, entries in reply or () for entry_id, fields in entries]
+                                                block=self.block_ms if block and not self._history else None)
+        entries = [(self._name[key.decode()], entry_id.decode(), fields)
+                   for key, entries in reply or () for entry_id, fields in entries]
+        if self._history:
+            for stream, entry_id, _ in entries:
+                self._history[stream] = entry_id
+            if not entries:
+                self._history = None
+                return await self._read(block)
+        return entries
 
     def _prepare(self, entries: list[Entry]) -> _Round:
         """Sort a read into records to log and entries to dead-letter; drop repeats."""
@@ -157,14 +178,13 @@ class Archiver:
                 round_.dead.append((stream, entry_id, data or msgspec.msgpack.encode(fields), f"undecodable: {exc}"))
                 continue
             round_.records.setdefault(stream, []).append((entry_id, data))
-        if repeats:  # only after a restart or a lost XACK reply
+        if repeats:  # only right after a restart
             log.info("%d re-delivered entries were already logged; acking them", repeats)
             self.repeats += repeats
         return round_
 
-    async def _commit(self, round_: _Round, disk: ThreadPoolExecutor) -> None:
-        await self._dead_letter(round_.dead)
-        await asyncio.get_running_loop().run_in_executor(disk, self._append, round_.records)
+    async def _done(self, round_: _Round) -> None:
+        """The round is durable: count it and ack every entry it read."""
         self.archived += sum(map(len, round_.records.values()))
         self.finished |= round_.finished
         await self._ack(round_.entries)
