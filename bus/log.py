@@ -3,11 +3,7 @@
     run_dir/log/<stream>/<first record index, 20 digits>.seg    records
                          <same>.idx                             sparse index of a sealed segment
 
-Record (little-endian):  [len u32][crc32c u32][payload: len bytes],  payload = msgpack [entry id, event]
-
-The CRC covers the length bytes as well as the payload, so a damaged length cannot pass for a shorter
-record and a zero-filled tail (a file extended without its data) never checks. The payload's msgpack
-prefix is written by hand so the event bytes go to the kernel with `writev` uncopied.
+Records are `[len u32][crc32c u32][msgpack [entry id, event bytes]]` (bus/logformat.py).
 
 Durability: `append_batch` writes a whole batch and fdatasyncs once (group commit); a segment is
 fdatasync'd before the next one is created, and the directory is fsync'd when a segment is created.
@@ -31,26 +27,22 @@ import fcntl
 import logging
 import os
 import re
-import struct
 from bisect import bisect_right
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-import crc32c
 import msgspec
-import numpy as np
 
 from bus.errors import ReelError
 from bus.events import AnyEvent, MalformedEvent, decode
+from bus.logformat import HEADER, BadRecord, check, entry_order, frame, fsync_dir, good_record_after, write_all
 
 __all__ = ["LogError", "LogCorrupted", "LogRecord", "StreamLog", "RunLog", "INDEX_EVERY"]
 
 log = logging.getLogger(__name__)
 
 INDEX_EVERY = 256  # records between sparse-index marks: a seek reads at most this many records
-_HEADER = struct.Struct("<II")
-_IOV_MAX = 1024
 _STREAM_NAME = re.compile(r"[a-z0-9_-]+")
 
 
@@ -86,92 +78,8 @@ class _EventKey(msgspec.Struct):
     seq: int
 
 
-class _BadRecord(Exception):
-    """Internal: the bytes at an offset are not a valid record (the reason is the message)."""
-
-
-_payload_decoder = msgspec.msgpack.Decoder(tuple[str, bytes])
 _sidecar_decoder = msgspec.msgpack.Decoder(_Segment)
 _key_decoder = msgspec.msgpack.Decoder(_EventKey)
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    """Redis stream ids "ms-seq" compare as integer pairs."""
-    ms, _, seq = entry_id.partition("-")
-    try:
-        return int(ms), int(seq or 0)
-    except ValueError:
-        raise ValueError(f"{entry_id!r} is not a stream entry id (ms-seq)") from None
-
-
-def _frame(entry_id: str, data: bytes) -> bytes:
-    """Everything of a record that precedes the event bytes: header and msgpack prefix."""
-    n = len(data)
-    if n < 1 << 8:
-        bin_header = b"\xc4" + n.to_bytes(1, "big")
-    elif n < 1 << 16:
-        bin_header = b"\xc5" + n.to_bytes(2, "big")
-    else:
-        bin_header = b"\xc6" + n.to_bytes(4, "big")
-    prefix = b"\x92" + msgspec.msgpack.encode(entry_id) + bin_header
-    length = (len(prefix) + n).to_bytes(4, "little")
-    crc = crc32c.crc32c(data, value=crc32c.crc32c(length + prefix))
-    return length + crc.to_bytes(4, "little") + prefix
-
-
-def _check(buf: memoryview, off: int) -> tuple[str, bytes, int]:
-    """(entry id, event bytes, end offset) of the record at `off`; _BadRecord if it is not one."""
-    if len(buf) - off < _HEADER.size:
-        raise _BadRecord("a partial record header")
-    length, crc = _HEADER.unpack_from(buf, off)
-    end = off + _HEADER.size + length
-    if end > len(buf):
-        raise _BadRecord(f"a {length}-byte record running past the end of the file")
-    if crc32c.crc32c(buf[off + _HEADER.size : end], value=crc32c.crc32c(buf[off : off + 4])) != crc:
-        raise _BadRecord("a CRC mismatch")
-    try:
-        entry_id, data = _payload_decoder.decode(buf[off + _HEADER.size : end])
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        raise _BadRecord("a payload that is not msgpack [entry id, bytes]") from None
-    return entry_id, data, end
-
-
-def _good_record_after(buf: memoryview, start: int) -> int | None:
-    """Offset of the first valid record at or after `start`, if any.
-
-    Tells a torn tail (nothing valid follows) from a damaged record (something does). Candidates are
-    offsets whose payload would start with msgpack [str, ...] (0x92 then a str header); only those pay
-    for a CRC."""
-    b = np.frombuffer(buf, dtype=np.uint8)
-    first, second = b[start + 8 : -1], b[start + 9 :]
-    candidates = np.flatnonzero((first == 0x92) & (((second & 0xE0) == 0xA0) | (second == 0xD9)))
-    for offset in (candidates + start).tolist():
-        try:
-            _check(buf, offset)
-            return offset
-        except _BadRecord:
-            continue
-    return None
-
-
-def _write_all(fd: int, buffers: list[bytes]) -> None:
-    views = [memoryview(b) for b in buffers]
-    i = 0
-    while i < len(views):
-        written = os.writev(fd, views[i : i + _IOV_MAX])
-        while i < len(views) and written >= len(views[i]):
-            written -= len(views[i])
-            i += 1
-        if written:
-            views[i] = views[i][written:]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class StreamLog:
@@ -205,7 +113,7 @@ class StreamLog:
         created = not self.directory.exists()
         self.directory.mkdir(parents=True, exist_ok=True)
         if created:
-            _fsync_dir(self.directory.parent)
+            fsync_dir(self.directory.parent)
         self._dir_fd = os.open(self.directory, os.O_RDONLY)
         try:
             fcntl.flock(self._dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -252,9 +160,9 @@ class StreamLog:
         off = 0
         while off < len(buf):
             try:
-                entry_id, _, end = _check(buf, off)
-            except _BadRecord as bad:
-                if tail and _good_record_after(buf, off + 1) is None:
+                entry_id, _, end = check(buf, off)
+            except BadRecord as bad:
+                if tail and good_record_after(buf, off + 1) is None:
                     self._torn(path, off, len(buf) - off)
                     break
                 raise self._corrupted(path, off, str(bad)) from None
@@ -293,7 +201,7 @@ class StreamLog:
             return
         last = self.last_entry_id()
         for entry_id, _ in records:
-            if last is not None and _id_key(entry_id) <= _id_key(last):
+            if last is not None and entry_order(entry_id) <= entry_order(last):
                 raise ValueError(f"entry id {entry_id} is not after {last} in log stream {self.name!r}")
             last = entry_id
         seg = self._segments[-1]
@@ -301,14 +209,14 @@ class StreamLog:
         staged: list[tuple[str, bytes, int]] = []  # (entry id, data, offset), noted once durable
         end = seg.size
         for entry_id, data in records:
-            frame = _frame(entry_id, data)
-            if (seg.count or staged) and end + len(frame) + len(data) > self.segment_bytes:
+            head = frame(entry_id, data)
+            if (seg.count or staged) and end + len(head) + len(data) > self.segment_bytes:
                 self._commit(seg, buffers, staged, end)
                 seg = self._roll(seg)
                 buffers, staged, end = [], [], 0
             staged.append((entry_id, data, end))
-            buffers += (frame, data)
-            end += len(frame) + len(data)
+            buffers += (head, data)
+            end += len(head) + len(data)
         self._commit(seg, buffers, staged, end)
 
     def _commit(self, seg: _Segment, buffers: list[bytes], staged: list[tuple[str, bytes, int]],
@@ -316,7 +224,7 @@ class StreamLog:
         path = self._path(seg)
         try:
             fd = self._tail_fd(seg)
-            _write_all(fd, buffers)
+            write_all(fd, buffers)
             os.fdatasync(fd)
         except OSError as exc:
             self._close_tail()  # reopening truncates back to the last durable byte
@@ -384,12 +292,12 @@ class StreamLog:
     def covers(self, entry_id: str) -> bool:
         """True if `entry_id` is at or before the last logged entry (ids are appended in order)."""
         last = self.last_entry_id()
-        return last is not None and _id_key(entry_id) <= _id_key(last)
+        return last is not None and entry_order(entry_id) <= entry_order(last)
 
     def records(self, after_entry_id: str | None = None, start: int = 0) -> Iterator[LogRecord]:
         """Records in order: those with entry id > `after_entry_id` and stream index >= `start`.
         Every record's CRC is checked; records appended while iterating are included."""
-        after = None if after_entry_id is None else _id_key(after_entry_id)
+        after = None if after_entry_id is None else entry_order(after_entry_id)
         seg_no, offset, index = self._seek(after, start)
         while seg_no < len(self._segments):
             seg = self._segments[seg_no]
@@ -400,10 +308,10 @@ class StreamLog:
             off = 0
             while off < len(buf):
                 try:
-                    entry_id, data, end = _check(buf, off)
-                except _BadRecord as bad:
+                    entry_id, data, end = check(buf, off)
+                except BadRecord as bad:
                     raise self._corrupted(path, offset + off, str(bad)) from None
-                if index >= start and (after is None or _id_key(entry_id) > after):
+                if index >= start and (after is None or entry_order(entry_id) > after):
                     yield LogRecord(entry_id, data, path, offset + off)
                 off, index = end, index + 1
             seg_no, offset = seg_no + 1, 0
@@ -414,9 +322,9 @@ class StreamLog:
         if filled == 0:
             return 0, 0, 0
         if after is not None:
-            s = bisect_right(self._segments, after, hi=filled, key=lambda g: _id_key(g.marks[0][1]))
+            s = bisect_right(self._segments, after, hi=filled, key=lambda g: entry_order(g.marks[0][1]))
             marks = self._segments[max(s - 1, 0)].marks
-            m = bisect_right(marks, after, key=lambda mark: _id_key(mark[1]))
+            m = bisect_right(marks, after, key=lambda mark: entry_order(mark[1]))
         else:
             s = bisect_right(self._segments, start, hi=filled, key=lambda g: g.first)
             marks = self._segments[max(s - 1, 0)].marks
@@ -427,12 +335,12 @@ class StreamLog:
     def read_at(self, segment: Path, offset: int) -> LogRecord:
         with open(segment, "rb") as f:
             f.seek(offset)
-            head = f.read(_HEADER.size)
-            length = _HEADER.unpack(head)[0] if len(head) == _HEADER.size else 0
+            head = f.read(HEADER.size)
+            length = HEADER.unpack(head)[0] if len(head) == HEADER.size else 0
             buf = memoryview(head + f.read(length))
         try:
-            entry_id, data, _ = _check(buf, 0)
-        except _BadRecord as bad:
+            entry_id, data, _ = check(buf, 0)
+        except BadRecord as bad:
             raise self._corrupted(segment, offset, str(bad)) from None
         return LogRecord(entry_id, data, segment, offset)
 
@@ -468,7 +376,7 @@ class RunLog:
             raise LogError(f"no event log in {run_dir} (expected the directory {self.root})")
         if not readonly and not self.root.is_dir():
             self.root.mkdir(parents=True)
-            _fsync_dir(self.root.parent)
+            fsync_dir(self.root.parent)
 
     def names(self) -> list[str]:
         """Streams that have a log, sorted."""

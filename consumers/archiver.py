@@ -89,7 +89,8 @@ class Archiver:
 
     async def run(self, stop: asyncio.Event) -> None:
         self.log = RunLog(self.run_dir, self.segment_bytes)
-        self.redis = connect(self.bus_url, socket_timeout=self.block_ms / 1000 + _READ_MARGIN_S)  # no retries: see _read
+        # No retries (connect's default): see _read.
+        self.redis = connect(self.bus_url, socket_timeout=self.block_ms / 1000 + _READ_MARGIN_S)
         disk = ThreadPoolExecutor(1, thread_name_prefix="archiver-disk")  # fdatasync off the event loop
         writing: asyncio.Future | None = None  # the previous round's append, on the disk thread
         written: _Round | None = None
