@@ -26,6 +26,7 @@ from urllib.parse import unquote, urlparse
 
 from bus.errors import ReelError
 from bus.events import BlobRef
+from bus.logformat import fsync_dir
 
 __all__ = ["BlobError", "BlobBackend", "BlobStore"]
 
@@ -95,7 +96,7 @@ class BlobStore(BlobBackend):
                 else:
                     self._make_dir(final.parent)
                     os.replace(tmp, final)
-                    _fsync_dir(final.parent)
+                    fsync_dir(final.parent)
             except BaseException:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
@@ -143,12 +144,5 @@ class BlobStore(BlobBackend):
     def _make_dir(self, shard: Path) -> None:
         if not shard.is_dir():
             shard.mkdir(exist_ok=True)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
