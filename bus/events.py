@@ -100,6 +100,7 @@ class RunStarted(Event, tag="run_started"):
     code_version: str
     model_config: dict[str, Any]
     config_hash: str = ""
+    init_reward: float | None = None  # mean sampled reward of the warm-started policy (version 0)
 
 
 class WeightsPublished(Event, tag="weights_published"):

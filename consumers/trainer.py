@@ -38,7 +38,7 @@ from runtime.batch import Group, build_batch, decode_routing
 from runtime.config import Config, config_hash
 from runtime.config import load as load_config
 from runtime.groups import GroupLookup
-from runtime.initial_policy import code_version, ensure_initial_policy
+from runtime.initial_policy import code_version, ensure_initial_policy, initial_reward
 from runtime.model.weights import state_dict_bytes
 from runtime.reexecute import catch_up, initial_state, restore_state
 from runtime.train_step import TrainState, train_step
@@ -226,6 +226,7 @@ class Trainer:
             events.insert(0, self.publisher.stamp(
                 RunStarted, config_toml=config_text, seed=self.config.run.seed, code_version=code_version(),
                 model_config=model.config.to_hf_dict(), config_hash=config_hash(self.config),
+                init_reward=initial_reward(self.run_dir),
             ))
         await self.publisher.publish_atomic(events)
 

@@ -52,7 +52,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("REEL_CACHE", Path.home() / ".cache" / "reel")) / "warmstart"
 
 
-def warm_start(config: Config) -> MoEModel:
+def warm_start(config: Config) -> tuple[MoEModel, float]:
+    """The warm-started policy and its mean sampled reward (cached)."""
     env = make_env(config.env, config.rollout.max_tokens)
     mcfg = model_config(config, env)
     r = config.rollout
@@ -64,7 +65,7 @@ def warm_start(config: Config) -> MoEModel:
     if (cached / "config.json").is_file() and (cached / EVAL_FILE).is_file():
         reward = json.loads((cached / EVAL_FILE).read_text())["reward_mean"]
         log.info("warm-start %s from cache %s: mean sampled reward %.3f", key, cached, reward)
-        return load(cached)
+        return load(cached), reward
     model = train(mcfg, config, env)
     reward = sampled_reward(model, env, config)
     log.info("warm-start %s: mean sampled reward %.3f over %d prompts (temperature %g, top_p %g)", key, reward,
@@ -80,7 +81,7 @@ def warm_start(config: Config) -> MoEModel:
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return model
+    return model, reward
 
 
 def train(mcfg: MoEConfig, config: Config, env: Env) -> MoEModel:

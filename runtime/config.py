@@ -64,7 +64,7 @@ class InitSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     warmup_steps: int = 150  # supervised steps on the task before RL (0 = random init)
     warmup_lr: float = 3e-3
     warmup_batch: int = 32
-    warmup_noise: float = 0.3  # share of corrupted targets, so the start is imperfect
+    warmup_noise: float = 0.3  # label smoothing of the warm-start loss: right at greedy, noisy when sampled
 
 
 class EngineSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

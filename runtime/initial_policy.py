@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,6 +21,7 @@ from runtime.model.model import MoEModel
 from runtime.model.weights import load, save
 
 WARM_START = "producers.warmstart:warm_start"
+INFO_FILE = "init.json"  # beside the weights: where they came from and, for a warm-start, its reward
 
 
 class InitError(ReelError):
@@ -42,10 +44,13 @@ def ensure_initial_policy(run_dir: Path, config: Config) -> Path:
             if not (source / "config.json").is_file():
                 raise InitError(f"init.from = {str(source)!r} has no config.json; point it at an HF-layout model directory")
             save(load(source), staging)
+            info = {"source": str(source.resolve())}
         else:
             module, function = WARM_START.split(":")
-            model = getattr(importlib.import_module(module), function)(config)
+            model, reward = getattr(importlib.import_module(module), function)(config)
             save(model, staging)
+            info = {"source": "warm-start", "warmup_steps": config.init.warmup_steps, "reward_mean": reward}
+        (staging / INFO_FILE).write_text(json.dumps(info))
         try:
             staging.rename(target)
         except OSError:
@@ -54,6 +59,14 @@ def ensure_initial_policy(run_dir: Path, config: Config) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def initial_reward(run_dir: Path) -> float | None:
+    """Mean sampled reward of the warm-start (None for `[init] from` weights)."""
+    try:
+        return json.loads((init_dir(run_dir) / INFO_FILE).read_text()).get("reward_mean")
+    except FileNotFoundError:
+        return None
 
 
 def load_initial_model(run_dir: Path) -> MoEModel:

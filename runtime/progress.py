@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from bus.events import StepCommitted, WorkerStats, decode, stream_key
+from bus.events import RunStarted, StepCommitted, WorkerStats, decode, stream_key
 from runtime.config import Config
 
 
@@ -93,6 +93,9 @@ class Progress:
                     new_steps.append(event)
                 elif isinstance(event, WorkerStats):
                     self.tokens_per_s[event.worker] = event.tokens_per_s
+                elif isinstance(event, RunStarted) and event.init_reward is not None:
+                    self._console.print(f"warm-start policy (version 0): mean sampled reward "
+                                        f"{event.init_reward:.3f}", highlight=False)
         self.steps.extend(new_steps)
         return new_steps
 

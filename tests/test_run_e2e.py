@@ -62,6 +62,7 @@ def _commits(run_dir: Path) -> list[StepCommitted]:
 def test_short_run_commits_every_step_and_replays_bitwise(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
     assert main(["run", str(_config(tmp_path, "e2e", 4)), "--out", str(run_dir), "--no-live"]) == 0
+    assert "warm-start policy (version 0): mean sampled reward" in capsys.readouterr().out
     commits = _commits(run_dir)
     assert [c.step for c in commits] == [1, 2, 3, 4]
     assert all(0.0 <= c.metrics["reward_mean"] <= 1.0 for c in commits)
