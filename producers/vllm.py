@@ -1,8 +1,12 @@
-"""The engine interface on vLLM's in-process AsyncLLM (production GPUs; see shared notes on the vLLM API).
+"""The engine interface on vLLM (production GPUs; see the shared notes on the vLLM API).
+
+Two engines, one mapping of Reel's contract onto vLLM (the helpers here are shared by both):
+    VLLMEngine        (this module) vLLM's AsyncLLM in this process
+    VLLMHTTPEngine    (producers/vllm_http.py) `vllm serve` pools over HTTP (the Slurm job)
 
 How Reel's contract maps onto vLLM:
-- token ids in and out: `TokensPrompt` + `skip_tokenizer_init`, `detokenize=False`; only
-  `stop_token_ids` end a sample (`ignore_eos`), and vLLM keeps the stop token, as Reel does;
+- token ids in and out: `detokenize=False`; only `stop_token_ids` end a sample (`ignore_eos`),
+  and vLLM keeps the stop token, as Reel does;
 - sample i of a request is its own vLLM request with `seed + i` (vLLM's n > 1 fans out with
   seeds we could not name), sharing the prompt's KV blocks through prefix caching;
 - logprobs: `logprobs_mode="processed_logprobs"`, `logprobs=0` gives the sampled token's logprob
@@ -36,6 +40,8 @@ import numpy as np
 from bus.blobs import BlobStore
 from bus.events import BlobRef
 from producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
+from runtime.model.config import MoEConfig
+from runtime.vllm_args import WORKER_EXTENSION
 
 try:
     import vllm
@@ -45,39 +51,118 @@ except ImportError:  # the CPU path never needs it
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["VLLMEngine", "ReelWorkerExtension"]
+__all__ = ["VLLMEngine", "VLLMEngineBase", "ReelWorkerExtension", "cache_salt", "sampling_options"]
 
 _RATE_WINDOW_S = 5.0
 # engine.precision -> (dtype, quantization) of the vLLM model; fp8 is DeepSeek-style 128x128 blocks.
 _PRECISION = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "fp8": ("bfloat16", "fp8_per_block")}
+LOAD_WEIGHTS = "reel_load_weights"  # the ReelWorkerExtension method collective_rpc calls
 
 
-class VLLMEngine(Engine):
+def cache_salt(version: int) -> str:
+    """The prefix-cache salt of a request started under `version`: KV blocks never cross versions."""
+    return f"v{version}"
+
+
+def sampling_options(params: SamplingParams, index: int) -> dict[str, Any]:
+    """vLLM SamplingParams fields (JSON types) of sample `index`: its own request, seeded seed + index."""
+    return {"n": 1, "temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens,
+            "seed": params.seed + index, "logprobs": 0, "stop_token_ids": list(params.stop_token_ids),
+            "ignore_eos": True, "detokenize": False}
+
+
+class VLLMEngineBase(Engine):
+    """What both vLLM engines share: the model's routing shape, weight hand-off, sample checks, stats."""
+
+    # Fixed at construction.
+    model_dir: Path
+    max_batch: int
+    blobs: BlobStore | None  # weights reach vLLM's workers as files of this store
+    routed_experts: bool  # vLLM returns routing; when False a completion's routing is empty [0, L, K]
+    # Changed while serving.
+    version: int
+
+    def __init__(self, model_dir: str | Path, *, max_batch: int, blobs: BlobStore | None, version: int,
+                 routed_experts: bool = True):
+        self.model_dir = Path(model_dir)
+        self.max_batch = max_batch
+        self.blobs = blobs
+        self.routed_experts = routed_experts
+        model = MoEConfig.from_hf_dict(json.loads((self.model_dir / "config.json").read_text()))
+        self._routing_dtype = routing_dtype(model.num_experts)
+        self._routing_shape = (len(model.moe_layers), model.num_experts_per_tok)
+        self.version = version
+        self._running = 0
+        self._generated = 0
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+
+    async def _weights_file(self, weights: Mapping[str, torch.Tensor] | BlobRef) -> tuple[str, str]:
+        """(path, sha256) of the weights as a safetensors blob that vLLM's workers read and verify."""
+        if self.blobs is None:
+            raise EngineError("the vLLM engine needs a blob store to hand weights to its workers")
+        blobs = self.blobs
+        if not isinstance(weights, BlobRef):
+            from safetensors.torch import save
+
+            tensors = dict(weights)
+            weights = await asyncio.to_thread(lambda: blobs.put(save(tensors)))
+        path = blobs.path(weights)
+        if not path.is_file():
+            raise EngineError(f"weights blob {weights.sha256} is not at {path}, where vLLM's workers read it")
+        return str(path), weights.sha256
+
+    def _completion(self, prompt_len: int, tokens: list[int], logprobs: list[float], finish_reason: str | None,
+                    routing: np.ndarray | None, spans: list[tuple[int, int]], version: int, seed: int) -> Completion:
+        """One vLLM sample checked against the engine contract; `version` is the one it started under."""
+        if finish_reason not in ("stop", "length"):
+            raise EngineError(f"vLLM ended a request with finish_reason {finish_reason!r}")
+        if len(logprobs) != len(tokens):
+            raise EngineError(f"vLLM returned {len(logprobs)} logprobs for {len(tokens)} tokens")
+        self._generated += len(tokens)
+        self._recent.append((time.monotonic(), len(tokens)))
+        return Completion(tokens=tokens, logprobs=logprobs, finish_reason=finish_reason,
+                          routing=self._routing(routing, prompt_len + len(tokens) - 1),
+                          spans=spans or [(0, version)], seed=seed)
+
+    def _routing(self, routing: np.ndarray | None, rows: int) -> np.ndarray:
+        expected = (rows, *self._routing_shape)
+        if routing is None:
+            if self.routed_experts:
+                raise EngineError("vLLM returned no routed experts; it must run with --enable-return-routed-experts")
+            return np.zeros((0, *self._routing_shape), self._routing_dtype)
+        if routing.shape != expected:
+            raise EngineError(f"vLLM returned routed experts of shape {routing.shape}; expected {expected} "
+                              f"(prompt + completion - 1 tokens, MoE layers, top-k)")
+        return routing.astype(self._routing_dtype)
+
+    def stats(self) -> EngineStats:
+        now = time.monotonic()
+        while self._recent and now - self._recent[0][0] > _RATE_WINDOW_S:
+            self._recent.popleft()
+        rate = sum(n for _, n in self._recent) / _RATE_WINDOW_S
+        return EngineStats(version=self.version, tokens_per_s=rate, running=self._running, waiting=0,
+                           kv_slots_used=min(self._running, self.max_batch), kv_slots_total=self.max_batch,
+                           steps=0, generated_tokens=self._generated)
+
+
+class VLLMEngine(VLLMEngineBase):
     def __init__(self, model_dir: str | Path, *, max_batch: int = 64, max_seq_len: int = 0, precision: str = "bf16",
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, expert_parallel: bool = False,
                  blobs: BlobStore | None = None, version: int = 0):
         if vllm is None:
             raise EngineError("engine.kind = 'vllm' needs vLLM on a CUDA machine; pip install 'reel-rl[vllm]' "
                               "or set engine.kind = 'builtin'")
+        super().__init__(model_dir, max_batch=max_batch, blobs=blobs, version=version)
         # Fixed at construction.
-        self.model_dir = Path(model_dir)
-        self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.precision = precision
         self.tensor_parallel_size = tensor_parallel_size
         self.data_parallel_size = data_parallel_size
         self.expert_parallel = expert_parallel
-        self.blobs = blobs
-        config = json.loads((self.model_dir / "config.json").read_text())
-        self._routing_dtype = routing_dtype(int(config["num_experts"]))
         # Changed while serving.
-        self.version = version
         self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM once started
         self._closed = False
         self._ids = itertools.count()
-        self._running = 0
-        self._generated = 0
-        self._recent: collections.deque[tuple[float, int]] = collections.deque()
 
     async def start(self) -> None:
         if self._closed:
@@ -92,7 +177,7 @@ class VLLMEngine(Engine):
             model=str(self.model_dir), skip_tokenizer_init=True, dtype=dtype, quantization=quantization,
             max_num_seqs=self.max_batch, max_model_len=self.max_seq_len or None, enable_prefix_caching=True,
             enable_return_routed_experts=True, logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{__name__}.ReelWorkerExtension",
+            worker_extension_cls=WORKER_EXTENSION,
             tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
             enable_expert_parallel=self.expert_parallel)
         try:
@@ -112,14 +197,10 @@ class VLLMEngine(Engine):
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        seed = params.seed + index
-        options: dict[str, Any] = dict(
-            n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, seed=seed,
-            logprobs=0, stop_token_ids=list(params.stop_token_ids), ignore_eos=True, detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY)
+        options = sampling_options(params, index) | {"output_kind": RequestOutputKind.FINAL_ONLY}
         if "routed_experts_prompt_start" in getattr(VSamplingParams, "__struct_fields__", ()):
             options["routed_experts_prompt_start"] = 0  # newest vLLM: include the prompt's routing
-        request = TokensPrompt(prompt_token_ids=prompt, cache_salt=f"v{version}")
+        request = TokensPrompt(prompt_token_ids=prompt, cache_salt=cache_salt(version))
         final = None
         self._running += 1
         try:
@@ -136,43 +217,21 @@ class VLLMEngine(Engine):
         if final is None:
             raise EngineError("vLLM ended a request without any output")
         out = final.outputs[0]
-        if out.finish_reason not in ("stop", "length"):
-            raise EngineError(f"vLLM ended a request with finish_reason {out.finish_reason!r}")
         tokens = list(out.token_ids)
-        self._generated += len(tokens)
-        self._recent.append((time.monotonic(), len(tokens)))
         spans = [(int(s.start), int(s.version)) for s in getattr(out, "weight_versions", None) or ()]
-        return Completion(
-            tokens=tokens,
-            logprobs=[float(step[token].logprob) for step, token in zip(out.logprobs, tokens)],
-            finish_reason=out.finish_reason,
-            routing=np.asarray(out.routed_experts).astype(self._routing_dtype),
-            spans=spans or [(0, version)],
-            seed=seed)
+        routing = None if out.routed_experts is None else np.asarray(out.routed_experts)
+        return self._completion(len(prompt), tokens, [float(step[t].logprob) for step, t in zip(out.logprobs or (), tokens)],
+                                out.finish_reason, routing, spans, version, options["seed"])
 
     async def update_weights(self, weights: Mapping[str, torch.Tensor] | BlobRef, version: int) -> None:
-        if self.blobs is None:
-            raise EngineError("the vLLM engine needs a blob store to hand weights to its workers")
-        if not isinstance(weights, BlobRef):
-            from safetensors.torch import save
-
-            weights = await asyncio.to_thread(self.blobs.put, save(dict(weights)))
+        path, sha256 = await self._weights_file(weights)
         await self.start()
         await self._llm.pause_generation(mode="keep", clear_cache=False)
         try:
-            await self._llm.collective_rpc("reel_load_weights", args=(str(self.blobs.path(weights)), weights.sha256))
+            await self._llm.collective_rpc(LOAD_WEIGHTS, args=(path, sha256))
             self.version = version
         finally:
             await self._llm.resume_generation()
-
-    def stats(self) -> EngineStats:
-        now = time.monotonic()
-        while self._recent and now - self._recent[0][0] > _RATE_WINDOW_S:
-            self._recent.popleft()
-        rate = sum(n for _, n in self._recent) / _RATE_WINDOW_S
-        return EngineStats(version=self.version, tokens_per_s=rate, running=self._running, waiting=0,
-                           kv_slots_used=min(self._running, self.max_batch), kv_slots_total=self.max_batch,
-                           steps=0, generated_tokens=self._generated)
 
     async def close(self) -> None:
         self._closed = True

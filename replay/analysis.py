@@ -28,13 +28,13 @@ from bus.errors import ReelError
 from bus.events import StepCommitted
 from bus.log import RunLog
 from runtime import loss as loss_mod
-from runtime.batch import Batch, build_batch, micro_batches
+from runtime.batch import Batch, build_batch
 from runtime.config import Config
 from runtime.groups import GroupLookup
 from runtime.launch import load_run_config
 from runtime.model.determinism import set_determinism
 from runtime.reexecute import ReplayMismatch, catch_up, check_reproduced, restore_state
-from runtime.train_step import StepResult, TrainState, token_logprobs, train_step
+from runtime.train_step import StepResult, TrainState, completion_tokens, split, token_logprobs, train_step
 
 OnStep = Callable[[int], None]
 
@@ -247,18 +247,16 @@ def analyse_batch(state: TrainState, batch: Batch, config: Config) -> BatchAnaly
     cfg = config.trainer
     model = state.model
     model.train()  # the mode train_step scores π_old in
-    ranges = micro_batches(batch, cfg.micro_batch_tokens)
-    mask_BT = batch.loss_mask_BT
-    logp_mu_N = batch.logp_mu_BT[mask_BT]
+    parts = split(batch, cfg.micro_batch_tokens)
+    logp_mu_N = completion_tokens(parts, "logp_mu_BT")
     replay = cfg.router_replay and batch.routing_BTLK is not None
 
     def score(precision: str, router_replay: bool, with_routing: bool = False):
         model.precision = precision
-        outs = [token_logprobs(model, batch, rows, router_replay=router_replay, with_routing=with_routing)
-                for rows in ranges]
-        logp_N = torch.cat([o.logp_BT[mask_BT[rows]] for o, rows in zip(outs, ranges)])
-        routing = [o.routing_BTLK for o in outs if o.routing_BTLK is not None]  # none: no MoE layer
-        return logp_N, torch.cat(routing) if routing else None
+        outs = [token_logprobs(model, sub, router_replay=router_replay, with_routing=with_routing)
+                for _, sub in parts]
+        logp_N = torch.cat([o.logp_BT[sub.loss_mask_BT] for o, (_, sub) in zip(outs, parts)])
+        return logp_N, [o.routing_BTLK for o in outs]
 
     try:
         logp_N, own_routing_BTLK = score(cfg.precision, replay, with_routing=not replay)
@@ -273,7 +271,7 @@ def analyse_batch(state: TrainState, batch: Batch, config: Config) -> BatchAnaly
         kl=run_settings.kl, ratio=run_settings.ratio,
         kl_without_router_replay=mismatch(own_logp_N, logp_mu_N).kl,
         kl_without_fp8_alignment=None if bf16_logp_N is None else mismatch(bf16_logp_N, logp_mu_N).kl,
-        router_agreement=router_agreement(own_routing_BTLK, batch.routing_BTLK, batch.attention_mask_BT),
+        router_agreement=router_agreement(own_routing_BTLK, [sub for _, sub in parts]),
         log_ratio_N=(logp_N - logp_mu_N).numpy(), tokens=batch.tokens,
     )
 
@@ -284,14 +282,15 @@ def mismatch(logp_N: torch.Tensor, logp_mu_N: torch.Tensor) -> Mismatch:
     return Mismatch(KL(k1, k2, k3), Ratio(mean, low, high, outside))
 
 
-def router_agreement(own_BTLK: torch.Tensor | None, logged_BTLK: torch.Tensor | None,
-                     attention_mask_BT: torch.Tensor) -> list[float]:
+def router_agreement(own: list[torch.Tensor | None], subs: list[Batch]) -> list[float]:
     """Per MoE layer, the share of real tokens whose top-k expert set equals the logged one."""
-    if own_BTLK is None or logged_BTLK is None:
-        return []
-    same_BTL = (own_BTLK.sort(-1).values == logged_BTLK.sort(-1).values).all(-1)
-    real_BT = attention_mask_BT.bool()
-    return same_BTL[real_BT].float().mean(0).tolist()
+    if any(o is None for o in own) or any(sub.routing_BTLK is None for sub in subs):
+        return []  # no MoE layer, or a group without its trace
+    same_NL = torch.cat([
+        (o.sort(-1).values == sub.routing_BTLK.sort(-1).values).all(-1)[sub.attention_mask_BT.bool()]
+        for o, sub in zip(own, subs)
+    ])
+    return same_NL.float().mean(0).tolist()
 
 
 def _logged_row(commit: StepCommitted) -> RangeRow:

@@ -115,18 +115,44 @@ def build_batch(groups: list[Group]) -> Batch:
     )
 
 
-def micro_batches(batch: Batch, max_tokens: int) -> list[slice]:
-    """Row ranges whose padded size (rows x longest row) stays within max_tokens (0 = one range)."""
-    B = batch.input_ids_BT.shape[0]
+class MicroBatch(NamedTuple):
+    rows_M: torch.Tensor  # int64 indices of the batch rows it holds
+    length: int  # positions kept: its longest row
+
+
+def micro_batches(batch: Batch, max_tokens: int) -> list[MicroBatch]:
+    """Rows grouped by length into micro-batches of at most max_tokens padded positions.
+
+    0 = one micro-batch with every row in order. Otherwise rows are ordered by length (stable),
+    so a long-tail batch does not pad every short row to its longest sample; each micro-batch is
+    trimmed to its own longest row. The grouping depends only on the batch: replay gets the same.
+    """
+    lengths_B = batch.attention_mask_BT.sum(dim=1)
+    B = int(lengths_B.shape[0])
     if max_tokens <= 0:
-        return [slice(0, B)]
-    lengths = batch.attention_mask_BT.sum(dim=1).tolist()
-    ranges, start, longest = [], 0, 0
-    for b, n in enumerate(lengths):
-        longest_if_added = max(longest, n)
-        if b > start and longest_if_added * (b - start + 1) > max_tokens:
-            ranges.append(slice(start, b))
-            start, longest_if_added = b, n
-        longest = longest_if_added
-    ranges.append(slice(start, B))
-    return ranges
+        return [MicroBatch(torch.arange(B), int(batch.attention_mask_BT.shape[1]))]
+    order = torch.argsort(lengths_B, stable=True).tolist()
+    out: list[MicroBatch] = []
+    current: list[int] = []
+    for b in order:
+        longest = int(lengths_B[b])  # ascending order: the newest row is the longest
+        if current and longest * (len(current) + 1) > max_tokens:
+            out.append(MicroBatch(torch.tensor(current), int(lengths_B[current[-1]])))
+            current = []
+        current.append(b)
+    out.append(MicroBatch(torch.tensor(current), int(lengths_B[current[-1]])))
+    return out
+
+
+def take(batch: Batch, mb: MicroBatch) -> Batch:
+    """The rows of one micro-batch, positions trimmed to its longest row."""
+    rows, T = mb.rows_M, mb.length
+    return Batch(
+        input_ids_BT=batch.input_ids_BT[rows, :T], attention_mask_BT=batch.attention_mask_BT[rows, :T],
+        targets_BT=batch.targets_BT[rows, :T], loss_mask_BT=batch.loss_mask_BT[rows, :T],
+        logp_mu_BT=batch.logp_mu_BT[rows, :T], advantages_BT=batch.advantages_BT[rows, :T],
+        versions_BT=batch.versions_BT[rows, :T],
+        routing_BTLK=None if batch.routing_BTLK is None else batch.routing_BTLK[rows, :T],
+        temperature_B=batch.temperature_B[rows], rewards_B=batch.rewards_B[rows],
+        group_ids=batch.group_ids,
+    )

@@ -40,7 +40,7 @@ class Progress:
         self._cursor = {"steps": "0", "control": "0"}
         self._client = None
         self._live = None
-        self._console = Console(stderr=False)
+        self._console = Console(soft_wrap=True)  # one line per step when not a terminal
         self._started = time.monotonic()
 
     def __enter__(self) -> Progress:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime import loss as loss_mod
-from runtime.batch import Batch, micro_batches
+from runtime.batch import Batch, MicroBatch, micro_batches, take
 from runtime.config import Config, TrainerSection
 from runtime.model.determinism import set_determinism
 from runtime.model.model import MoEModel
@@ -55,17 +55,27 @@ class TokenLogprobs(NamedTuple):
     aux_loss: torch.Tensor | None
 
 
-def token_logprobs(model: MoEModel, batch: Batch, rows: slice, *, router_replay: bool,
-                   with_routing: bool = False, aux_loss: bool = False) -> TokenLogprobs:
+def token_logprobs(model: MoEModel, batch: Batch, *, router_replay: bool, with_routing: bool = False,
+                   aux_loss: bool = False) -> TokenLogprobs:
     """log pi(target) under logits / temperature (the distribution the engine sampled from)."""
-    replay = batch.routing_BTLK[rows] if router_replay and batch.routing_BTLK is not None else None
-    out = model(batch.input_ids_BT[rows], batch.attention_mask_BT[rows], replay_routing_BTLK=replay,
+    replay = batch.routing_BTLK if router_replay else None
+    out = model(batch.input_ids_BT, batch.attention_mask_BT, replay_routing_BTLK=replay,
                 return_routing=with_routing, aux_loss=aux_loss)
-    logits_BTV = out.logits.float() / batch.temperature_B[rows, None, None]
+    logits_BTV = out.logits.float() / batch.temperature_B[:, None, None]
     logprobs_BTV = F.log_softmax(logits_BTV, dim=-1)
-    logp_BT = logprobs_BTV.gather(-1, batch.targets_BT[rows, :, None]).squeeze(-1)
+    logp_BT = logprobs_BTV.gather(-1, batch.targets_BT[:, :, None]).squeeze(-1)
     entropy_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
     return TokenLogprobs(logp_BT, entropy_BT.detach(), out.routing, out.aux_loss)
+
+
+def split(batch: Batch, max_tokens: int) -> list[tuple[MicroBatch, Batch]]:
+    """The step's micro-batches with their sub-batches (replay scores with the same ones)."""
+    return [(mb, take(batch, mb)) for mb in micro_batches(batch, max_tokens)]
+
+
+def completion_tokens(parts: list[tuple[MicroBatch, Batch]], field: str) -> torch.Tensor:
+    """One per-position field of every micro-batch, flattened to completion tokens in micro-batch order."""
+    return torch.cat([getattr(sub, field)[sub.loss_mask_BT] for _, sub in parts])
 
 
 def train_step(state: TrainState, batch: Batch, config: Config) -> tuple[TrainState, StepResult]:
@@ -76,28 +86,27 @@ def train_step(state: TrainState, batch: Batch, config: Config) -> tuple[TrainSt
     model.precision = cfg.precision
     model.train()
     loss_cfg = loss_mod.LossConfig.from_trainer(cfg)
-    ranges = micro_batches(batch, cfg.micro_batch_tokens)
+    parts = split(batch, cfg.micro_batch_tokens)
     total_tokens = max(1, batch.tokens)
 
     # pi_old: the trainer's logprobs before any update, the reference of every importance weight.
     with torch.no_grad():
-        olds = [token_logprobs(model, batch, rows, router_replay=cfg.router_replay) for rows in ranges]
-    logp_old_N = torch.cat([o.logp_BT[batch.loss_mask_BT[rows]] for o, rows in zip(olds, ranges)])
-    entropy_N = torch.cat([o.entropy_BT[batch.loss_mask_BT[rows]] for o, rows in zip(olds, ranges)])
+        olds = [token_logprobs(model, sub, router_replay=cfg.router_replay) for _, sub in parts]
+    logp_old_N = torch.cat([o.logp_BT[sub.loss_mask_BT] for o, (_, sub) in zip(olds, parts)])
+    entropy_N = torch.cat([o.entropy_BT[sub.loss_mask_BT] for o, (_, sub) in zip(olds, parts)])
 
     loss_total, grad_norm = 0.0, 0.0
     for _ in range(cfg.optimizer_steps):
         optimizer.zero_grad(set_to_none=True)
         loss_total, offset = 0.0, 0
-        for rows in ranges:
-            mask_BT = batch.loss_mask_BT[rows]
+        for mb, sub in parts:
+            mask_BT = sub.loss_mask_BT
             n = int(mask_BT.sum())
-            current = token_logprobs(model, batch, rows, router_replay=cfg.router_replay,
-                                     aux_loss=cfg.aux_loss_coef > 0)
-            row_index_BT = torch.arange(rows.start, rows.stop)[:, None].expand_as(mask_BT)
+            current = token_logprobs(model, sub, router_replay=cfg.router_replay, aux_loss=cfg.aux_loss_coef > 0)
+            row_index_BT = mb.rows_M[:, None].expand_as(mask_BT)
             loss, _ = loss_mod.policy_loss(
                 logp_new_N=current.logp_BT[mask_BT], logp_old_N=logp_old_N[offset:offset + n],
-                logp_mu_N=batch.logp_mu_BT[rows][mask_BT], advantages_N=batch.advantages_BT[rows][mask_BT],
+                logp_mu_N=sub.logp_mu_BT[mask_BT], advantages_N=sub.advantages_BT[mask_BT],
                 seq_index_N=row_index_BT[mask_BT], cfg=loss_cfg,
             )
             if current.aux_loss is not None:  # load balancing on the router's full scores
@@ -110,12 +119,11 @@ def train_step(state: TrainState, batch: Batch, config: Config) -> tuple[TrainSt
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm, foreach=False))
         optimizer.step()
 
-    mask_N = batch.loss_mask_BT[batch.loss_mask_BT]
-    metrics = loss_mod.mismatch_metrics(logp_old_N, batch.logp_mu_BT[batch.loss_mask_BT], mask_N, entropy_N)
+    metrics = loss_mod.mismatch_metrics(logp_old_N, completion_tokens(parts, "logp_mu_BT"), None, entropy_N)
     metrics["reward_mean"] = float(batch.rewards_B.mean())
     metrics["tokens"] = float(batch.tokens)
     # Staleness = versions between a token's sampler and the weights this step trains (0 = on-policy).
-    staleness = loss_mod.staleness_histogram(batch.versions_BT[batch.loss_mask_BT], state.step, mask_N)
+    staleness = loss_mod.staleness_histogram(completion_tokens(parts, "versions_BT"), state.step)
     new_state = TrainState(model, optimizer, step)
     return new_state, StepResult(loss=loss_total, grad_norm=grad_norm, weights_sha256=weights_sha256(model),
                                  metrics=metrics, staleness=staleness)

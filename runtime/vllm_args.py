@@ -19,6 +19,10 @@ Offloaded blocks survive weight updates: Reel salts the prefix cache per policy 
 
 Router replay needs vLLM's routed-expert capture (--enable-return-routed-experts), which
 rejects P/D connectors, so that combination is refused here, at config load.
+
+Weight updates reach the servers over HTTP (producers/vllm_http.py): /pause, /collective_rpc into
+Reel's worker extension (--worker-extension-cls), /resume; those endpoints exist only with
+VLLM_SERVER_DEV_MODE=1 in the server's environment.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ DP_RPC_PORT = 13345
 NIXL_SIDE_CHANNEL_PORT = 5600
 MOONCAKE_BOOTSTRAP_PORT = 8998
 MOONCAKE_LOCAL_BUFFER_BYTES = 4 << 30  # a store client's staging buffer
+# Loads Reel's weight blobs inside vLLM's workers; named, not imported (runtime/ never imports producers/).
+WORKER_EXTENSION = "producers.vllm.ReelWorkerExtension"
 
 PRECISION_ARGS = {
     "fp32": ["--dtype", "float32"],
@@ -171,7 +177,7 @@ def serve_argv(c: Config, pool: Pool, node: int) -> list[str]:
             "--seed", str(c.run.seed), "--max-num-seqs", str(e.max_batch),
             # Reel salts the prefix cache per policy version and compares processed logprobs.
             "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs",
-            *PRECISION_ARGS[e.precision]]
+            "--worker-extension-cls", WORKER_EXTENSION, *PRECISION_ARGS[e.precision]]
     if e.max_seq_len:
         argv += ["--max-model-len", str(e.max_seq_len)]
     if e.tensor_parallel_size > 1:
