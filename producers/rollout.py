@@ -263,7 +263,8 @@ class RolloutWorker:
                     continue
                 if self.engine is None:
                     model_dir = init_dir(self.run_dir)  # the trainer wrote it before publishing version 0
-                    self.engine = await asyncio.to_thread(make_engine, self.config, model_dir, self.blobs)
+                    self.engine = await asyncio.to_thread(make_engine, self.config, model_dir, self.blobs,
+                                                          self.index)
                     await self.engine.start()
                 started = time.monotonic()
                 await self.engine.update_weights(latest.weights, latest.version)
@@ -344,9 +345,20 @@ def group_seed(run_seed: int, worker: int, seq_base: int, counter: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 2
 
 
-def make_engine(config: Config, model_dir: Path, blobs: BlobStore) -> Engine:
-    """The configured engine for the model in `model_dir` (HF layout); version -1 until weights arrive."""
+def make_engine(config: Config, model_dir: Path, blobs: BlobStore, worker: int = 0) -> Engine:
+    """The configured engine for the model in `model_dir` (HF layout); version -1 until weights arrive.
+
+    vLLM runs as `vllm serve` pools when the job exported REEL_VLLM_URL (runtime/slurm.py), else in
+    this process. The pools are shared, so only worker 0 pushes weights to them.
+    """
     e = config.engine
+    if e.kind == "vllm" and os.environ.get("REEL_VLLM_URL"):
+        from producers.vllm_http import VLLMHTTPEngine
+
+        url = os.environ["REEL_VLLM_URL"]
+        servers = [s for s in os.environ.get("REEL_VLLM_SERVERS", "").split(",") if s]
+        return VLLMHTTPEngine(model_dir, url=url, servers=servers, max_batch=e.max_batch, blobs=blobs, version=-1,
+                              routed_experts=config.trainer.router_replay, push_weights=worker == 0)
     if e.kind == "vllm":
         from producers.vllm import VLLMEngine
 

@@ -1,0 +1,335 @@
+"""The vLLM HTTP engine's own logic, without vLLM: the generate request body (exact JSON), parsing of
+a response in vLLM's documented format built from real numpy arrays (np.save + base64), spans from
+weight_versions, the pause / load / version / resume order across servers and the resume after a
+failure, cancel -> abort, close -> EngineClosed, and the `vllm serve` line that loads Reel's weights.
+
+`Peer` (tests/vllm_peer.py) is a small real HTTP server that records the calls it receives and answers
+as vLLM's API documents (shared notes on the vLLM API). It is a test peer for protocol behaviour
+only: it samples nothing, and says nothing about whether vLLM itself behaves so. The real server is
+exercised by the `gpu` test at the end, which starts `vllm serve` where vLLM and CUDA are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from bus.blobs import BlobStore
+from producers.engine import EngineClosed, EngineError, SamplingParams
+from producers.rollout import make_engine
+from producers.vllm import LOAD_WEIGHTS, ReelWorkerExtension
+from producers.vllm_http import GENERATE, VLLMHTTPEngine, generate_body, parse_generate_response
+from runtime import config, vllm_args
+from runtime.model.config import MoEConfig
+from runtime.vllm_args import Pool
+from vllm_peer import Call, K, L, Peer, vllm_response
+
+
+@pytest.fixture
+def peers() -> Iterator[Callable[..., Peer]]:
+    made: list[Peer] = []
+
+    def make(**kwargs: Any) -> Peer:
+        made.append(Peer(**kwargs))
+        return made[-1]
+
+    yield make
+    for peer in made:
+        peer.close()
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "model"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(MoEConfig(vocab_size=50).to_hf_dict()))
+    return directory
+
+
+def engine(model_dir: Path, url: str, servers: list[str] | None = None, **kwargs: Any) -> VLLMHTTPEngine:
+    return VLLMHTTPEngine(model_dir, url=url, servers=servers or [], blobs=BlobStore(model_dir.parent / "blobs"),
+                          version=kwargs.pop("version", 7), **kwargs)
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in 5 s")
+
+
+def test_generate_body_is_the_documented_json() -> None:
+    params = SamplingParams(n=4, temperature=0.7, top_p=0.9, max_tokens=12, stop_token_ids=(2,), seed=100)
+    assert generate_body([5, 6, 7], params, 3, 7, "reel-ab-3") == {
+        "request_id": "reel-ab-3", "token_ids": [5, 6, 7],
+        "sampling_params": {"n": 1, "temperature": 0.7, "top_p": 0.9, "max_tokens": 12, "seed": 103, "logprobs": 0,
+                            "stop_token_ids": [2], "ignore_eos": True, "detokenize": False,
+                            "routed_experts_prompt_start": 0},
+        "cache_salt": "v7", "output_mode": "tokens", "stream": False}
+
+
+def test_a_recorded_response_parses_to_tokens_logprobs_routing_and_spans() -> None:
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    body = vllm_response(4, [9, 8, 7, 6, 2], [-0.1, -0.2, -0.3, -0.4, -0.5], spans)
+    out = parse_generate_response(json.dumps(body).encode(), "here")
+    assert out.tokens == [9, 8, 7, 6, 2] and out.logprobs == [-0.1, -0.2, -0.3, -0.4, -0.5]
+    assert out.finish_reason == "stop" and out.spans == [(0, 3), (2, 4)]
+    assert out.routing.dtype == np.uint16 and out.routing.shape == (8, L, K)
+    assert out.routing.tolist() == (np.arange(8 * L * K) % 8).reshape(8, L, K).tolist()
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda c: c.update(routed_experts="not base64!"), "not a base64 .npy"),
+    (lambda c: c.update(weight_versions=[{"version": "latest", "start": 0, "end": 1}]), "'latest'"),
+    (lambda c: c.pop("token_ids"), r"token_ids"),
+])
+def test_a_body_reel_cannot_read_names_the_server(change: Callable[[dict], Any], message: str) -> None:
+    body = vllm_response(2, [1], [-1.0], [])
+    change(body["choices"][0])
+    with pytest.raises(EngineError, match=message) as raised:
+        parse_generate_response(json.dumps(body).encode(), "vLLM server http://h:8000: POST /inference/v1/generate")
+    assert "http://h:8000" in str(raised.value)
+
+
+async def test_generate_sends_one_request_per_sample_and_checks_the_contract(peers, model_dir: Path) -> None:
+    peer = peers()
+    params = SamplingParams(n=2, max_tokens=2, seed=40)
+    async with engine(model_dir, peer.url) as e:
+        first, second = await e.generate([11, 12, 13], params)
+        stats = e.stats()
+    # The samples are concurrent requests: they may arrive in either order.
+    generates = sorted((c.body for c in peer.calls if c.path == GENERATE), key=lambda g: g["sampling_params"]["seed"])
+    assert [g["sampling_params"]["seed"] for g in generates] == [40, 41]
+    assert generates == [generate_body([11, 12, 13], params, i, 7, g["request_id"]) for i, g in enumerate(generates)]
+    assert len({g["request_id"] for g in generates}) == 2
+    assert (first.tokens, first.logprobs, first.spans, first.seed, second.seed) == ([4, 2], [-0.5, -0.25], [(0, 7)],
+                                                                                     40, 41)
+    assert first.routing.dtype == np.uint8 and first.routing.shape == (3 + 2 - 1, L, K)  # 8 experts fit uint8
+    assert stats.generated_tokens == 4 and stats.running == 0 and stats.version == 7
+
+
+async def test_no_weight_versions_means_the_start_version_and_no_routing_is_empty_without_replay(
+        peers, model_dir: Path) -> None:
+    peer = peers(answer=lambda body: vllm_response(1, [3], [-1.0], None, routing=False))
+    async with engine(model_dir, peer.url, version=5, routed_experts=False) as e:
+        (completion,) = await e.generate([1], SamplingParams(max_tokens=1))
+    assert completion.spans == [(0, 5)] and completion.routing.shape == (0, L, K)
+
+
+@pytest.mark.parametrize(("prompt_len", "routing", "message"), [
+    (2, False, "--enable-return-routed-experts"),  # router replay needs routing
+    (3, True, r"shape \(3, 2, 2\); expected \(2, 2, 2\)"),  # one row per token but the last sampled one
+])
+async def test_routing_missing_or_misaligned_is_refused(peers, model_dir: Path, prompt_len: int, routing: bool,
+                                                         message: str) -> None:
+    peer = peers(answer=lambda body: vllm_response(prompt_len, [3], [-1.0], [], routing=routing))
+    async with engine(model_dir, peer.url) as e:
+        with pytest.raises(EngineError, match=message):
+            await e.generate([1, 2], SamplingParams(max_tokens=1))
+
+
+async def test_a_weight_update_pauses_loads_versions_and_resumes_every_server(peers, model_dir: Path) -> None:
+    log: list[tuple[str, Call]] = []
+    a, b = peers(log=log), peers(log=log)
+    async with engine(model_dir, a.url, [a.url, b.url], version=-1) as e:
+        await e.update_weights({"w": torch.arange(4, dtype=torch.float32)}, 5)
+        assert e.version == 5 and e.stats().version == 5
+    steps = [(url, c.path) for url, c in log if c.path != "/health"]
+    order = ["/pause", "/collective_rpc", "/update_weight_version", "/resume"]
+    assert [path for _, path in steps] == [path for path in order for _ in (a, b)]  # each on both, then the next
+    assert all({steps[i][0], steps[i + 1][0]} == {a.url, b.url} for i in range(0, len(steps), 2))
+    pause, rpc, version = (next(c for c in a.calls if c.path == path) for path in order[:3])
+    assert pause.query == {"mode": "keep", "clear_cache": "false"}
+    assert rpc.body["method"] == LOAD_WEIGHTS == "reel_load_weights"
+    path, sha256 = rpc.body["args"]
+    assert hashlib.sha256(Path(path).read_bytes()).hexdigest() == sha256
+    assert version.body == {"new_version": "5"} and a.weight_version == b.weight_version == "5"
+
+
+@pytest.mark.parametrize("failing", ["/pause", "/collective_rpc", "/update_weight_version"])
+async def test_a_failed_step_still_resumes_every_server(peers, model_dir: Path, failing: str) -> None:
+    a, b = peers(), peers(fail={failing: 500})
+    async with engine(model_dir, a.url, [a.url, b.url], version=-1) as e:
+        ref = e.blobs.put(b"not read by this peer")
+        with pytest.raises(EngineError, match=f"{b.url}: POST {failing} answered HTTP 500"):
+            await e.update_weights(ref, 5)
+        assert e.version == -1
+    assert a.paths()[-1] == b.paths()[-1] == "/resume"
+
+
+async def test_missing_endpoints_and_servers_say_what_to_set(peers, model_dir: Path) -> None:
+    peer = peers(fail={"/pause": 404})
+    async with engine(model_dir, peer.url) as e:
+        with pytest.raises(EngineError, match="VLLM_SERVER_DEV_MODE=1"):
+            await e.update_weights(e.blobs.put(b"w"), 1)
+    gone = peers()
+    gone.close()
+    with pytest.raises(EngineError, match=f"vLLM server {gone.url}: GET /health failed"):
+        await engine(model_dir, gone.url).start()
+
+
+async def test_cancelling_a_generate_aborts_its_request_on_every_server(peers, model_dir: Path) -> None:
+    a, b = peers(), peers()
+    a.release.clear()
+    async with engine(model_dir, a.url, [a.url, b.url]) as e:
+        task = asyncio.create_task(e.generate([1, 2], SamplingParams(max_tokens=2)))
+        await until(lambda: GENERATE in a.paths())
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert e.stats().running == 0
+    request_id = next(c.body["request_id"] for c in a.calls if c.path == GENERATE)
+    for peer in (a, b):
+        (abort,) = [c for c in peer.calls if c.path == "/inference/v1/abort_requests"]
+        assert abort.body == {"request_ids": [request_id, f"generate-tokens-{request_id}"]}
+
+
+async def test_close_fails_unfinished_requests_with_engine_closed(peers, model_dir: Path) -> None:
+    peer = peers()
+    peer.release.clear()
+    e = engine(model_dir, peer.url)
+    await e.start()
+    task = asyncio.create_task(e.generate([1], SamplingParams(max_tokens=1)))
+    await until(lambda: GENERATE in peer.paths())
+    await e.close()
+    with pytest.raises(EngineClosed):
+        await task
+    with pytest.raises(EngineClosed):
+        await e.generate([1], SamplingParams())
+    assert "/inference/v1/abort_requests" not in peer.paths()  # closing the connection is vLLM's abort
+
+
+async def test_a_worker_that_does_not_push_waits_for_every_server_to_report_the_version(peers,
+                                                                                       model_dir: Path) -> None:
+    a, b = peers(), peers()
+    async with engine(model_dir, a.url, [a.url, b.url], version=-1, push_weights=False) as e:
+        update = asyncio.create_task(e.update_weights(e.blobs.put(b"w"), 3))
+        await until(lambda: "/weight_info" in b.paths())
+        a.weight_version = "3"
+        await asyncio.sleep(0.2)
+        assert not update.done()
+        b.weight_version = "4"  # worker 0 went on to a newer version: that one is live
+        await asyncio.wait_for(update, 5)
+        assert e.version == 3
+    assert {p for p in a.paths() + b.paths()} == {"/weight_info"}
+    async with engine(model_dir, a.url, [a.url, b.url], push_weights=False, control_timeout_s=0.3) as e:
+        with pytest.raises(EngineError, match=f"{a.url} still reports weight version 3 .* worker 0"):
+            await e.update_weights(e.blobs.put(b"w"), 9)
+
+
+def toml(router_replay: bool, model: str = "/m", serve_args: str = "") -> config.Config:
+    return config.loads(f'[model]\npath = "{model}"\n[engine]\nkind = "vllm"\nserve_args = "{serve_args}"\n'
+                        f'[trainer]\nrouter_replay = {str(router_replay).lower()}\n')
+
+
+def test_make_engine_talks_http_when_the_job_exported_reel_vllm_url(monkeypatch, model_dir: Path) -> None:
+    monkeypatch.setenv("REEL_VLLM_URL", "http://router:9000")
+    monkeypatch.setenv("REEL_VLLM_SERVERS", "http://p:8000,http://d:8000")
+    blobs = BlobStore(model_dir.parent / "blobs")
+    leader, follower = (make_engine(toml(False), model_dir, blobs, worker) for worker in (0, 1))
+    assert isinstance(leader, VLLMHTTPEngine) and leader.url == "http://router:9000"
+    assert leader.servers == ["http://p:8000", "http://d:8000"] and leader.version == -1
+    assert leader.push_weights and not follower.push_weights and not leader.routed_experts
+    assert make_engine(toml(True), model_dir, blobs).routed_experts
+    monkeypatch.delenv("REEL_VLLM_URL")
+    if importlib.util.find_spec("vllm") is None:  # in-process AsyncLLM: says what to install
+        with pytest.raises(EngineError, match="pip install"):
+            make_engine(toml(True), model_dir, blobs)
+
+
+@pytest.mark.parametrize("router_replay", [True, False])
+def test_the_serve_line_loads_reel_weights_through_dev_endpoints(router_replay: bool) -> None:
+    c, pool = toml(router_replay), Pool("rollout", 1, "--rollout-nodes")
+    argv = vllm_args.serve_argv(c, pool, 0)
+    module, _, name = argv[argv.index("--worker-extension-cls") + 1].rpartition(".")
+    extension = getattr(importlib.import_module(module), name)
+    assert extension is ReelWorkerExtension and callable(getattr(extension, LOAD_WEIGHTS))
+    assert ("--enable-return-routed-experts" in argv) == router_replay
+    assert vllm_args.serve_env(c, pool, 0, "10.0.0.1")["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_the_worker_extension_refuses_a_blob_with_another_hash(tmp_path: Path) -> None:
+    blob = tmp_path / "weights"
+    blob.write_bytes(b"safetensors bytes")
+    with pytest.raises(ValueError, match=f"{blob} hashes to"):
+        ReelWorkerExtension().reel_load_weights(str(blob), "0" * 64)  # before any model is touched
+
+
+@pytest.fixture
+def vllm_serve(tmp_path: Path) -> Iterator[str]:
+    """`vllm serve` on a tiny Reel model with the flags and environment `reel launch slurm` renders; its URL."""
+    from importlib.metadata import version as installed
+
+    from packaging.version import Version
+
+    from runtime.model.model import MoEModel
+    from runtime.model.weights import save
+
+    torch.manual_seed(0)
+    save(MoEModel(MoEConfig(vocab_size=64, initializer_range=0.1)), tmp_path / "model")
+    extra = "--skip-tokenizer-init --enforce-eager --gpu-memory-utilization 0.3"
+    c = toml(True, str(tmp_path / "model"), extra + " --enable-scale-out" * (Version(installed("vllm")) >= Version("0.30")))
+    pool, port = Pool("rollout", 1, "--rollout-nodes"), 18000 + os.getpid() % 1000
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", *vllm_args.serve_argv(c, pool, 0)[1:]]
+    argv[argv.index("--port") + 1] = str(port)
+    with open(tmp_path / "vllm.log", "wb") as out:
+        server = subprocess.Popen(argv, env=os.environ | vllm_args.serve_env(c, pool, 0, "127.0.0.1"), stdout=out,
+                                  stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while not _answers(url + "/health"):
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "vllm.log").read_text()[-4000:]
+            time.sleep(5)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(120)
+
+
+def _answers(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None or not torch.cuda.is_available(),
+                    reason="needs vLLM and CUDA")
+async def test_a_real_vllm_serve_generates_and_swaps_weights(vllm_serve: str, tmp_path: Path) -> None:
+    from runtime.model.weights import load, state_dict_bytes
+
+    model = load(tmp_path / "model")
+    async with engine(tmp_path / "model", vllm_serve, version=-1) as e:
+        await e.update_weights(e.blobs.put(state_dict_bytes(model)), 0)
+        (first,) = await e.generate([1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
+        assert first.spans[0] == (0, 0) and len(first.logprobs) == len(first.tokens)
+        assert first.routing.shape == (3 + len(first.tokens) - 1, L, K)
+        with torch.no_grad():  # new weights that always emit token 7 (tests/test_engine.py's forcing model)
+            model.model.embed_tokens.weight[:, 0] = 100.0
+            model.model.norm.weight.zero_()
+            model.model.norm.weight[0] = 1.0
+            model.lm_head.weight.zero_()
+            model.lm_head.weight[7, 0] = 10.0
+        await e.update_weights(e.blobs.put(state_dict_bytes(model)), 1)
+        (forced,) = await e.generate([1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
+        assert forced.tokens == [7] * 8 and forced.spans == [(0, 1)]
