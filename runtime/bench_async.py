@@ -26,19 +26,20 @@ from runtime.launch import Supervisor, bus_for, prepare_run_dir
 
 # The agentic shape: mostly 3..6-character answers, 20% of prompts answering with max_tokens.
 WORKLOAD = {
-    "run": {"name": "bench_async", "seed": 0, "steps": 24},
+    "run": {"name": "bench_async", "seed": 0, "steps": 40},
     "model": {"hidden_size": 64, "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2},
-    "init": {"warmup_steps": 150},
+    "init": {"warmup_steps": 300, "warmup_noise": 0.4},
     "env": {"name": "reverse_text", "min_len": 3, "max_len": 6, "long_tail": 0.2},
-    "rollout": {"workers": 1, "concurrency": 16, "group_size": 8, "max_tokens": 48},
-    "trainer": {"batch_groups": 8, "lr": 2e-4, "max_off_policy_steps": 2, "checkpoint_every": 1000},
+    "rollout": {"workers": 1, "concurrency": 24, "group_size": 8, "max_tokens": 48},
+    "trainer": {"batch_groups": 8, "lr": 1e-3, "max_off_policy_steps": 2, "checkpoint_every": 1000,
+                "micro_batch_tokens": 1024},
 }
 
 
 def bench_async(args: argparse.Namespace) -> int:
     raw = json.loads(json.dumps(WORKLOAD))
     if args.quick:
-        raw["run"]["steps"] = 6
+        raw["run"]["steps"] = 8
     results = {}
     with tempfile.TemporaryDirectory(prefix="reel-bench-async-") as tmp:
         for level in (0, 2):
@@ -62,11 +63,15 @@ def _measure(run_dir: Path, config: Config) -> dict[str, float]:
     if code != 0:
         raise RuntimeError(f"bench run at async_level {config.rollout.async_level} failed; see {run_dir}/roles")
     with RunLog(run_dir, readonly=True) as log:
-        steps = [e for _, e in log.events("steps") if isinstance(e, StepCommitted)]
-        stats = [e for _, e in log.events("control") if isinstance(e, WorkerStats)]
+        commits = [(i, e) for i, e in log.events("steps") if isinstance(e, StepCommitted)]
+        stats = [(i, e) for i, e in log.events("control") if isinstance(e, WorkerStats)]
     # Wall time of the RL loop from the first commit to the last, by the trainer's own step
-    # timings: step 1 also waits for the processes to start and is left out of both runs.
+    # timings: step 1 also waits for the processes to start and is left out of both runs, and so
+    # are worker stats from before it (entry ids start with their Redis millisecond timestamp).
+    steps = [e for _, e in commits]
     timed = steps[1:]
+    first_commit_ms = _ms(commits[0][0])
+    stats = [e for i, e in stats if _ms(i) > first_commit_ms]
     wall = sum(s.timing.wait + s.timing.compute + s.timing.publish for s in timed)
     waited = sum(s.timing.wait for s in timed)
     return {
@@ -74,7 +79,12 @@ def _measure(run_dir: Path, config: Config) -> dict[str, float]:
         "wall_s": round(wall, 3),
         "trainer_idle": round(waited / wall, 3),
         "rollout_idle": round(sum(s.idle_share for s in stats) / len(stats), 3) if stats else None,
+        "worker_stats": len(stats),
         "reward_first": round(steps[0].metrics.get("reward_mean", float("nan")), 3),
         "reward_last": round(steps[-1].metrics.get("reward_mean", float("nan")), 3),
         "tokens_per_step": round(sum(s.metrics.get("tokens", 0) for s in steps) / len(steps), 1),
     }
+
+
+def _ms(entry_id: str) -> int:
+    return int(entry_id.split("-")[0])
