@@ -73,7 +73,8 @@ class _Sequence:
 
 class BuiltinEngine(Engine):
     def __init__(self, model: MoEModel, *, max_batch: int = 64, max_seq_len: int = 0,
-                 blobs: BlobStore | None = None, version: int = 0, max_prefill_tokens: int = 4096):
+                 blobs: BlobStore | None = None, version: int = 0, max_prefill_tokens: int = 4096,
+                 threads: int = 1):
         # Fixed at construction.
         self.model = model.eval()
         self.max_batch = max_batch  # KV cache slots = sequences decoded together
@@ -83,7 +84,11 @@ class BuiltinEngine(Engine):
         self.device = next(model.parameters()).device
         self._routing_dtype = routing_dtype(model.config.num_experts)
         self._cache = model.new_cache(max_batch, self.max_seq_len)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="reel-engine")
+        # The step thread's own torch thread count: an OpenMP team driven from a non-main thread was
+        # 2x slower per decode step here at 2 threads than at 1 (tiny MoE, 2 cores); raise it for
+        # models whose matmuls are big enough to split.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="reel-engine", initializer=torch.set_num_threads,
+                                            initargs=(threads,))
         # Changed by the serving loop (event loop thread), or by the step thread while the loop awaits it.
         self.version = version
         self._free_slots = list(range(max_batch - 1, -1, -1))

@@ -370,7 +370,8 @@ def make_engine(config: Config, model_dir: Path, blobs: BlobStore, worker: int =
     from runtime.model.model import MoEModel
 
     model = MoEModel(MoEConfig.from_hf_dict(json.loads((model_dir / "config.json").read_text())), e.precision)
-    return BuiltinEngine(model, max_batch=e.max_batch, max_seq_len=e.max_seq_len, blobs=blobs, version=-1)
+    return BuiltinEngine(model, max_batch=e.max_batch, max_seq_len=e.max_seq_len, blobs=blobs, version=-1,
+                         threads=e.threads)
 
 
 def main(run_dir: Path, bus_url: str, worker: int) -> int:

@@ -72,6 +72,7 @@ class EngineSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     precision: Precision = "fp32"
     max_batch: int = 64  # sequences decoded together (KV cache slots)
     max_seq_len: int = 0  # 0 = model.max_position_embeddings
+    threads: int = 1  # torch threads of the built-in engine's step thread
     # vLLM-only keys (rendered into `vllm serve` by `reel launch slurm`)
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -198,6 +199,7 @@ def validate(c: Config) -> None:
              f"run.name = {c.run.name!r} must use only letters, digits, '_', '.', '-'")
     _require(c.run.steps >= 1, f"run.steps = {c.run.steps} must be at least 1")
     _require(c.rollout.async_level >= 0, f"rollout.async_level = {c.rollout.async_level} must be >= 0")
+    _require(c.engine.threads >= 1, f"engine.threads = {c.engine.threads} must be at least 1")
     _require(c.rollout.workers >= 1, f"rollout.workers = {c.rollout.workers} must be at least 1")
     _require(c.rollout.concurrency >= 1, f"rollout.concurrency = {c.rollout.concurrency} must be at least 1")
     _require(c.rollout.group_size >= 2,
