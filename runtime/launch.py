@@ -253,6 +253,8 @@ class Supervisor:
         print(f"reel: role {name} stopped with exit code {role.poll()}, so the run was stopped; "
               f"last lines of {role.log_path}:", file=sys.stderr)
         print(role.log_tail(), file=sys.stderr)
+        print(f"reel: fix the cause, then `reel run CONFIG --resume --out {self.run_dir}` continues this run",
+              file=sys.stderr)
         return 1
 
     def _stop_all(self) -> None:
