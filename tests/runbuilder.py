@@ -15,7 +15,6 @@ calls it.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from pathlib import Path
@@ -70,8 +69,7 @@ def build_run(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = None,
     (run_dir / "config.toml").write_text(config_mod.to_toml(config))
     ensure_initial_policy(run_dir, config)
     threads = torch.get_num_threads()
-    # The trainer role's thread count (the launcher exports REEL_TORCH_THREADS = trainer.threads or 1).
-    torch.set_num_threads(int(os.environ.get("REEL_TORCH_THREADS", 0)) or config.trainer.threads or 1)
+    torch.set_num_threads(config.trainer.threads or 1)  # the trainer role's thread count
     try:
         with _Writer(run_dir, config) as writer:
             writer.run(engine_precision, stale)
