@@ -123,9 +123,12 @@ def main_cancel(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     job = job_id(run_dir)
     _which("scancel")
-    _run(["scancel", job])
-    print(f"reel: cancelled Slurm job {job}: every component gets SIGTERM (the job script stops them "
-          f"in order), then SIGKILL after Slurm's KillWait")
+    # Only the job script is signalled: it stops the components in order (SIGTERM, then SIGKILL
+    # after its stop timeout) and then cancels the job. A plain `scancel` would signal every step
+    # at once, and srun SIGKILLs its tasks on a second signal, leaving them no time to drain.
+    _run(["scancel", "--batch", "--signal=TERM", job])
+    print(f"reel: cancelled Slurm job {job}: the job script stops every component with SIGTERM, in order, "
+          f"then ends the job (`scancel {job}` kills it at once)")
     return 0
 
 

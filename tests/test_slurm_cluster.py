@@ -112,11 +112,11 @@ def test_a_failing_component_ends_the_job_with_its_code(tmp_path: Path) -> None:
 def test_cancel_stops_every_component_with_sigterm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     serve, marks = serving(tmp_path)
     job = slurm.submit(tmp_path, trivial_job(tmp_path, serve, serve.replace("first", "second")))
-    deadline = time.monotonic() + 30
-    while not all((tmp_path / "roles" / name).exists() for name in ("first.log", "second-0.log", "second-1.log")):
+    logs = [tmp_path / "roles" / name for name in ("first.log", "second-0.log", "second-1.log")]
+    deadline = time.monotonic() + 60
+    while not all(log.exists() and " on " in log.read_text() for log in logs):  # printed after the trap is set
         assert time.monotonic() < deadline, "the components did not start"
         time.sleep(0.2)
-    time.sleep(1)  # let the traps be installed
     assert main(["launch", "cancel", str(tmp_path)]) == 0
     assert f"cancelled Slurm job {job}" in capsys.readouterr().out
     states = wait_done(job, 60)
