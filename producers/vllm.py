@@ -25,6 +25,8 @@ EngineError saying what to install.
 
 from __future__ import annotations
 
+import abc
+
 import asyncio
 import collections
 import hashlib
@@ -135,6 +137,18 @@ class VLLMEngineBase(Engine):
                               f"(prompt + completion - 1 tokens, MoE layers, top-k)")
         return routing.astype(self._routing_dtype)
 
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[Completion]:
+        params.validate()
+        await self.start()
+        prompt = [int(t) for t in prompt_ids]
+        version = self.version
+        # One request per sample (seed + i), all tagged with the version they started under.
+        return list(await asyncio.gather(*(self._sample(prompt, params, i, version) for i in range(params.n))))
+
+    @abc.abstractmethod
+    async def _sample(self, prompt: list[int], params: SamplingParams, index: int, version: int) -> Completion:
+        """Sample `index` of a request (seed + index), tagged with `version`."""
+
     def stats(self) -> EngineStats:
         now = time.monotonic()
         while self._recent and now - self._recent[0][0] > _RATE_WINDOW_S:
@@ -184,13 +198,6 @@ class VLLMEngine(VLLMEngineBase):
             self._llm = AsyncLLM.from_engine_args(args)
         except Exception as exc:
             raise EngineError(f"vLLM could not start on {self.model_dir}: {type(exc).__name__}: {exc}") from exc
-
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[Completion]:
-        params.validate()
-        await self.start()
-        prompt = [int(t) for t in prompt_ids]
-        version = self.version
-        return list(await asyncio.gather(*(self._sample(prompt, params, i, version) for i in range(params.n))))
 
     async def _sample(self, prompt: list[int], params: SamplingParams, index: int, version: int) -> Completion:
         from vllm import SamplingParams as VSamplingParams

@@ -204,13 +204,6 @@ class VLLMHTTPEngine(VLLMEngineBase):
             await client.aclose()
             raise
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[Completion]:
-        params.validate()
-        await self.start()
-        prompt = [int(t) for t in prompt_ids]
-        version = self.version
-        return list(await asyncio.gather(*(self._sample(prompt, params, i, version) for i in range(params.n))))
-
     async def _sample(self, prompt: list[int], params: SamplingParams, index: int, version: int) -> Completion:
         request_id = f"{self._id_prefix}-{next(self._ids)}"
         body = generate_body(prompt, params, index, version, request_id)
