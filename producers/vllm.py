@@ -26,7 +26,6 @@ EngineError saying what to install.
 from __future__ import annotations
 
 import abc
-
 import asyncio
 import collections
 import hashlib
