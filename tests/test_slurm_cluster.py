@@ -8,6 +8,7 @@ cancel` stops every component with SIGTERM. Then the example run goes end to end
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -143,3 +144,6 @@ def test_reverse_text_runs_end_to_end_through_slurm(tmp_path: Path, capsys: pyte
     assert main(["log", "verify", "--run", str(run_dir)]) == 0
     verified = capsys.readouterr().out
     assert re.search(r"steps\s+2 records", verified), verified
+    for step in (1, 2):  # the run replays bit for bit from its log, like a local one
+        assert main(["replay", "step", str(step), "--run", str(run_dir), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["bitwise"] is True
