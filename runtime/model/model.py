@@ -1,10 +1,11 @@
 """Decoder-only MoE transformer with Qwen3-MoE module names (checkpoint keys are module paths).
 
-Two forward paths share every layer; layers see flat tokens [N, H] and get attention as a
-callable, so they never know whether keys come from the batch or from a KV cache:
-  forward         padded batches [B, T] (training, scoring); routing [B, T, L, K]
-  forward_cached  flat tokens of many sequences, prefill chunks and decode tokens mixed, against
-                  a KVCache indexed by (slot, position); routing [N, L, K]
+Two forward paths over the same parameters:
+  forward         padded batches [B, T] (training, scoring); layers see flat tokens [N, H] and get
+                  attention as a callable; routing [B, T, L, K]
+  forward_cached  inference: flat tokens of many sequences, prefill chunks and decode tokens mixed,
+                  against a KVCache indexed by (slot, position); routing [N, L, K]. Written for
+                  small decode steps in kvcache.py; tests hold it to `forward` (1e-5, same routing).
 
 Shape legend: B batch, T time, N flat tokens, H hidden, V vocab, h query heads, g kv heads,
 D head dim, S cache slots, P cache positions, L MoE layers, K top-k, E experts.
@@ -12,7 +13,6 @@ D head dim, S cache slots, P cache positions, L MoE layers, K top-k, E experts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable, NamedTuple
 
@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.model import kvcache
 from runtime.model.config import ModelError, MoEConfig
+from runtime.model.kvcache import KVCache
 from runtime.model.layers import PRECISIONS, Linear, RMSNorm, apply_rope, linear, rope_cos_sin, unquantised
 from runtime.model.moe import DenseMLP, MoE, load_balancing_loss
 
@@ -31,22 +33,6 @@ class ModelOutput(NamedTuple):
     logits: torch.Tensor  # fp32 [B, T, V] | [N, V]
     routing: torch.Tensor | None  # int64 expert ids [B, T, L, K] | [N, L, K]; None unless asked
     aux_loss: torch.Tensor | None  # scalar load-balancing loss (1.0 = balanced); None unless asked
-
-
-@dataclass
-class KVCache:
-    """Post-norm, post-RoPE keys and values per layer, slot and position (fp32)."""
-
-    k: torch.Tensor  # [layers, S, P, g, D]
-    v: torch.Tensor  # [layers, S, P, g, D]
-
-    @property
-    def slots(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[2]
 
 
 class Attention(nn.Module):
@@ -94,18 +80,6 @@ def _attend_padded(q_NhD, k_NgD, v_NgD, *, B: int, T: int, allowed_B1TT: torch.T
     return o_BhTD.transpose(1, 2).reshape(B * T, -1, q_NhD.shape[-1])
 
 
-def _attend_cached(q_NhD, k_NgD, v_NgD, *, cache: KVCache, layer: int, slot_N, pos_N, span: int) -> torch.Tensor:
-    # Write this call's keys first, so a prefill chunk's tokens see each other (causally, via the mask).
-    cache.k[layer, slot_N, pos_N] = k_NgD
-    cache.v[layer, slot_N, pos_N] = v_NgD
-    k_NgPD = cache.k[layer, slot_N, :span].transpose(1, 2)
-    v_NgPD = cache.v[layer, slot_N, :span].transpose(1, 2)
-    allowed_N11P = (torch.arange(span, device=pos_N.device) <= pos_N[:, None])[:, None, None, :]
-    o_Nh1D = F.scaled_dot_product_attention(q_NhD.unsqueeze(2), k_NgPD, v_NgPD, attn_mask=allowed_N11P,
-                                            enable_gqa=True)
-    return o_Nh1D.squeeze(2)
-
-
 class MoEModel(nn.Module):
     def __init__(self, config: MoEConfig, precision: str = "fp32"):
         super().__init__()
@@ -141,13 +115,13 @@ class MoEModel(nn.Module):
             else:
                 p.normal_(0.0, self.config.initializer_range)
 
-    def _run_layers(self, x_NH, positions_N, attend_for: Callable[[int], Attend], replay_NLK=None):
+    def _run_layers(self, x_NH, positions_N, attend: Attend, replay_NLK=None):
         cfg, precision = self.config, self.precision
         cos_ND, sin_ND = rope_cos_sin(positions_N, cfg.head_dim, cfg.rope_theta)
         ids, scores = [], []
-        for i, layer in enumerate(self.model.layers):
+        for layer in self.model.layers:
             replay_NK = None if replay_NLK is None else replay_NLK[:, len(ids)]
-            x_NH, ids_NK, scores_NE = layer(x_NH, cos_ND, sin_ND, attend_for(i), precision, replay_NK)
+            x_NH, ids_NK, scores_NE = layer(x_NH, cos_ND, sin_ND, attend, precision, replay_NK)
             if ids_NK is not None:
                 ids.append(ids_NK)
                 scores.append(scores_NE)
@@ -175,31 +149,28 @@ class MoEModel(nn.Module):
         attend = partial(_attend_padded, B=B, T=T, allowed_B1TT=allowed_B1TT)
         replay_NLK = None if replay_routing_BTLK is None else replay_routing_BTLK.flatten(0, 1)
         logits_NV, ids, scores = self._run_layers(self.model.embed_tokens(input_ids_BT).flatten(0, 1),
-                                                  positions_BT.flatten(), lambda i: attend, replay_NLK)
+                                                  positions_BT.flatten(), attend, replay_NLK)
         routing = torch.stack(ids, dim=1).view(B, T, len(ids), -1) if return_routing and ids else None
         aux = None
         if aux_loss and ids:
             aux = torch.stack([load_balancing_loss(s, i, mask_BT.flatten()) for s, i in zip(scores, ids)]).mean()
         return ModelOutput(logits_NV.view(B, T, -1), routing, aux)
 
-    @torch.no_grad()
     def forward_cached(self, input_ids_N: torch.Tensor, slot_ids_N: torch.Tensor, positions_N: torch.Tensor,
                        cache: KVCache, *, replay_routing_NLK: torch.Tensor | None = None,
                        return_routing: bool = False) -> ModelOutput:
-        """Token n (of slot s, at position p) writes its k/v to cache[s, p], then attends to cache[s, :p+1]."""
+        """Token n (of slot s, at position p) writes its k/v to cache[s, p], then attends to cache[s, :p+1].
+
+        Cost grows with the range of slots the call touches (min to max slot id), not their count.
+        """
         self._check_replay(replay_routing_NLK, (input_ids_N.shape[0],), "replay_routing_NLK")
         span = int(positions_N.max()) + 1
         if span > cache.max_len:
             raise ModelError(f"position {span - 1} does not fit the KV cache (max_len {cache.max_len})")
-        slot_N, pos_N = slot_ids_N.long(), positions_N.long()
-        logits_NV, ids, _ = self._run_layers(
-            self.model.embed_tokens(input_ids_N), pos_N,
-            lambda i: partial(_attend_cached, cache=cache, layer=i, slot_N=slot_N, pos_N=pos_N, span=span),
-            replay_routing_NLK)
+        logits_NV, ids = kvcache.forward_cached(self, input_ids_N, slot_ids_N.long(), positions_N.long(), cache,
+                                                replay_routing_NLK)
         routing = torch.stack(ids, dim=1) if return_routing and ids else None
         return ModelOutput(logits_NV, routing, None)
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:
-        cfg, p = self.config, self.lm_head.weight
-        shape = (cfg.num_hidden_layers, slots, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        return KVCache(torch.zeros(shape, device=p.device), torch.zeros(shape, device=p.device))
+        return kvcache.new_cache(self, slots, max_len)

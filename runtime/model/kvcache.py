@@ -1,0 +1,304 @@
+"""The KV-cache forward (inference only): flat tokens of many sequences against a preallocated cache.
+
+`MoEModel.forward_cached` runs here. It computes what `forward` computes from the same parameters
+(tests hold it to the full forward within 1e-5 and to the same routing), but is written for the
+small decode steps of a tiny model on CPU, whose cost is per-op overhead and memory traffic:
+- weights are prepared once per parameter version and precision (q/k/v fused into one matrix,
+  experts' gate/up fused, expert matrices stored in the layout a batched matmul reads, cast or fp8
+  round-tripped as the precision says) and reused until a parameter changes in place or anew;
+- the cache stores keys transposed per kv head ([S, g, D, P]) and values [S, g, P, D], so attention
+  is two batched matmuls over (slot, kv head) rows that read the cache in place, with no per-token
+  copies: the rows are the contiguous range of slots the call touches, tokens padded per slot to
+  the call's longest chunk (one row per slot in a decode step);
+- experts run as two batched matmuls over per-expert rows padded to the busiest expert's count
+  while experts get few rows each (decode steps), else as the training path's grouped GEMM;
+- RoPE comes from a table; norms and the q/k projections' small ops are fused where the result
+  stays the same.
+fp8 runs the reference GEMM (dequantised operands in fp32) on every device, DeepGEMM never.
+
+Shape legend: N flat tokens, H hidden, V vocab, h query heads, g kv heads, r = h / g, D head dim,
+S cache slots, P cache positions, R slots in the call's range, T tokens per slot row (padded),
+E experts, K top-k, A = N * K assignments, C rows per expert (padded), I expert width, J = 2 I.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from runtime.model.fp8 import dequant_blocks, dequant_tokens, per_block_cast_to_fp8, per_token_cast_to_fp8
+from runtime.model.layers import linear, rope_cos_sin, unquantised
+from runtime.model.moe import DenseMLP
+
+if TYPE_CHECKING:
+    from runtime.model.model import MoEModel
+
+
+@dataclass
+class KVCache:
+    """Post-norm, post-RoPE keys and values per layer, slot and position (fp32)."""
+
+    k: torch.Tensor  # [layers, S, g, D, P] (transposed: a slot's keys are the right operand of q @ k)
+    v: torch.Tensor  # [layers, S, g, P, D]
+
+    @property
+    def slots(self) -> int:
+        return self.v.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.v.shape[3]
+
+
+def new_cache(model: MoEModel, slots: int, max_len: int) -> KVCache:
+    cfg, dev = model.config, model.lm_head.weight.device
+    layers, g, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    return KVCache(torch.zeros(layers, slots, g, D, max_len, device=dev),
+                   torch.zeros(layers, slots, g, max_len, D, device=dev))
+
+
+# ---- weights prepared for a precision ------------------------------------------------------------
+
+def _prepare(w: torch.Tensor, precision: str) -> torch.Tensor:
+    """What `linear(x, w, precision)` multiplies by: bf16 copy, or the fp8 round trip (per block)."""
+    if precision == "fp8":
+        return dequant_blocks(*per_block_cast_to_fp8(w))
+    return w.bfloat16() if precision == "bf16" else w
+
+
+def _act(x: torch.Tensor, precision: str) -> torch.Tensor:
+    """What `linear` multiplies the input by: bf16 copy, or the per-token fp8 round trip."""
+    if precision == "fp8":
+        return dequant_tokens(*per_token_cast_to_fp8(x))
+    return x.bfloat16() if precision == "bf16" else x
+
+
+class _LayerWeights(NamedTuple):
+    qkv_OH: torch.Tensor  # q, k, v projections stacked on the output dim
+    qk_norm_D: torch.Tensor  # [h + g, D] q_norm's weight per query head (times D^-0.5), then k_norm's
+    o_HO: torch.Tensor
+    gate_up_EHJ: torch.Tensor | None  # experts' gate then up, transposed for x @ w; None for a dense MLP
+    down_EIH: torch.Tensor | None
+
+
+class _Prepared(NamedTuple):
+    key: tuple
+    params: list[torch.Tensor]
+    layers: list[_LayerWeights]
+    cos_PD: torch.Tensor
+    sin_PD: torch.Tensor  # sign-folded: rotate_half(x) * sin == roll(x, D/2) * sin_PD
+
+
+_registrations = 0  # parameters registered on any module so far (a parameter replaced by another)
+
+
+def _count_registration(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+    global _registrations
+    _registrations += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+
+
+def _key(params: list[torch.Tensor], precision: str, max_len: int) -> tuple:
+    # In-place changes (loads, optimizer steps) move a version; `.data =` (e.g. `.to()`) a pointer.
+    return (precision, max_len, _registrations, *((p.data_ptr(), p._version) for p in params))
+
+
+def _prepared_weights(model: MoEModel, max_len: int) -> _Prepared:
+    """The model's prepared weights, rebuilt when the precision or any parameter changed."""
+    cached: _Prepared | None = getattr(model, "_prepared", None)
+    if cached is not None and cached.key == _key(cached.params, model.precision, max_len):
+        return cached
+    precision, cfg = model.precision, model.config
+    layers = []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        qkv = torch.cat([_prepare(p.weight, precision) for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
+        # The attention scale rides on q's norm weight: one multiply fewer per layer.
+        qk_norm = torch.cat([(attn.q_norm.weight * cfg.head_dim ** -0.5).expand(cfg.num_attention_heads, -1),
+                             attn.k_norm.weight.expand(cfg.num_key_value_heads, -1)])
+        gate_up = down = None
+        if not isinstance(layer.mlp, DenseMLP):
+            ex = layer.mlp.experts
+            gate_up = torch.cat([_prepare(ex.gate_proj, precision), _prepare(ex.up_proj, precision)], 1)
+            gate_up = gate_up.transpose(1, 2).contiguous()
+            down = _prepare(ex.down_proj, precision).transpose(1, 2).contiguous()
+        layers.append(_LayerWeights(qkv, qk_norm, _prepare(attn.o_proj.weight, precision), gate_up, down))
+    cos_PD, sin_PD = rope_cos_sin(torch.arange(max_len, device=model.lm_head.weight.device), cfg.head_dim,
+                                  cfg.rope_theta)
+    half = cfg.head_dim // 2
+    sin_PD = torch.cat([-sin_PD[:, :half], sin_PD[:, half:]], -1)
+    params = list(model.parameters())
+    model._prepared = _Prepared(_key(params, precision, max_len), params, layers, cos_PD, sin_PD)
+    return model._prepared
+
+
+def _linear(x: torch.Tensor, w_prepared: torch.Tensor, precision: str) -> torch.Tensor:
+    y = F.linear(_act(x, precision), w_prepared)
+    return y.float() if precision == "bf16" else y
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """layers.RMSNorm bit for bit (mean = sum / n), in fewer dispatches."""
+    return w * (x * (x * x).sum(-1, keepdim=True).div_(x.shape[-1]).add_(eps).rsqrt_())
+
+
+def _rope(x_NxD: torch.Tensor, cos_N1D: torch.Tensor, sin_N1D: torch.Tensor) -> torch.Tensor:
+    return torch.addcmul(x_NxD * cos_N1D, x_NxD.roll(x_NxD.shape[-1] // 2, -1), sin_N1D)
+
+
+# ---- attention against the cache ---------------------------------------------------------------
+
+class _Grid(NamedTuple):
+    """Some of the call's tokens laid out as a padded grid of R slot rows by T tokens."""
+
+    tokens: torch.Tensor | None  # which of the call's tokens (None: all of them, in order)
+    row: torch.Tensor | None  # token -> grid row (slot row * T + t); None when token i is row i
+    slots: slice | torch.Tensor  # the cache slots of the rows: a range (read in place) or ids (gathered)
+    R: int
+    T: int
+    span: int  # cache positions read
+    mask_R11TP: torch.Tensor  # additive (0 | -inf): key p is visible to row (r, t)
+
+
+def _grid(tokens, row, slots, R: int, T: int, pos_N: torch.Tensor) -> _Grid:
+    # Padding cells keep position 0, so they see one key and no softmax row is empty.
+    pos_RT = pos_N if row is None else pos_N.new_zeros(R * T).index_copy_(0, row, pos_N)
+    span = int(pos_N.max()) + 1
+    hidden_RTP = torch.arange(span, device=pos_N.device) > pos_RT[:, None]
+    mask = torch.zeros(hidden_RTP.shape, device=pos_N.device).masked_fill_(hidden_RTP, float("-inf"))
+    return _Grid(tokens, row, slots, R, T, span, mask.view(R, 1, 1, T, span))
+
+
+def _grids(slot_N: torch.Tensor, pos_N: torch.Tensor) -> list[_Grid]:
+    """Decode tokens (one in their slot this call) read their slots' range in place, one row each;
+    chunks (several tokens of a slot) gather their slots and pad to the longest chunk."""
+    N, dev = slot_N.shape[0], slot_N.device
+    lo, hi = (int(v) for v in torch.aminmax(slot_N))
+    if hi + 1 - lo == N and bool((slot_N == torch.arange(lo, hi + 1, device=dev)).all()):
+        return [_grid(None, None, slice(lo, hi + 1), N, 1, pos_N)]  # a decode step over packed slots
+    uniq_U, inv_N, counts_U = torch.unique(slot_N, return_inverse=True, return_counts=True)
+    chunked_U = counts_U > 1
+    n_chunked = int(chunked_U.sum())
+    grids = []
+    if n_chunked < len(uniq_U):  # decode tokens
+        one_N = None if n_chunked == 0 else (~chunked_U)[inv_N].nonzero()[:, 0]
+        slot_n, pos_n = (slot_N, pos_N) if one_N is None else (slot_N[one_N], pos_N[one_N])
+        lo, hi = (int(v) for v in torch.aminmax(slot_n))
+        rel_n = slot_n - lo
+        identity = hi + 1 - lo == len(slot_n) and bool((rel_n == torch.arange(len(slot_n), device=dev)).all())
+        grids.append(_grid(one_N, None if identity else rel_n, slice(lo, hi + 1), hi + 1 - lo, 1, pos_n))
+    if n_chunked:
+        many_N = None if n_chunked == len(uniq_U) else chunked_U[inv_N].nonzero()[:, 0]
+        rank_U = chunked_U.cumsum(0) - 1  # slot -> its row among the chunked slots
+        srow_n = rank_U[inv_N] if many_N is None else rank_U[inv_N[many_N]]
+        counts_R = counts_U[chunked_U]
+        T = int(counts_R.max())
+        order_n = torch.argsort(srow_n, stable=True)  # t = rank of a token among its slot's, in call order
+        t_sorted = torch.arange(len(srow_n), device=dev) - (counts_R.cumsum(0) - counts_R)[srow_n[order_n]]
+        row_n = srow_n * T + torch.empty_like(srow_n).index_copy_(0, order_n, t_sorted)
+        pos_n = pos_N if many_N is None else pos_N[many_N]
+        grids.append(_grid(many_N, row_n, uniq_U[chunked_U], n_chunked, T, pos_n))
+    return grids
+
+
+def _attend_grid(q_nhD: torch.Tensor, cache: KVCache, layer: int, grid: _Grid) -> torch.Tensor:
+    R, T, span = grid.R, grid.T, grid.span
+    _, h, D = q_nhD.shape
+    g = cache.k.shape[2]
+    r = h // g
+    if isinstance(grid.slots, slice):  # views: no copy
+        k_RgDP, v_RgPD = cache.k[layer, grid.slots, :, :, :span], cache.v[layer, grid.slots, :, :span]
+    else:
+        k_RgDP = cache.k[layer, :, :, :, :span].index_select(0, grid.slots)
+        v_RgPD = cache.v[layer, :, :, :span].index_select(0, grid.slots)
+    q_RThD = q_nhD if grid.row is None else q_nhD.new_zeros(R * T, h, D).index_copy_(0, grid.row, q_nhD)
+    # Rows of one (slot, kv head) are its r query heads times T tokens: [R*g, r*T, D].
+    q_GQD = q_RThD.view(R, T, g, r, D).permute(0, 2, 3, 1, 4).reshape(R * g, r * T, D)
+    s_GQP = torch.bmm(q_GQD, k_RgDP.reshape(R * g, D, span))  # q carries the D^-0.5 scale
+    s_GQP.view(R, g, r, T, span).add_(grid.mask_R11TP)
+    o_GQD = torch.bmm(torch.softmax(s_GQP, dim=-1), v_RgPD.reshape(R * g, span, D))
+    o_RThD = o_GQD.view(R, g, r, T, D).permute(0, 3, 1, 2, 4).reshape(R * T, h, D)
+    return o_RThD if grid.row is None else o_RThD.index_select(0, grid.row)
+
+
+def _attend(q_NhD, k_NgD, v_NgD, cache: KVCache, layer: int, slot_N, pos_N, grids: list[_Grid]) -> torch.Tensor:
+    # Write this call's keys first, so a chunk's tokens see each other (causally, via the mask).
+    cache.k[layer, slot_N, :, :, pos_N] = k_NgD
+    cache.v[layer, slot_N, :, pos_N] = v_NgD
+    if len(grids) == 1 and grids[0].tokens is None:
+        return _attend_grid(q_NhD, cache, layer, grids[0])
+    o_NhD = q_NhD.new_empty(q_NhD.shape)
+    for grid in grids:
+        o_NhD.index_copy_(0, grid.tokens, _attend_grid(q_NhD.index_select(0, grid.tokens), cache, layer, grid))
+    return o_NhD
+
+
+# ---- experts ------------------------------------------------------------------------------------
+
+# Average rows per expert up to which padding every expert to the busiest one's count beats a
+# grouped GEMM's per-expert matmuls (measured on a 2-core CPU: 1.6x faster at 16, 1.3x at 64,
+# 2x slower at 200, where padding and its memory grow).
+_PADDED_ROWS_PER_EXPERT = 64
+
+
+def _experts(x_NH, ids_NK, weights_NK, token_A, gate_up_EHJ, down_EIH, precision: str) -> torch.Tensor:
+    """Each assignment's row goes to its expert's block of C rows; two bmm, then back to its token.
+
+    token_A: the token of each assignment (n // K), shared by every layer of the call."""
+    (N, K), (E, H, J) = ids_NK.shape, gate_up_EHJ.shape
+    ids_A = ids_NK.flatten()
+    seen_AE = (ids_A[:, None] == torch.arange(E, device=ids_A.device)).cumsum(0)
+    C = int(seen_AE[-1].max())
+    rank_A = seen_AE.gather(1, ids_A[:, None])[:, 0] - 1  # order among the expert's rows
+    row_A = ids_A * C + rank_A
+    # Padding rows read token 0 (any token would do): their outputs are never read back.
+    token_EC = torch.zeros(E * C, dtype=torch.long, device=x_NH.device).index_copy_(0, row_A, token_A)
+    x_ECH = _act(x_NH, precision).index_select(0, token_EC).view(E, C, H)
+    gate_up_ECJ = torch.bmm(x_ECH, gate_up_EHJ).float()
+    h_ECI = F.silu(gate_up_ECJ[..., :J // 2]) * gate_up_ECJ[..., J // 2:]
+    y_ECH = torch.bmm(_act(h_ECI, precision), down_EIH).float()
+    y_NKH = y_ECH.view(E * C, H).index_select(0, row_A).view(N, K, H)
+    return (y_NKH * weights_NK.unsqueeze(-1)).sum(1)
+
+
+# ---- the forward ----------------------------------------------------------------------------------
+
+@torch.no_grad()
+def forward_cached(model: MoEModel, ids_N: torch.Tensor, slot_N: torch.Tensor, pos_N: torch.Tensor,
+                   cache: KVCache, replay_NLK: torch.Tensor | None):
+    """-> (logits [N, V], expert ids per MoE layer [N, K]); writes the tokens' keys and values."""
+    cfg, precision = model.config, model.precision
+    weights = _prepared_weights(model, cache.max_len)
+    h, g, D, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+    N = ids_N.shape[0]
+    grids = _grids(slot_N, pos_N)
+    cos_N1D, sin_N1D = weights.cos_PD[pos_N, None], weights.sin_PD[pos_N, None]
+    x_NH = F.embedding(ids_N, model.model.embed_tokens.weight)
+    # Few rows per expert: padded bmm (few ops); many: the training path's grouped GEMM (no padding).
+    padded_experts = N * cfg.num_experts_per_tok <= _PADDED_ROWS_PER_EXPERT * cfg.num_experts
+    token_A = torch.arange(N, device=ids_N.device).repeat_interleave(cfg.num_experts_per_tok) \
+        if padded_experts else None
+    ids = []
+    for i, (layer, w) in enumerate(zip(model.model.layers, weights.layers)):
+        qkv_NxD = _linear(_rms_norm(x_NH, layer.input_layernorm.weight, eps), w.qkv_OH, precision).view(N, -1, D)
+        qk_NxD = _rope(_rms_norm(qkv_NxD[:, :h + g], w.qk_norm_D, eps), cos_N1D, sin_N1D)
+        o_NhD = _attend(qk_NxD[:, :h], qk_NxD[:, h:], qkv_NxD[:, h + g:], cache, i, slot_N, pos_N, grids)
+        x_NH = x_NH + _linear(o_NhD.reshape(N, h * D), w.o_HO, precision)
+        h_NH = _rms_norm(x_NH, layer.post_attention_layernorm.weight, eps)
+        if w.gate_up_EHJ is None:
+            x_NH = x_NH + layer.mlp(h_NH, precision)
+            continue
+        replay_NK = None if replay_NLK is None else replay_NLK[:, len(ids)]
+        weights_NK, ids_NK, _ = layer.mlp.gate(h_NH, precision, replay_NK)
+        if padded_experts:
+            x_NH = x_NH + _experts(h_NH, ids_NK, weights_NK, token_A, w.gate_up_EHJ, w.down_EIH, precision)
+        else:
+            x_NH = x_NH + layer.mlp.experts(h_NH, ids_NK, weights_NK, precision)
+        ids.append(ids_NK)
+    logits_NV = linear(_rms_norm(x_NH, model.model.norm.weight, eps), model.lm_head.weight, unquantised(precision))
+    return logits_NV, ids
