@@ -11,6 +11,12 @@ bookkeeping of the running sequences) runs on one worker thread while the event 
 talking to Redis (torch releases the GIL inside its ops). Weight swaps run on the same thread
 between two steps, so a step never sees half-loaded weights.
 
+Bursts: one hand-off to the worker thread runs one step over every pending token, then keeps
+decoding (tokens stay tensors; Python bookkeeping once per burst) until a sequence finishes or the
+loop has something to do between two steps: a weight update, an admissible request, a
+cancellation, or close. Free KV slots are handed out lowest first and running sequences kept in
+slot order, so a decode step reads one compact range of cache rows.
+
 Shape legend: N flat tokens of a step, B running sequences in a step, V vocabulary,
 L MoE layers, K experts per token.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -91,13 +98,14 @@ class BuiltinEngine(Engine):
                                             initargs=(threads,))
         # Changed by the serving loop (event loop thread), or by the step thread while the loop awaits it.
         self.version = version
-        self._free_slots = list(range(max_batch - 1, -1, -1))
+        self._free_slots = list(range(max_batch))  # a heap: the lowest free slot first
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._running: list[_Sequence] = []
         self._updates: list[tuple[Mapping[str, torch.Tensor] | bytes, int, asyncio.Future[None]]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._cancelled = False  # a request was cancelled since the last `_drop_cancelled`
         self._failure: EngineError | None = None  # why serving stopped, when a step or weight swap failed
         # Counters for stats().
         self._started_at = 0.0
@@ -124,6 +132,7 @@ class BuiltinEngine(Engine):
                               f"{self.max_seq_len}; shorten the prompt or raise engine.max_seq_len")
         await self.start()
         request = _Request(prompt, params, asyncio.get_running_loop().create_future())
+        request.future.add_done_callback(self._on_request_done)
         self._waiting.extend(request.sequences)
         self._wake.set()
         # Cancelling the caller cancels the future; the loop then drops the request's sequences.
@@ -180,7 +189,7 @@ class BuiltinEngine(Engine):
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                finished = await loop.run_in_executor(self._executor, self._step)
+                finished = await loop.run_in_executor(self._executor, self._burst)
                 self._finish(finished)
         except asyncio.CancelledError:
             raise
@@ -197,24 +206,30 @@ class BuiltinEngine(Engine):
                 break  # this step's prefill is full; the prompt joins the next step
             self._waiting.popleft()
             budget -= len(seq.pending)
-            seq.slot = self._free_slots.pop()
+            seq.slot = heapq.heappop(self._free_slots)
             seq.generator = torch.Generator(self.device).manual_seed(seq.seed)
             self._running.append(seq)
+        self._running.sort(key=lambda s: s.slot)
+
+    def _on_request_done(self, future: asyncio.Future[list[Completion]]) -> None:
+        if future.cancelled():
+            self._cancelled = True
 
     def _drop_cancelled(self) -> None:
+        self._cancelled = False
         if any(s.request.future.done() for s in self._waiting):
             self._waiting = collections.deque(s for s in self._waiting if not s.request.future.done())
         kept = []
         for seq in self._running:
             if seq.request.future.done():
-                self._free_slots.append(seq.slot)
+                heapq.heappush(self._free_slots, seq.slot)
             else:
                 kept.append(seq)
         self._running = kept
 
     def _finish(self, finished: list[_Sequence]) -> None:
         for seq in finished:
-            self._free_slots.append(seq.slot)
+            heapq.heappush(self._free_slots, seq.slot)
             request = seq.request
             request.unfinished -= 1
             if request.unfinished == 0 and not request.future.done():
@@ -236,10 +251,15 @@ class BuiltinEngine(Engine):
         # A state dict takes the blob's path too (safetensors in memory), so both are checked alike.
         load_state_dict_bytes(self.model, weights if isinstance(weights, bytes) else st_save(dict(weights)))
 
+    def _interrupted(self) -> bool:
+        """Whether the serving loop has work between two steps (read from the step thread)."""
+        return bool(self._updates or (self._waiting and self._free_slots) or self._cancelled or self._closed)
+
     @torch.inference_mode()
-    def _step(self) -> list[_Sequence]:
-        """One forward over every running sequence; returns those that finished."""
-        seqs = self._running
+    def _burst(self) -> list[_Sequence]:
+        """One step over every pending token, then decode steps until a sequence finishes or the
+        loop is needed; returns the finished sequences."""
+        seqs, dev = self._running, self.device
         ids: list[int] = []
         slots: list[int] = []
         positions: list[int] = []
@@ -250,41 +270,92 @@ class BuiltinEngine(Engine):
             slots += [seq.slot] * n
             positions += range(seq.position, seq.position + n)
             last.append(len(ids) - 1)
-        dev = self.device
         out = self.model.forward_cached(
             torch.tensor(ids, device=dev), torch.tensor(slots, device=dev), torch.tensor(positions, device=dev),
             self._cache, return_routing=True)
-        logits_BV = out.logits[torch.tensor(last, device=dev)].float()
         params = [seq.request.params for seq in seqs]
-        tokens_B, logprobs_B = sample_tokens(
-            logits_BV, [p.temperature for p in params], [p.top_p for p in params], [s.generator for s in seqs])
-        routing_NLK = out.routing.to("cpu").numpy().astype(self._routing_dtype)
-        tokens, logprobs = tokens_B.tolist(), logprobs_B.tolist()
+        sample = _Sampler(params, [s.generator for s in seqs], self.model.config.vocab_size, dev)
+        tokens_B, logprobs_B, stopped = sample(out.logits[torch.tensor(last, device=dev)])
+        self._count_step(len(seqs))
+        tokens, logprobs, routing = [tokens_B], [logprobs_B], []
+        # Decode steps that cannot end a sequence by length: each adds one token and one position.
+        after = [(len(s.tokens) + 1, s.position + len(s.pending)) for s in seqs]
+        room = min(min(p.max_tokens - n, self.max_seq_len - pos) for p, (n, pos) in zip(params, after))
+        slot_B = torch.tensor([s.slot for s in seqs], device=dev)
+        pos_B = torch.tensor([pos for _, pos in after], device=dev)
+        for _ in range(room):
+            if stopped or self._interrupted():
+                break
+            step = self.model.forward_cached(tokens_B, slot_B, pos_B, self._cache, return_routing=True)
+            tokens_B, logprobs_B, stopped = sample(step.logits)
+            tokens.append(tokens_B)
+            logprobs.append(logprobs_B)
+            routing.append(step.routing)
+            pos_B = pos_B + 1
+            self._count_step(len(seqs))
+        return self._record(seqs, out.routing, last, tokens, logprobs, routing)
 
+    def _count_step(self, sampled: int) -> None:
+        self._steps += 1
+        self._generated += sampled
+        self._recent.append((time.monotonic(), sampled))
+
+    def _record(self, seqs: list[_Sequence], first_routing_NLK: torch.Tensor, last: list[int],
+                tokens: list[torch.Tensor], logprobs: list[torch.Tensor], routing: list[torch.Tensor]):
+        """A burst's tokens, logprobs and routing into its sequences; returns those that finished."""
+        first_NLK = first_routing_NLK.to("cpu").numpy().astype(self._routing_dtype)
+        decode_SBLK = torch.stack(routing).to("cpu").numpy().astype(self._routing_dtype) if routing else None
+        tokens_BS = list(zip(*torch.stack(tokens).tolist()))
+        logprobs_BS = list(zip(*torch.stack(logprobs).tolist()))
         finished = []
         start = 0
         for b, seq in enumerate(seqs):
             end = last[b] + 1
-            seq.routing.append(routing_NLK[start:end])
-            seq.position += end - start
+            seq.routing.append(first_NLK[start:end])
+            if decode_SBLK is not None:
+                seq.routing.append(decode_SBLK[:, b])
+            seq.position += end - start + len(tokens) - 1
             start = end
             if not seq.spans or seq.spans[-1][1] != self.version:
                 seq.spans.append((len(seq.tokens), self.version))
-            seq.tokens.append(tokens[b])
-            seq.logprobs.append(logprobs[b])
-            seq.pending = [tokens[b]]
+            seq.tokens += tokens_BS[b]
+            seq.logprobs += logprobs_BS[b]
+            seq.pending = [seq.tokens[-1]]
             p = seq.request.params
-            if tokens[b] in p.stop_token_ids:
+            if seq.tokens[-1] in p.stop_token_ids:
                 seq.finish_reason = "stop"
             elif len(seq.tokens) >= p.max_tokens or seq.position >= self.max_seq_len:  # cache row full
                 seq.finish_reason = "length"
             if seq.finish_reason:
                 finished.append(seq)
         self._running = [s for s in seqs if not s.finish_reason]
-        self._steps += 1
-        self._generated += len(seqs)
-        self._recent.append((time.monotonic(), len(seqs)))
         return finished
+
+
+class _Sampler:
+    """`sample_tokens` for a burst's fixed rows; also says whether a row drew one of its stop tokens."""
+
+    def __init__(self, params: list[SamplingParams], generators: list[torch.Generator | None], vocab: int,
+                 device: torch.device):
+        self.temperature = [p.temperature for p in params]
+        self.top_p = [p.top_p for p in params]
+        self.generators = generators
+        self.greedy = not any(self.temperature)
+        self.stop_BV: torch.Tensor | None = None
+        if any(p.stop_token_ids for p in params):
+            self.stop_BV = torch.zeros(len(params), vocab, dtype=torch.bool, device=device)
+            for b, p in enumerate(params):
+                self.stop_BV[b, [t for t in p.stop_token_ids if 0 <= t < vocab]] = True
+
+    def __call__(self, logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        logits_BV = logits_BV.float()
+        if self.greedy:  # what sample_tokens does for temperature-0 rows, in fewer ops
+            tokens_B = logits_BV.argmax(-1)
+            logprobs_B = torch.log_softmax(logits_BV, -1).gather(-1, tokens_B[:, None])[:, 0]
+        else:
+            tokens_B, logprobs_B = sample_tokens(logits_BV, self.temperature, self.top_p, self.generators)
+        stopped = self.stop_BV is not None and bool(self.stop_BV.gather(1, tokens_B[:, None]).any())
+        return tokens_B, logprobs_B, stopped
 
 
 def _completion(seq: _Sequence) -> Completion:
