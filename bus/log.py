@@ -36,7 +36,7 @@ import msgspec
 
 from bus.errors import ReelError
 from bus.events import AnyEvent, MalformedEvent, decode
-from bus.logformat import HEADER, BadRecord, check, entry_order, frame, fsync_dir, good_record_after, write_all
+from bus.logformat import HEADER, Appender, BadRecord, check, entry_order, frame, fsync_dir, good_record_after
 
 __all__ = ["LogError", "LogCorrupted", "LogRecord", "StreamLog", "RunLog", "INDEX_EVERY"]
 
@@ -94,7 +94,7 @@ class StreamLog:
         self.torn_bytes = 0  # read-only opens: bytes of torn tail left for the writer to repair
         self._segments: list[_Segment] = []
         self._dir_fd: int | None = None  # writer: holds the flock, fsync'd on segment creation
-        self._fd: int | None = None  # writer: O_APPEND fd of the last segment
+        self._tail: Appender | None = None  # writer: appends to the last segment
         self._keys: dict[tuple[str, int], tuple[Path, int]] | None = None  # built on first lookup
         if readonly:
             if not self.directory.is_dir():
@@ -223,9 +223,7 @@ class StreamLog:
                 end: int) -> None:
         path = self._path(seg)
         try:
-            fd = self._tail_fd(seg)
-            write_all(fd, buffers)
-            os.fdatasync(fd)
+            self._appender(seg).append(buffers)
         except OSError as exc:
             self._close_tail()  # reopening truncates back to the last durable byte
             raise LogError(f"cannot append to log segment {path}: {exc}") from exc
@@ -235,17 +233,15 @@ class StreamLog:
                 self._add_key(data, entry_id, path, offset)
         seg.size = end
 
-    def _tail_fd(self, seg: _Segment) -> int:
-        if self._fd is None:
-            self._fd = os.open(self._path(seg), os.O_WRONLY | os.O_APPEND)
-            if os.fstat(self._fd).st_size > seg.size:  # bytes of a failed append, never acknowledged
-                os.ftruncate(self._fd, seg.size)
-        return self._fd
+    def _appender(self, seg: _Segment) -> Appender:
+        if self._tail is None:
+            self._tail = Appender(self._path(seg), seg.size)  # cuts off the bytes of a failed append
+        return self._tail
 
     def _close_tail(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self._tail is not None:
+            self._tail.close()
+            self._tail = None
 
     def _roll(self, seg: _Segment) -> _Segment:
         self._write_sidecar(seg)

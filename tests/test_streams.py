@@ -111,6 +111,24 @@ async def test_batch_publish_is_one_round_trip(bus_url, run_name):
         await r.aclose()
 
 
+async def test_batches_in_turn_and_at_once_keep_every_event_intact(bus_url, run_name):
+    """The Publisher encodes into a buffer it reuses from batch to batch; batches of other sizes and
+    batches published concurrently (each then gets a buffer of its own) must not mix bytes."""
+    async with connect(bus_url) as client:
+        publisher = Publisher(client, run_name, "rollout:0")
+        big = [publisher.stamp(RunFinished, reason="x" * 70_000) for _ in range(3)]
+        sent = big + finished(publisher, 5) + big[:1]
+        await publisher.publish(big)
+        await publisher.publish(sent[3:8])  # shorter events over the longer ones' bytes
+        await publisher.publish(sent[8:])
+        concurrent = [[publisher.stamp(RunFinished, reason=f"{k}" * (1000 * k)) for _ in range(4)] for k in range(1, 6)]
+        await asyncio.gather(*(publisher.publish(batch) for batch in concurrent))
+        entries = await client.xrange(stream_key(run_name, "control"))
+        got = [decode(fields[b"e"]) for _, fields in entries]
+        assert got[:9] == sent
+        assert sorted(got[9:], key=lambda e: e.seq) == [e for batch in concurrent for e in batch]
+
+
 VICTIM = """
 import asyncio, sys
 import uvloop
