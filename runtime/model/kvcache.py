@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from runtime.model.fp8 import dequant_blocks, dequant_tokens, per_block_cast_to_fp8, per_token_cast_to_fp8
 from runtime.model.layers import linear, rope_cos_sin, unquantised
@@ -77,9 +78,12 @@ def _act(x: torch.Tensor, precision: str) -> torch.Tensor:
 
 
 class _LayerWeights(NamedTuple):
+    input_norm_H: torch.Tensor  # the parameters themselves (no module attribute lookups per step)
     qkv_OH: torch.Tensor  # q, k, v projections stacked on the output dim
     qk_norm_D: torch.Tensor  # [h + g, D] q_norm's weight per query head (times D^-0.5), then k_norm's
     o_HO: torch.Tensor
+    post_norm_H: torch.Tensor
+    mlp: nn.Module  # the layer's MoE (its router, and its experts for large calls) or dense MLP
     gate_up_EHJ: torch.Tensor | None  # experts' gate then up, transposed for x @ w; None for a dense MLP
     down_EIH: torch.Tensor | None
 
@@ -87,7 +91,10 @@ class _LayerWeights(NamedTuple):
 class _Prepared(NamedTuple):
     key: tuple
     params: list[torch.Tensor]
+    embed_VH: torch.Tensor
     layers: list[_LayerWeights]
+    norm_H: torch.Tensor
+    lm_head_VH: torch.Tensor
     cos_PD: torch.Tensor
     sin_PD: torch.Tensor  # sign-folded: rotate_half(x) * sin == roll(x, D/2) * sin_PD
 
@@ -127,13 +134,15 @@ def _prepared_weights(model: MoEModel, max_len: int) -> _Prepared:
             gate_up = torch.cat([_prepare(ex.gate_proj, precision), _prepare(ex.up_proj, precision)], 1)
             gate_up = gate_up.transpose(1, 2).contiguous()
             down = _prepare(ex.down_proj, precision).transpose(1, 2).contiguous()
-        layers.append(_LayerWeights(qkv, qk_norm, _prepare(attn.o_proj.weight, precision), gate_up, down))
+        layers.append(_LayerWeights(layer.input_layernorm.weight, qkv, qk_norm, _prepare(attn.o_proj.weight, precision),
+                                    layer.post_attention_layernorm.weight, layer.mlp, gate_up, down))
     cos_PD, sin_PD = rope_cos_sin(torch.arange(max_len, device=model.lm_head.weight.device), cfg.head_dim,
                                   cfg.rope_theta)
     half = cfg.head_dim // 2
     sin_PD = torch.cat([-sin_PD[:, :half], sin_PD[:, half:]], -1)
     params = list(model.parameters())
-    model._prepared = _Prepared(_key(params, precision, max_len), params, layers, cos_PD, sin_PD)
+    model._prepared = _Prepared(_key(params, precision, max_len), params, model.model.embed_tokens.weight, layers,
+                                model.model.norm.weight, model.lm_head.weight, cos_PD, sin_PD)
     return model._prepared
 
 
@@ -158,51 +167,56 @@ class _Grid(NamedTuple):
 
     tokens: torch.Tensor | None  # which of the call's tokens (None: all of them, in order)
     row: torch.Tensor | None  # token -> grid row (slot row * T + t); None when token i is row i
-    slots: slice | torch.Tensor  # the cache slots of the rows: a range (read in place) or ids (gathered)
+    slots: torch.Tensor | None  # the rows' cache slots, gathered; None: the range read in place below
+    k_LRgDP: torch.Tensor | None  # every layer's keys and values of a slot range (views)
+    v_LRgPD: torch.Tensor | None
     R: int
     T: int
     span: int  # cache positions read
-    mask_R11TP: torch.Tensor  # additive (0 | -inf): key p is visible to row (r, t)
+    hidden_R11TP: torch.Tensor  # key p is hidden from row (r, t): p > its position
 
 
-def _grid(tokens, row, slots, R: int, T: int, pos_N: torch.Tensor) -> _Grid:
+def _grid(tokens, row, R: int, T: int, pos_N: torch.Tensor, cache: KVCache, slots: torch.Tensor | slice,
+          span: int | None = None) -> _Grid:
     # Padding cells keep position 0, so they see one key and no softmax row is empty.
     pos_RT = pos_N if row is None else pos_N.new_zeros(R * T).index_copy_(0, row, pos_N)
-    span = int(pos_N.max()) + 1
-    hidden_RTP = torch.arange(span, device=pos_N.device) > pos_RT[:, None]
-    mask = torch.zeros(hidden_RTP.shape, device=pos_N.device).masked_fill_(hidden_RTP, float("-inf"))
-    return _Grid(tokens, row, slots, R, T, span, mask.view(R, 1, 1, T, span))
+    span = span or int(pos_N.max()) + 1
+    hidden = (torch.arange(span, device=pos_N.device) > pos_RT[:, None]).view(R, 1, 1, T, span)
+    if isinstance(slots, slice):
+        return _Grid(tokens, row, None, cache.k[:, slots, :, :, :span], cache.v[:, slots, :, :span], R, T, span, hidden)
+    return _Grid(tokens, row, slots, None, None, R, T, span, hidden)
 
 
-def _grids(slot_N: torch.Tensor, pos_N: torch.Tensor) -> list[_Grid]:
+def _grids(slot_N: torch.Tensor, pos_N: torch.Tensor, span: int, cache: KVCache) -> list[_Grid]:
     """Decode tokens (one in their slot this call) read their slots' range in place, one row each;
-    chunks (several tokens of a slot) gather their slots and pad to the longest chunk."""
+    chunks (several tokens of a slot) gather their slots, bucketed by length (powers of two) so that
+    short chunks are not padded to the longest."""
     N, dev = slot_N.shape[0], slot_N.device
     lo, hi = (int(v) for v in torch.aminmax(slot_N))
-    if hi + 1 - lo == N and bool((slot_N == torch.arange(lo, hi + 1, device=dev)).all()):
-        return [_grid(None, None, slice(lo, hi + 1), N, 1, pos_N)]  # a decode step over packed slots
+    if hi + 1 - lo == N and torch.equal(slot_N, torch.arange(lo, hi + 1, device=dev)):
+        return [_grid(None, None, N, 1, pos_N, cache, slice(lo, hi + 1), span)]  # decode over packed slots
     uniq_U, inv_N, counts_U = torch.unique(slot_N, return_inverse=True, return_counts=True)
-    chunked_U = counts_U > 1
-    n_chunked = int(chunked_U.sum())
+    bucket_U = torch.ceil(torch.log2(counts_U.float())).long()  # 0: decode tokens
     grids = []
-    if n_chunked < len(uniq_U):  # decode tokens
-        one_N = None if n_chunked == 0 else (~chunked_U)[inv_N].nonzero()[:, 0]
-        slot_n, pos_n = (slot_N, pos_N) if one_N is None else (slot_N[one_N], pos_N[one_N])
-        lo, hi = (int(v) for v in torch.aminmax(slot_n))
-        rel_n = slot_n - lo
-        identity = hi + 1 - lo == len(slot_n) and bool((rel_n == torch.arange(len(slot_n), device=dev)).all())
-        grids.append(_grid(one_N, None if identity else rel_n, slice(lo, hi + 1), hi + 1 - lo, 1, pos_n))
-    if n_chunked:
-        many_N = None if n_chunked == len(uniq_U) else chunked_U[inv_N].nonzero()[:, 0]
-        rank_U = chunked_U.cumsum(0) - 1  # slot -> its row among the chunked slots
-        srow_n = rank_U[inv_N] if many_N is None else rank_U[inv_N[many_N]]
-        counts_R = counts_U[chunked_U]
+    for bucket in bucket_U.unique().tolist():
+        in_U = bucket_U == bucket
+        whole = bool(in_U.all())
+        tokens_n = None if whole else in_U[inv_N].nonzero()[:, 0]
+        slot_n, pos_n = (slot_N, pos_N) if whole else (slot_N[tokens_n], pos_N[tokens_n])
+        if bucket == 0:
+            lo, hi = (int(v) for v in torch.aminmax(slot_n))
+            rel_n = slot_n - lo
+            identity = hi + 1 - lo == len(slot_n) and torch.equal(rel_n, torch.arange(len(slot_n), device=dev))
+            grids.append(_grid(tokens_n, None if identity else rel_n, hi + 1 - lo, 1, pos_n, cache,
+                               slice(lo, hi + 1)))
+            continue
+        srow_n = (in_U.cumsum(0) - 1)[inv_N if whole else inv_N[tokens_n]]  # the token's slot row in the grid
+        counts_R = counts_U[in_U]
         T = int(counts_R.max())
         order_n = torch.argsort(srow_n, stable=True)  # t = rank of a token among its slot's, in call order
         t_sorted = torch.arange(len(srow_n), device=dev) - (counts_R.cumsum(0) - counts_R)[srow_n[order_n]]
         row_n = srow_n * T + torch.empty_like(srow_n).index_copy_(0, order_n, t_sorted)
-        pos_n = pos_N if many_N is None else pos_N[many_N]
-        grids.append(_grid(many_N, row_n, uniq_U[chunked_U], n_chunked, T, pos_n))
+        grids.append(_grid(tokens_n, row_n, len(counts_R), T, pos_n, cache, uniq_U[in_U]))
     return grids
 
 
@@ -211,18 +225,20 @@ def _attend_grid(q_nhD: torch.Tensor, cache: KVCache, layer: int, grid: _Grid) -
     _, h, D = q_nhD.shape
     g = cache.k.shape[2]
     r = h // g
-    if isinstance(grid.slots, slice):  # views: no copy
-        k_RgDP, v_RgPD = cache.k[layer, grid.slots, :, :, :span], cache.v[layer, grid.slots, :, :span]
+    if grid.slots is None:  # views: no copy
+        k_RgDP, v_RgPD = grid.k_LRgDP[layer], grid.v_LRgPD[layer]
     else:
         k_RgDP = cache.k[layer, :, :, :, :span].index_select(0, grid.slots)
         v_RgPD = cache.v[layer, :, :, :span].index_select(0, grid.slots)
     q_RThD = q_nhD if grid.row is None else q_nhD.new_zeros(R * T, h, D).index_copy_(0, grid.row, q_nhD)
     # Rows of one (slot, kv head) are its r query heads times T tokens: [R*g, r*T, D].
-    q_GQD = q_RThD.view(R, T, g, r, D).permute(0, 2, 3, 1, 4).reshape(R * g, r * T, D)
+    q_GQD = q_RThD.reshape(R * g, r, D) if T == 1 else \
+        q_RThD.view(R, T, g, r, D).permute(0, 2, 3, 1, 4).reshape(R * g, r * T, D)
     s_GQP = torch.bmm(q_GQD, k_RgDP.reshape(R * g, D, span))  # q carries the D^-0.5 scale
-    s_GQP.view(R, g, r, T, span).add_(grid.mask_R11TP)
+    s_GQP.view(R, g, r, T, span).masked_fill_(grid.hidden_R11TP, float("-inf"))
     o_GQD = torch.bmm(torch.softmax(s_GQP, dim=-1), v_RgPD.reshape(R * g, span, D))
-    o_RThD = o_GQD.view(R, g, r, T, D).permute(0, 3, 1, 2, 4).reshape(R * T, h, D)
+    o_RThD = o_GQD.view(R, h, D) if T == 1 else \
+        o_GQD.view(R, g, r, T, D).permute(0, 3, 1, 2, 4).reshape(R * T, h, D)
     return o_RThD if grid.row is None else o_RThD.index_select(0, grid.row)
 
 
@@ -269,36 +285,38 @@ def _experts(x_NH, ids_NK, weights_NK, token_A, gate_up_EHJ, down_EIH, precision
 # ---- the forward ----------------------------------------------------------------------------------
 
 @torch.no_grad()
-def forward_cached(model: MoEModel, ids_N: torch.Tensor, slot_N: torch.Tensor, pos_N: torch.Tensor,
+def forward_cached(model: MoEModel, ids_N: torch.Tensor, slot_N: torch.Tensor, pos_N: torch.Tensor, span: int,
                    cache: KVCache, replay_NLK: torch.Tensor | None):
-    """-> (logits [N, V], expert ids per MoE layer [N, K]); writes the tokens' keys and values."""
+    """-> (logits [N, V], expert ids per MoE layer [N, K]); writes the tokens' keys and values.
+
+    span: 1 + the largest position."""
     cfg, precision = model.config, model.precision
-    weights = _prepared_weights(model, cache.max_len)
+    w = _prepared_weights(model, cache.max_len)
     h, g, D, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
     N = ids_N.shape[0]
-    grids = _grids(slot_N, pos_N)
-    cos_N1D, sin_N1D = weights.cos_PD[pos_N, None], weights.sin_PD[pos_N, None]
-    x_NH = F.embedding(ids_N, model.model.embed_tokens.weight)
+    grids = _grids(slot_N, pos_N, span, cache)
+    cos_N1D, sin_N1D = w.cos_PD[pos_N, None], w.sin_PD[pos_N, None]
+    x_NH = F.embedding(ids_N, w.embed_VH)
     # Few rows per expert: padded bmm (few ops); many: the training path's grouped GEMM (no padding).
     padded_experts = N * cfg.num_experts_per_tok <= _PADDED_ROWS_PER_EXPERT * cfg.num_experts
     token_A = torch.arange(N, device=ids_N.device).repeat_interleave(cfg.num_experts_per_tok) \
         if padded_experts else None
     ids = []
-    for i, (layer, w) in enumerate(zip(model.model.layers, weights.layers)):
-        qkv_NxD = _linear(_rms_norm(x_NH, layer.input_layernorm.weight, eps), w.qkv_OH, precision).view(N, -1, D)
-        qk_NxD = _rope(_rms_norm(qkv_NxD[:, :h + g], w.qk_norm_D, eps), cos_N1D, sin_N1D)
+    for i, lw in enumerate(w.layers):
+        qkv_NxD = _linear(_rms_norm(x_NH, lw.input_norm_H, eps), lw.qkv_OH, precision).view(N, -1, D)
+        qk_NxD = _rope(_rms_norm(qkv_NxD[:, :h + g], lw.qk_norm_D, eps), cos_N1D, sin_N1D)
         o_NhD = _attend(qk_NxD[:, :h], qk_NxD[:, h:], qkv_NxD[:, h + g:], cache, i, slot_N, pos_N, grids)
-        x_NH = x_NH + _linear(o_NhD.reshape(N, h * D), w.o_HO, precision)
-        h_NH = _rms_norm(x_NH, layer.post_attention_layernorm.weight, eps)
-        if w.gate_up_EHJ is None:
-            x_NH = x_NH + layer.mlp(h_NH, precision)
+        x_NH = x_NH + _linear(o_NhD.reshape(N, h * D), lw.o_HO, precision)
+        h_NH = _rms_norm(x_NH, lw.post_norm_H, eps)
+        if lw.gate_up_EHJ is None:
+            x_NH = x_NH + lw.mlp(h_NH, precision)
             continue
         replay_NK = None if replay_NLK is None else replay_NLK[:, len(ids)]
-        weights_NK, ids_NK, _ = layer.mlp.gate(h_NH, precision, replay_NK)
+        weights_NK, ids_NK, _ = lw.mlp.gate(h_NH, precision, replay_NK)
         if padded_experts:
-            x_NH = x_NH + _experts(h_NH, ids_NK, weights_NK, token_A, w.gate_up_EHJ, w.down_EIH, precision)
+            x_NH = x_NH + _experts(h_NH, ids_NK, weights_NK, token_A, lw.gate_up_EHJ, lw.down_EIH, precision)
         else:
-            x_NH = x_NH + layer.mlp.experts(h_NH, ids_NK, weights_NK, precision)
+            x_NH = x_NH + lw.mlp.experts(h_NH, ids_NK, weights_NK, precision)
         ids.append(ids_NK)
-    logits_NV = linear(_rms_norm(x_NH, model.model.norm.weight, eps), model.lm_head.weight, unquantised(precision))
+    logits_NV = linear(_rms_norm(x_NH, w.norm_H, eps), w.lm_head_VH, unquantised(precision))
     return logits_NV, ids
