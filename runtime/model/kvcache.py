@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.model.fp8 import dequant_blocks, dequant_tokens, per_block_cast_to_fp8, per_token_cast_to_fp8
-from runtime.model.layers import linear, rope_cos_sin, unquantised
+from runtime.model.layers import rope_cos_sin, unquantised
 from runtime.model.moe import DenseMLP
 
 if TYPE_CHECKING:
@@ -78,14 +78,15 @@ def _act(x: torch.Tensor, precision: str) -> torch.Tensor:
 
 
 class _LayerWeights(NamedTuple):
-    input_norm_H: torch.Tensor  # the parameters themselves (no module attribute lookups per step)
-    qkv_OH: torch.Tensor  # q, k, v projections stacked on the output dim
+    input_norm_H: torch.Tensor  # norm weights times sqrt(width) (see _rms_norm)
+    qkv_HO: torch.Tensor  # q, k, v projections side by side, transposed for x @ w
     qk_norm_D: torch.Tensor  # [h + g, D] q_norm's weight per query head (times D^-0.5), then k_norm's
-    o_HO: torch.Tensor
+    o_OH: torch.Tensor
     post_norm_H: torch.Tensor
-    mlp: nn.Module  # the layer's MoE (its router, and its experts for large calls) or dense MLP
-    gate_up_EHJ: torch.Tensor | None  # experts' gate then up, transposed for x @ w; None for a dense MLP
+    router_HE: torch.Tensor | None  # None for a dense MLP
+    gate_up_EHJ: torch.Tensor | None  # experts' gate then up, transposed for x @ w
     down_EIH: torch.Tensor | None
+    mlp: nn.Module  # the layer's MoE (its experts serve large calls) or dense MLP
 
 
 class _Prepared(NamedTuple):
@@ -94,20 +95,23 @@ class _Prepared(NamedTuple):
     embed_VH: torch.Tensor
     layers: list[_LayerWeights]
     norm_H: torch.Tensor
-    lm_head_VH: torch.Tensor
+    lm_head_HV: torch.Tensor
     cos_PD: torch.Tensor
     sin_PD: torch.Tensor  # sign-folded: rotate_half(x) * sin == roll(x, D/2) * sin_PD
+    experts_E: torch.Tensor  # 0 .. E-1
+    eps_H: torch.Tensor  # sqrt(width * eps) for the hidden and the head norms (see _rms_norm)
+    eps_D: torch.Tensor
 
 
 _registrations = 0  # parameters registered on any module so far (a parameter replaced by another)
 
 
-def _count_registration(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+def _count_registration(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
     global _registrations
     _registrations += 1
 
 
-torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+nn.modules.module.register_module_parameter_registration_hook(_count_registration)
 
 
 def _key(params: list[torch.Tensor], precision: str, max_len: int) -> tuple:
@@ -120,44 +124,60 @@ def _prepared_weights(model: MoEModel, max_len: int) -> _Prepared:
     cached: _Prepared | None = getattr(model, "_prepared", None)
     if cached is not None and cached.key == _key(cached.params, model.precision, max_len):
         return cached
-    precision, cfg = model.precision, model.config
+    precision, cfg, dev = model.precision, model.config, model.lm_head.weight.device
+    H, D, unq = cfg.hidden_size, cfg.head_dim, unquantised(precision)
     layers = []
     for layer in model.model.layers:
         attn = layer.self_attn
         qkv = torch.cat([_prepare(p.weight, precision) for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
-        # The attention scale rides on q's norm weight: one multiply fewer per layer.
-        qk_norm = torch.cat([(attn.q_norm.weight * cfg.head_dim ** -0.5).expand(cfg.num_attention_heads, -1),
-                             attn.k_norm.weight.expand(cfg.num_key_value_heads, -1)])
-        gate_up = down = None
+        # The attention scale D^-0.5 rides on q's norm weight, cancelling its sqrt(D).
+        qk_norm = torch.cat([attn.q_norm.weight.expand(cfg.num_attention_heads, -1),
+                             attn.k_norm.weight.expand(cfg.num_key_value_heads, -1) * D ** 0.5])
+        router = gate_up = down = None
         if not isinstance(layer.mlp, DenseMLP):
             ex = layer.mlp.experts
+            router = _prepare(layer.mlp.gate.weight, unq).T.contiguous()
             gate_up = torch.cat([_prepare(ex.gate_proj, precision), _prepare(ex.up_proj, precision)], 1)
             gate_up = gate_up.transpose(1, 2).contiguous()
             down = _prepare(ex.down_proj, precision).transpose(1, 2).contiguous()
-        layers.append(_LayerWeights(layer.input_layernorm.weight, qkv, qk_norm, _prepare(attn.o_proj.weight, precision),
-                                    layer.post_attention_layernorm.weight, layer.mlp, gate_up, down))
-    cos_PD, sin_PD = rope_cos_sin(torch.arange(max_len, device=model.lm_head.weight.device), cfg.head_dim,
-                                  cfg.rope_theta)
-    half = cfg.head_dim // 2
-    sin_PD = torch.cat([-sin_PD[:, :half], sin_PD[:, half:]], -1)
+        layers.append(_LayerWeights(layer.input_layernorm.weight * H ** 0.5, qkv.T.contiguous(), qk_norm,
+                                    _prepare(attn.o_proj.weight, precision).T.contiguous(),
+                                    layer.post_attention_layernorm.weight * H ** 0.5, router, gate_up, down, layer.mlp))
+    cos_PD, sin_PD = rope_cos_sin(torch.arange(max_len, device=dev), D, cfg.rope_theta)
+    sin_PD = torch.cat([-sin_PD[:, :D // 2], sin_PD[:, D // 2:]], -1)
     params = list(model.parameters())
+    eps_H, eps_D = (torch.tensor((n * cfg.rms_norm_eps) ** 0.5, device=dev) for n in (H, D))
     model._prepared = _Prepared(_key(params, precision, max_len), params, model.model.embed_tokens.weight, layers,
-                                model.model.norm.weight, model.lm_head.weight, cos_PD, sin_PD)
+                                model.model.norm.weight * H ** 0.5, _prepare(model.lm_head.weight, unq).T.contiguous(),
+                                cos_PD, sin_PD, torch.arange(cfg.num_experts, device=dev), eps_H, eps_D)
     return model._prepared
 
 
-def _linear(x: torch.Tensor, w_prepared: torch.Tensor, precision: str) -> torch.Tensor:
-    y = F.linear(_act(x, precision), w_prepared)
+def _linear(x: torch.Tensor, w_IO: torch.Tensor, precision: str) -> torch.Tensor:
+    y = torch.mm(_act(x, precision), w_IO)
     return y.float() if precision == "bf16" else y
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """layers.RMSNorm bit for bit (mean = sum / n), in fewer dispatches."""
-    return w * (x * (x * x).sum(-1, keepdim=True).div_(x.shape[-1]).add_(eps).rsqrt_())
+def _rms_norm(x: torch.Tensor, w_scaled: torch.Tensor, eps_scaled: torch.Tensor) -> torch.Tensor:
+    """layers.RMSNorm up to rounding, in 4 dispatches instead of 7:
+    x / sqrt(mean(x^2) + eps) * w == x / hypot(|x|, sqrt(n eps)) * (w sqrt(n))."""
+    return x / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), eps_scaled) * w_scaled
 
 
 def _rope(x_NxD: torch.Tensor, cos_N1D: torch.Tensor, sin_N1D: torch.Tensor) -> torch.Tensor:
     return torch.addcmul(x_NxD * cos_N1D, x_NxD.roll(x_NxD.shape[-1] // 2, -1), sin_N1D)
+
+
+def _route(x_NH: torch.Tensor, router_HE: torch.Tensor, top_k: int, renormalise: bool, precision: str,
+           replay_NK: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe.Router: (gate weights [N, K], expert ids [N, K]); topk's values are the gathered scores."""
+    scores_NE = torch.softmax(_linear(x_NH, router_HE, unquantised(precision)), dim=-1)
+    if replay_NK is None:
+        weights_NK, ids_NK = torch.topk(scores_NE, top_k, dim=-1)
+    else:
+        ids_NK = replay_NK.long()
+        weights_NK = scores_NE.gather(-1, ids_NK)
+    return (weights_NK / weights_NK.sum(-1, keepdim=True) if renormalise else weights_NK), ids_NK
 
 
 # ---- attention against the cache ---------------------------------------------------------------
@@ -262,23 +282,22 @@ def _attend(q_NhD, k_NgD, v_NgD, cache: KVCache, layer: int, slot_N, pos_N, grid
 _PADDED_ROWS_PER_EXPERT = 64
 
 
-def _experts(x_NH, ids_NK, weights_NK, token_A, gate_up_EHJ, down_EIH, precision: str) -> torch.Tensor:
+def _experts(x_NH, ids_NK, weights_NK, token_A, experts_E, gate_up_EHJ, down_EIH, precision: str) -> torch.Tensor:
     """Each assignment's row goes to its expert's block of C rows; two bmm, then back to its token.
 
     token_A: the token of each assignment (n // K), shared by every layer of the call."""
     (N, K), (E, H, J) = ids_NK.shape, gate_up_EHJ.shape
     ids_A = ids_NK.flatten()
-    seen_AE = (ids_A[:, None] == torch.arange(E, device=ids_A.device)).cumsum(0)
+    mine_AE = ids_A[:, None] == experts_E
+    seen_AE = mine_AE.cumsum(0)
     C = int(seen_AE[-1].max())
-    rank_A = seen_AE.gather(1, ids_A[:, None])[:, 0] - 1  # order among the expert's rows
-    row_A = ids_A * C + rank_A
+    row_A = (seen_AE * mine_AE).sum(1).add_(ids_A, alpha=C).sub_(1)  # expert * C + order among its rows
     # Padding rows read token 0 (any token would do): their outputs are never read back.
     token_EC = torch.zeros(E * C, dtype=torch.long, device=x_NH.device).index_copy_(0, row_A, token_A)
     x_ECH = _act(x_NH, precision).index_select(0, token_EC).view(E, C, H)
-    gate_up_ECJ = torch.bmm(x_ECH, gate_up_EHJ).float()
-    h_ECI = F.silu(gate_up_ECJ[..., :J // 2]) * gate_up_ECJ[..., J // 2:]
-    y_ECH = torch.bmm(_act(h_ECI, precision), down_EIH).float()
-    y_NKH = y_ECH.view(E * C, H).index_select(0, row_A).view(N, K, H)
+    gate_ECI, up_ECI = torch.bmm(x_ECH, gate_up_EHJ).float().chunk(2, dim=-1)
+    y_ECH = torch.bmm(_act(F.silu(gate_ECI) * up_ECI, precision), down_EIH)
+    y_NKH = (y_ECH.float() if precision == "bf16" else y_ECH).view(E * C, H).index_select(0, row_A).view(N, K, H)
     return (y_NKH * weights_NK.unsqueeze(-1)).sum(1)
 
 
@@ -292,31 +311,34 @@ def forward_cached(model: MoEModel, ids_N: torch.Tensor, slot_N: torch.Tensor, p
     span: 1 + the largest position."""
     cfg, precision = model.config, model.precision
     w = _prepared_weights(model, cache.max_len)
-    h, g, D, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+    h, g, D, K = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.num_experts_per_tok
     N = ids_N.shape[0]
     grids = _grids(slot_N, pos_N, span, cache)
     cos_N1D, sin_N1D = w.cos_PD[pos_N, None], w.sin_PD[pos_N, None]
     x_NH = F.embedding(ids_N, w.embed_VH)
     # Few rows per expert: padded bmm (few ops); many: the training path's grouped GEMM (no padding).
-    padded_experts = N * cfg.num_experts_per_tok <= _PADDED_ROWS_PER_EXPERT * cfg.num_experts
-    token_A = torch.arange(N, device=ids_N.device).repeat_interleave(cfg.num_experts_per_tok) \
-        if padded_experts else None
+    padded_experts = N * K <= _PADDED_ROWS_PER_EXPERT * cfg.num_experts
+    token_A = torch.arange(N, device=ids_N.device).repeat_interleave(K) if padded_experts else None
     ids = []
     for i, lw in enumerate(w.layers):
-        qkv_NxD = _linear(_rms_norm(x_NH, lw.input_norm_H, eps), lw.qkv_OH, precision).view(N, -1, D)
-        qk_NxD = _rope(_rms_norm(qkv_NxD[:, :h + g], lw.qk_norm_D, eps), cos_N1D, sin_N1D)
+        qkv_NxD = _linear(_rms_norm(x_NH, lw.input_norm_H, w.eps_H), lw.qkv_HO, precision).view(N, -1, D)
+        qk_NxD = _rope(_rms_norm(qkv_NxD[:, :h + g], lw.qk_norm_D, w.eps_D), cos_N1D, sin_N1D)
         o_NhD = _attend(qk_NxD[:, :h], qk_NxD[:, h:], qkv_NxD[:, h + g:], cache, i, slot_N, pos_N, grids)
-        x_NH = x_NH + _linear(o_NhD.reshape(N, h * D), lw.o_HO, precision)
-        h_NH = _rms_norm(x_NH, lw.post_norm_H, eps)
-        if lw.gate_up_EHJ is None:
+        if precision == "fp32":  # residual add inside the GEMM
+            x_NH = torch.addmm(x_NH, o_NhD.reshape(N, h * D), lw.o_OH)
+        else:
+            x_NH = x_NH + _linear(o_NhD.reshape(N, h * D), lw.o_OH, precision)
+        h_NH = _rms_norm(x_NH, lw.post_norm_H, w.eps_H)
+        if lw.router_HE is None:
             x_NH = x_NH + lw.mlp(h_NH, precision)
             continue
         replay_NK = None if replay_NLK is None else replay_NLK[:, len(ids)]
-        weights_NK, ids_NK, _ = lw.mlp.gate(h_NH, precision, replay_NK)
+        weights_NK, ids_NK = _route(h_NH, lw.router_HE, K, cfg.norm_topk_prob, precision, replay_NK)
         if padded_experts:
-            x_NH = x_NH + _experts(h_NH, ids_NK, weights_NK, token_A, lw.gate_up_EHJ, lw.down_EIH, precision)
+            x_NH = x_NH + _experts(h_NH, ids_NK, weights_NK, token_A, w.experts_E, lw.gate_up_EHJ, lw.down_EIH,
+                                   precision)
         else:
             x_NH = x_NH + lw.mlp.experts(h_NH, ids_NK, weights_NK, precision)
         ids.append(ids_NK)
-    logits_NV = linear(_rms_norm(x_NH, w.norm_H, eps), w.lm_head_VH, unquantised(precision))
+    logits_NV = _linear(_rms_norm(x_NH, w.norm_H, w.eps_H), w.lm_head_HV, unquantised(precision))
     return logits_NV, ids

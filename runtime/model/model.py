@@ -167,8 +167,8 @@ class MoEModel(nn.Module):
         span = int(positions_N.max()) + 1
         if span > cache.max_len:
             raise ModelError(f"position {span - 1} does not fit the KV cache (max_len {cache.max_len})")
-        logits_NV, ids = kvcache.forward_cached(self, input_ids_N, slot_ids_N.long(), positions_N.long(), span, cache,
-                                                replay_routing_NLK)
+        slot_N, pos_N = (t if t.dtype == torch.long else t.long() for t in (slot_ids_N, positions_N))
+        logits_NV, ids = kvcache.forward_cached(self, input_ids_N, slot_N, pos_N, span, cache, replay_routing_NLK)
         routing = torch.stack(ids, dim=1) if return_routing and ids else None
         return ModelOutput(logits_NV, routing, None)
 
