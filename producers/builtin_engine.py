@@ -349,9 +349,9 @@ class _Sampler:
 
     def __call__(self, logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
         logits_BV = logits_BV.float()
-        if self.greedy:  # what sample_tokens does for temperature-0 rows, in fewer ops
-            tokens_B = logits_BV.argmax(-1)
-            logprobs_B = torch.log_softmax(logits_BV, -1).gather(-1, tokens_B[:, None])[:, 0]
+        if self.greedy:  # what sample_tokens does for temperature-0 rows (log softmax at the argmax), in fewer ops
+            top_B, tokens_B = logits_BV.max(-1)
+            logprobs_B = top_B - logits_BV.logsumexp(-1)
         else:
             tokens_B, logprobs_B = sample_tokens(logits_BV, self.temperature, self.top_p, self.generators)
         stopped = self.stop_BV is not None and bool(self.stop_BV.gather(1, tokens_B[:, None]).any())
