@@ -7,13 +7,14 @@ small decode steps of a tiny model on CPU, whose cost is per-op overhead and mem
   experts' gate/up fused, expert matrices stored in the layout a batched matmul reads, cast or fp8
   round-tripped as the precision says) and reused until a parameter changes in place or anew;
 - the cache stores keys transposed per kv head ([S, g, D, P]) and values [S, g, P, D], so attention
-  is two batched matmuls over (slot, kv head) rows that read the cache in place, with no per-token
-  copies: the rows are the contiguous range of slots the call touches, tokens padded per slot to
-  the call's longest chunk (one row per slot in a decode step);
+  is two batched matmuls over (slot, kv head) rows with no per-token copies: decode tokens read the
+  range of slots they touch in place, one row per slot; chunks (prefills) gather their slots once
+  per layer, padded to the longest chunk of their length bucket;
 - experts run as two batched matmuls over per-expert rows padded to the busiest expert's count
   while experts get few rows each (decode steps), else as the training path's grouped GEMM;
-- RoPE comes from a table; norms and the q/k projections' small ops are fused where the result
-  stays the same.
+- fewer dispatches per layer: RMSNorm as x / hypot(|x|, sqrt(n eps)) * w sqrt(n) (4 ops, equal up
+  to rounding), q and k heads normed and rotated together, RoPE from a table, the router inlined,
+  o_proj's residual added inside its GEMM.
 fp8 runs the reference GEMM (dequantised operands in fp32) on every device, DeepGEMM never.
 
 Shape legend: N flat tokens, H hidden, V vocab, h query heads, g kv heads, r = h / g, D head dim,
@@ -80,7 +81,7 @@ def _act(x: torch.Tensor, precision: str) -> torch.Tensor:
 class _LayerWeights(NamedTuple):
     input_norm_H: torch.Tensor  # norm weights times sqrt(width) (see _rms_norm)
     qkv_HO: torch.Tensor  # q, k, v projections side by side, transposed for x @ w
-    qk_norm_D: torch.Tensor  # [h + g, D] q_norm's weight per query head (times D^-0.5), then k_norm's
+    qk_norm_D: torch.Tensor  # [h + g, D] q_norm's weight per query head, then k_norm's times sqrt(D)
     o_OH: torch.Tensor
     post_norm_H: torch.Tensor
     router_HE: torch.Tensor | None  # None for a dense MLP
@@ -130,7 +131,7 @@ def _prepared_weights(model: MoEModel, max_len: int) -> _Prepared:
     for layer in model.model.layers:
         attn = layer.self_attn
         qkv = torch.cat([_prepare(p.weight, precision) for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
-        # The attention scale D^-0.5 rides on q's norm weight, cancelling its sqrt(D).
+        # Norm weights carry sqrt(width) (see _rms_norm); for q it cancels the attention scale D^-0.5.
         qk_norm = torch.cat([attn.q_norm.weight.expand(cfg.num_attention_heads, -1),
                              attn.k_norm.weight.expand(cfg.num_key_value_heads, -1) * D ** 0.5])
         router = gate_up = down = None
