@@ -7,9 +7,9 @@ record and a zero-filled tail (a file extended without its data) never checks. T
 prefix is written by hand so the event bytes need no join before they go to the kernel.
 
 Appender writes a segment's whole blocks with O_DIRECT where the filesystem allows it: the log is
-written once and read back rarely, and copying each batch into fresh page-cache pages (then writing
-them back) was most of the archiver's CPU. Only the last partial block goes through the page cache;
-the next append rewrites that block, with the same bytes in front, as part of its aligned write.
+written once and read back rarely, and copying each batch into page-cache pages was up to half of
+the archiver's CPU. Only the last partial block goes through the page cache; the next append
+rewrites that block, with the same bytes in front, as part of its aligned write.
 """
 
 from __future__ import annotations
