@@ -33,7 +33,7 @@ class MalformedEvent(ReelError, ValueError):
     """Bytes that are not a valid Reel event (bad msgpack, unknown tag, wrong field type)."""
 
 
-class BlobRef(msgspec.Struct, frozen=True):
+class BlobRef(msgspec.Struct, frozen=True, gc=False):
     """Claim check for a payload kept in the blob store (bus/blobs.py)."""
 
     uri: str
@@ -41,7 +41,7 @@ class BlobRef(msgspec.Struct, frozen=True):
     nbytes: int
 
 
-class Tensor(msgspec.Struct, frozen=True):
+class Tensor(msgspec.Struct, frozen=True, gc=False):
     """A dense array as raw little-endian bytes; decoding is a zero-copy view of `data`."""
 
     dtype: str
@@ -86,7 +86,9 @@ class Tensor(msgspec.Struct, frozen=True):
         return t.view(torch.bfloat16) if self.dtype == "bfloat16" else t
 
 
-class Event(msgspec.Struct, tag_field="type", kw_only=True, frozen=True):
+# gc=False: events hold no reference cycles, and a consumer keeps hundreds alive at once; leaving
+# them out of the cyclic GC made decoding a batch ~25% cheaper.
+class Event(msgspec.Struct, tag_field="type", kw_only=True, frozen=True, gc=False):
     run: str
     producer: str
     seq: int
@@ -111,7 +113,7 @@ class WeightsPublished(Event, tag="weights_published"):
     weights: BlobRef
 
 
-class Sample(msgspec.Struct, frozen=True):
+class Sample(msgspec.Struct, frozen=True, gc=False):
     """One completion of a GRPO group."""
 
     tokens: Tensor  # int32 [C] completion token ids
@@ -148,12 +150,12 @@ class RoutingTrace(Event, tag="routing_trace"):
     blob: BlobRef | None = None
 
 
-class DroppedGroup(msgspec.Struct, frozen=True):
+class DroppedGroup(msgspec.Struct, frozen=True, gc=False):
     group_id: str
     reason: str
 
 
-class StepTiming(msgspec.Struct, frozen=True):
+class StepTiming(msgspec.Struct, frozen=True, gc=False):
     """Wall seconds of one trainer step; idle = wait / (wait + compute + publish)."""
 
     wait: float
