@@ -1,4 +1,4 @@
-"""Redis Streams: publisher, consumer groups, recovery, dead letters, safe trimming.
+"""Redis Streams: publisher, consumer groups, recovery, dead letters, safe trimming (watchers: bus/tail.py).
 
 An entry has one field `e` = bus.events.encode(event), at stream_key(run, name). Needs Redis >= 6.2
 (XAUTOCLAIM, XTRIM MINID, exclusive ranges) and nothing newer.
@@ -33,8 +33,8 @@ from bus.errors import ReelError
 from bus.events import (STREAM_OF, STREAMS, AnyEvent, Event, MalformedEvent, decode, encode, event_key,
                         stream_key)
 
-__all__ = ["BusError", "connect", "Publisher", "recover_next_seq", "Delivery", "GroupConsumer", "Tail",
-           "safe_trim", "DEAD"]
+__all__ = ["BusError", "connect", "Publisher", "recover_next_seq", "Delivery", "GroupConsumer", "safe_trim",
+           "DEAD", "FIELD"]
 
 log = logging.getLogger(__name__)
 E = TypeVar("E", bound=Event)
@@ -42,8 +42,8 @@ _Raw = tuple[str, str, "dict | None", int]  # (stream, entry id, fields, deliver
 
 DEAD = "dead"  # dead-letter stream name: stream_key(run, DEAD)
 _SEQ = "seq"  # sorted set at stream_key(run, _SEQ): producer -> highest seq it has published
-_FIELD = b"e"
-_READ_MARGIN_S = 10.0  # a blocking reader's socket timeout = BLOCK + this
+FIELD = b"e"  # the one field of an entry: the encoded event
+READ_MARGIN_S = 10.0  # a blocking reader's socket timeout = BLOCK + this
 _DEDUPE_KEYS = 1 << 20  # (producer, seq) keys a consumer remembers
 _SCAN = 512  # entries per XREVRANGE when recovering a producer's seq
 _encoder = msgspec.msgpack.Encoder()  # bus.events.encode's settings, for encode_into
@@ -80,7 +80,7 @@ def _where(client: redis.asyncio.Redis) -> str:
 
 
 @contextlib.contextmanager
-def _boundary(client: redis.asyncio.Redis, what: str) -> Iterator[None]:
+def boundary(client: redis.asyncio.Redis, what: str) -> Iterator[None]:
     """Turns redis-py and socket errors into BusError; cancellation passes through untouched."""
     try:
         yield
@@ -88,14 +88,14 @@ def _boundary(client: redis.asyncio.Redis, what: str) -> Iterator[None]:
         raise BusError(f"{_where(client)}: {what} failed ({type(exc).__name__}: {exc})") from exc
 
 
-def _s(value: bytes | str) -> str:
+def as_str(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _by_stream(reply: list | None) -> Iterator[tuple[str, list]]:
+def by_stream(reply: list | None) -> Iterator[tuple[str, list]]:
     """(key, entries) from an XREAD/XREADGROUP reply (RESP2, the protocol `connect` speaks)."""
     for key, entries in reply or ():
-        yield _s(key), entries
+        yield as_str(key), entries
 
 
 class Publisher:
@@ -144,9 +144,9 @@ class Publisher:
         # than reuse one; GT (Redis 6.2) keeps it monotonic when batches land out of order.
         pipe.zadd(stream_key(self.run, _SEQ), marks, gt=True)
         for key, start, end in zip(keys, [0, *ends], ends):
-            pipe.xadd(key, {_FIELD: data[start:end]})
-        with _boundary(self.redis, f"XADD of {len(events)} events to {', '.join(sorted(set(keys)))}"):
-            ids = [_s(entry_id) for entry_id in (await pipe.execute())[1:]]
+            pipe.xadd(key, {FIELD: data[start:end]})
+        with boundary(self.redis, f"XADD of {len(events)} events to {', '.join(sorted(set(keys)))}"):
+            ids = [as_str(entry_id) for entry_id in (await pipe.execute())[1:]]
         self._spare = buffer
         return ids
 
@@ -176,7 +176,7 @@ async def recover_next_seq(redis: redis.asyncio.Redis, run: str, producer: str) 
     Publisher records each producer's high-water mark next to the streams, so trimming cannot make
     a seq reusable; for a producer without a mark, each stream is scanned back to its latest entry.
     """
-    with _boundary(redis, f"ZSCORE on {stream_key(run, _SEQ)}"):
+    with boundary(redis, f"ZSCORE on {stream_key(run, _SEQ)}"):
         mark = await redis.zscore(stream_key(run, _SEQ), producer)
     if mark is not None:
         return int(mark) + 1
@@ -185,20 +185,20 @@ async def recover_next_seq(redis: redis.asyncio.Redis, run: str, producer: str) 
         key = stream_key(run, stream)
         end = "+"
         while True:
-            with _boundary(redis, f"XREVRANGE on {key}"):
+            with boundary(redis, f"XREVRANGE on {key}"):
                 entries = await redis.xrevrange(key, max=end, min="-", count=_SCAN)
             stamps = (_try_stamp(fields) for _, fields in entries)
             seq = next((s.seq for s in stamps if s is not None and s.producer == producer), None)
             if seq is not None or len(entries) < _SCAN:
                 best = max(best, -1 if seq is None else seq)
                 break
-            end = "(" + _s(entries[-1][0])
+            end = "(" + as_str(entries[-1][0])
     return best + 1
 
 
 def _try_stamp(fields: dict) -> _Stamp | None:
     try:
-        return _stamp_decoder.decode(fields.get(_FIELD, b""))
+        return _stamp_decoder.decode(fields.get(FIELD, b""))
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
 
@@ -258,9 +258,9 @@ class GroupConsumer:
     async def start(self) -> None:
         """Create the group on each stream if missing (from the start, MKSTREAM); open connections."""
         self._redis = connect(self.url, retries=2)
-        self._reader = connect(self.url, socket_timeout=self.block_ms / 1000 + _READ_MARGIN_S, retries=2)
+        self._reader = connect(self.url, socket_timeout=self.block_ms / 1000 + READ_MARGIN_S, retries=2)
         for key in self._key.values():
-            with _boundary(self._redis, f"XGROUP CREATE {self.group} on {key}"):
+            with boundary(self._redis, f"XGROUP CREATE {self.group} on {key}"):
                 try:
                     await self._redis.xgroup_create(key, self.group, id="0", mkstream=True)
                 except ResponseError as exc:
@@ -299,16 +299,16 @@ class GroupConsumer:
 
     async def _read_history(self, count: int) -> list[_Raw]:
         ids = {self._key[stream]: cursor for stream, cursor in self._history.items()}
-        with _boundary(self._redis, f"XREADGROUP (own pending) on {', '.join(ids)}"):
+        with boundary(self._redis, f"XREADGROUP (own pending) on {', '.join(ids)}"):
             reply = await self._redis.xreadgroup(self.group, self.consumer, ids, count=count)
         got = []
         drained = set(self._history)
-        for key, entries in _by_stream(reply):
+        for key, entries in by_stream(reply):
             stream = self._name[key]
             if entries:
                 drained.discard(stream)
-                self._history[stream] = _s(entries[-1][0])
-                got += [(stream, _s(entry_id), fields) for entry_id, fields in entries]
+                self._history[stream] = as_str(entries[-1][0])
+                got += [(stream, as_str(entry_id), fields) for entry_id, fields in entries]
         for stream in drained:
             del self._history[stream]
         return [(*item, n) for item, n in zip(got, await self._delivery_counts(got))]
@@ -319,23 +319,23 @@ class GroupConsumer:
         for stream in self.streams:
             pipe.xautoclaim(self._key[stream], self.group, self.consumer, self.claim_idle_ms,
                             start_id=self._claim_from[stream], count=count)
-        with _boundary(self._redis, f"XAUTOCLAIM on {', '.join(self._key.values())}"):
+        with boundary(self._redis, f"XAUTOCLAIM on {', '.join(self._key.values())}"):
             replies = await pipe.execute()
         got = []
         for stream, reply in zip(self.streams, replies):
             # Redis 7 replies [cursor, entries, deleted ids] and drops deleted entries from the
             # pending list; 6.2 replies [cursor, entries] with None for a deleted entry.
-            self._claim_from[stream] = _s(reply[0])
-            got += [(stream, _s(entry_id), fields) for entry_id, fields in reply[1] if entry_id is not None]
+            self._claim_from[stream] = as_str(reply[0])
+            got += [(stream, as_str(entry_id), fields) for entry_id, fields in reply[1] if entry_id is not None]
         return [(*item, n) for item, n in zip(got, await self._delivery_counts(got))]
 
     async def _read_new(self, count: int) -> list[_Raw]:
         ids = {key: ">" for key in self._key.values()}
-        with _boundary(self._reader, f"XREADGROUP on {', '.join(ids)}"):
+        with boundary(self._reader, f"XREADGROUP on {', '.join(ids)}"):
             reply = await self._reader.xreadgroup(self.group, self.consumer, ids, count=count,
                                                   block=self.block_ms or None)
-        return [(self._name[key], _s(entry_id), fields, 1)
-                for key, entries in _by_stream(reply) for entry_id, fields in entries]
+        return [(self._name[key], as_str(entry_id), fields, 1)
+                for key, entries in by_stream(reply) for entry_id, fields in entries]
 
     async def _delivery_counts(self, items: list[tuple[str, str, dict | None]]) -> list[int]:
         if not items:
@@ -344,7 +344,7 @@ class GroupConsumer:
         for stream, entry_id, _ in items:
             pipe.xpending_range(self._key[stream], self.group, min=entry_id, max=entry_id, count=1,
                                 consumername=self.consumer)
-        with _boundary(self._redis, f"XPENDING on {', '.join(self._key.values())}"):
+        with boundary(self._redis, f"XPENDING on {', '.join(self._key.values())}"):
             replies = await pipe.execute()
         return [reply[0]["times_delivered"] if reply else 1 for reply in replies]
 
@@ -355,10 +355,10 @@ class GroupConsumer:
             if not fields:
                 skip.append((stream, entry_id))
                 continue
-            data = fields.get(_FIELD)
+            data = fields.get(FIELD)
             try:
                 if data is None:
-                    raise MalformedEvent(f"entry has no '{_FIELD.decode()}' field")
+                    raise MalformedEvent(f"entry has no '{FIELD.decode()}' field")
                 event = decode(data)
             except MalformedEvent as exc:
                 raw_bytes = data or msgspec.msgpack.encode(fields)
@@ -391,7 +391,7 @@ class GroupConsumer:
         pipe = self._redis.pipeline(transaction=False)
         for stream, entry_ids in by_stream.items():
             pipe.xack(self._key[stream], self.group, *entry_ids)
-        with _boundary(self._redis, f"XACK on {', '.join(self._key[s] for s in by_stream)}"):
+        with boundary(self._redis, f"XACK on {', '.join(self._key[s] for s in by_stream)}"):
             await pipe.execute()
 
     async def _dead(self, stream: str, entry_id: str, raw: bytes, reason: str) -> None:
@@ -401,70 +401,10 @@ class GroupConsumer:
         pipe.xadd(dead_key, {"stream": stream, "entry_id": entry_id, "raw": raw, "reason": reason,
                              "group": self.group, "consumer": self.consumer})
         pipe.xack(self._key[stream], self.group, entry_id)
-        with _boundary(self._redis, f"dead-lettering {entry_id} of {self._key[stream]} to {dead_key}"):
+        with boundary(self._redis, f"dead-lettering {entry_id} of {self._key[stream]} to {dead_key}"):
             await pipe.execute()
         self._failures.pop(entry_id, None)
         log.warning("dead letter: %s %s of run %s: %s", stream, entry_id, self.run, reason)
-
-
-class Tail:
-    """A watcher: plain XREAD from "0" (everything), "$" (what arrives after the first read()
-    starts) or an entry id (what follows it); any number of tails can attach. Entries that do not
-    decode are skipped with a warning (consumer groups dead-letter them)."""
-
-    def __init__(self, url: str, run: str, streams: list[str], start: str = "0"):
-        self.url = url
-        self.run = run
-        self._name = {stream_key(run, stream): stream for stream in streams}
-        self._cursor = {key: start for key in self._name}  # key -> last entry id read
-        self._redis: redis.asyncio.Redis | None = None
-        self._timeout = 0.0  # socket timeout of _redis; must exceed BLOCK
-
-    async def __aenter__(self) -> Tail:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        client, self._redis = self._redis, None
-        if client is not None:
-            await asyncio.shield(client.aclose())
-
-    async def read(self, count: int = 100, block_ms: int = 1000) -> list[tuple[str, str, AnyEvent]]:
-        """Up to `count` entries per stream, (stream, entry_id, event); block_ms = 0: do not block."""
-        client = await self._client(block_ms)
-        if "$" in self._cursor.values():
-            await self._resolve_now(client)
-        with _boundary(client, f"XREAD on {', '.join(self._cursor)}"):
-            reply = await client.xread(self._cursor, count=count, block=block_ms or None)
-        out = []
-        for key, entries in _by_stream(reply):
-            for entry_id, fields in entries:
-                self._cursor[key] = entry_id = _s(entry_id)
-                try:
-                    out.append((self._name[key], entry_id, decode(fields.get(_FIELD, b""))))
-                except MalformedEvent as exc:
-                    log.warning("tail of run %s skips %s %s: %s", self.run, key, entry_id, exc)
-        return out
-
-    async def _client(self, block_ms: int) -> redis.asyncio.Redis:
-        timeout = block_ms / 1000 + _READ_MARGIN_S
-        if self._redis is None or self._timeout < timeout:
-            await self.close()
-            self._redis, self._timeout = connect(self.url, socket_timeout=timeout, retries=2), timeout
-        return self._redis
-
-    async def _resolve_now(self, client: redis.asyncio.Redis) -> None:
-        """Pin "$" to each stream's last entry, so nothing added between two reads is missed."""
-        keys = [key for key, cursor in self._cursor.items() if cursor == "$"]
-        pipe = client.pipeline(transaction=False)
-        for key in keys:
-            pipe.xrevrange(key, count=1)
-        with _boundary(client, f"XREVRANGE on {', '.join(keys)}"):
-            lasts = await pipe.execute()
-        for key, last in zip(keys, lasts):
-            self._cursor[key] = _s(last[0][0]) if last else "0-0"
 
 
 # Atomic, so no group can be created or read between looking at the groups and trimming.
@@ -497,5 +437,5 @@ async def safe_trim(redis: redis.asyncio.Redis, run: str, stream: str) -> int:
     groups is never trimmed.
     """
     key = stream_key(run, stream)
-    with _boundary(redis, f"safe trim of {key}"):
+    with boundary(redis, f"safe trim of {key}"):
         return int(await redis.eval(_SAFE_TRIM, 1, key))

@@ -38,7 +38,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from bus.events import STREAMS, MalformedEvent, RunFinished, decode, stream_key
 from bus.log import RunLog
-from bus.streams import DEAD, BusError, connect, safe_trim
+from bus.streams import DEAD, FIELD, READ_MARGIN_S, BusError, connect, safe_trim
 
 __all__ = ["Archiver", "main", "GROUP", "CONSUMER"]
 
@@ -46,8 +46,6 @@ log = logging.getLogger(__name__)
 
 GROUP = "archiver"
 CONSUMER = "archiver"
-_FIELD = b"e"
-_READ_MARGIN_S = 10.0  # socket timeout = BLOCK + this, so a quiet stream is not a timeout
 
 Entry = tuple[str, str, dict | None]  # (stream, entry id, fields; None if deleted while pending)
 
@@ -90,7 +88,7 @@ class Archiver:
     async def run(self, stop: asyncio.Event) -> None:
         self.log = RunLog(self.run_dir, self.segment_bytes)
         # No retries (connect's default): see _read.
-        self.redis = connect(self.bus_url, socket_timeout=self.block_ms / 1000 + _READ_MARGIN_S)
+        self.redis = connect(self.bus_url, socket_timeout=self.block_ms / 1000 + READ_MARGIN_S)
         disk = ThreadPoolExecutor(1, thread_name_prefix="archiver-disk")  # fdatasync off the event loop
         writing: asyncio.Future | None = None  # the previous round's append, on the disk thread
         written: _Round | None = None
@@ -170,10 +168,10 @@ class Archiver:
             if not fields:  # trimmed or deleted by hand while pending: a gap we can only report
                 log.error("entry %s of %s was deleted before it was archived", entry_id, self._key[stream])
                 continue
-            data = fields.get(_FIELD)
+            data = fields.get(FIELD)
             try:
                 if data is None:
-                    raise MalformedEvent(f"entry has no '{_FIELD.decode()}' field")
+                    raise MalformedEvent(f"entry has no '{FIELD.decode()}' field")
                 round_.finished |= isinstance(decode(data), RunFinished)
             except MalformedEvent as exc:
                 round_.dead.append((stream, entry_id, data or msgspec.msgpack.encode(fields), f"undecodable: {exc}"))

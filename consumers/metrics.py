@@ -31,7 +31,8 @@ from rich.live import Live
 from bus.errors import ReelError
 from bus.events import AnyEvent, RunFinished, stream_key
 from bus.log import RunLog
-from bus.streams import DEAD, BusError, Tail, connect
+from bus.streams import DEAD, BusError, connect
+from bus.tail import Tail
 from consumers.aggregates import MISMATCH_KEYS, RunAggregates, Snapshot, StepRow
 from consumers.metric_views import SnapshotCollector, render
 from runtime import config as run_config

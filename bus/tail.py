@@ -1,0 +1,76 @@
+"""Watchers: plain XREAD over a run's streams, no consumer group, so any number can attach
+without touching what the trainer or the archiver read."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import redis.asyncio
+
+from bus.events import AnyEvent, MalformedEvent, decode, stream_key
+from bus.streams import FIELD, READ_MARGIN_S, as_str, boundary, by_stream, connect
+
+__all__ = ["Tail"]
+
+log = logging.getLogger(__name__)
+
+
+class Tail:
+    """A watcher: plain XREAD from "0" (everything), "$" (what arrives after the first read()
+    starts) or an entry id (what follows it); any number of tails can attach. Entries that do not
+    decode are skipped with a warning (consumer groups dead-letter them)."""
+
+    def __init__(self, url: str, run: str, streams: list[str], start: str = "0"):
+        self.url = url
+        self.run = run
+        self._name = {stream_key(run, stream): stream for stream in streams}
+        self._cursor = {key: start for key in self._name}  # key -> last entry id read
+        self._redis: redis.asyncio.Redis | None = None
+        self._timeout = 0.0  # socket timeout of _redis; must exceed BLOCK
+
+    async def __aenter__(self) -> Tail:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        client, self._redis = self._redis, None
+        if client is not None:
+            await asyncio.shield(client.aclose())
+
+    async def read(self, count: int = 100, block_ms: int = 1000) -> list[tuple[str, str, AnyEvent]]:
+        """Up to `count` entries per stream, (stream, entry_id, event); block_ms = 0: do not block."""
+        client = await self._client(block_ms)
+        if "$" in self._cursor.values():
+            await self._resolve_now(client)
+        with boundary(client, f"XREAD on {', '.join(self._cursor)}"):
+            reply = await client.xread(self._cursor, count=count, block=block_ms or None)
+        out = []
+        for key, entries in by_stream(reply):
+            for entry_id, fields in entries:
+                self._cursor[key] = entry_id = as_str(entry_id)
+                try:
+                    out.append((self._name[key], entry_id, decode(fields.get(FIELD, b""))))
+                except MalformedEvent as exc:
+                    log.warning("tail of run %s skips %s %s: %s", self.run, key, entry_id, exc)
+        return out
+
+    async def _client(self, block_ms: int) -> redis.asyncio.Redis:
+        timeout = block_ms / 1000 + READ_MARGIN_S
+        if self._redis is None or self._timeout < timeout:
+            await self.close()
+            self._redis, self._timeout = connect(self.url, socket_timeout=timeout, retries=2), timeout
+        return self._redis
+
+    async def _resolve_now(self, client: redis.asyncio.Redis) -> None:
+        """Pin "$" to each stream's last entry, so nothing added between two reads is missed."""
+        keys = [key for key, cursor in self._cursor.items() if cursor == "$"]
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.xrevrange(key, count=1)
+        with boundary(client, f"XREVRANGE on {', '.join(keys)}"):
+            lasts = await pipe.execute()
+        for key, last in zip(keys, lasts):
+            self._cursor[key] = as_str(last[0][0]) if last else "0-0"
