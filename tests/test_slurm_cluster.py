@@ -118,6 +118,12 @@ def test_cancel_stops_every_component_with_sigterm(tmp_path: Path, capsys: pytes
     while not all(log.exists() and " on " in log.read_text() for log in logs):  # printed after the trap is set
         assert time.monotonic() < deadline, "the components did not start"
         time.sleep(0.2)
+    # The job script signals steps it finds with squeue: wait until Slurm lists both (a cancel in the
+    # first instants after a step starts can miss it; known limitation, see the closing note).
+    while not {"first", "second"} <= set(subprocess.run(["squeue", "-h", "-s", "-o", "%j"], capture_output=True,
+                                                          text=True).stdout.split()):
+        assert time.monotonic() < deadline, "Slurm never listed the job's steps"
+        time.sleep(0.2)
     assert main(["launch", "cancel", str(tmp_path)]) == 0
     assert f"cancelled Slurm job {job}" in capsys.readouterr().out
     states = wait_done(job, 60)
