@@ -39,6 +39,18 @@ from runtime.model.model import MoEModel
 from runtime.model.weights import state_dict_bytes
 from runtime.train_step import TrainState, make_optimizer, train_step
 
+# The tiny MoE of the tests that start real `reel` processes (a TOML section for their configs).
+TINY_MODEL_TOML = """[model]
+hidden_size = 32
+moe_intermediate_size = 32
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+head_dim = 8
+num_experts = 4
+num_experts_per_tok = 2
+"""
+
 # A tiny MoE and a short run; any key can be overridden per test.
 BASE: dict[str, dict[str, Any]] = {
     "run": {"name": "replaytest", "seed": 7, "steps": 4},

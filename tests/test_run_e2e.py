@@ -14,6 +14,7 @@ import pytest
 
 from bus.events import StepCommitted, Trajectory, WeightsPublished
 from bus.log import RunLog
+from runbuilder import TINY_MODEL_TOML
 from runtime.cli import main
 
 pytestmark = pytest.mark.slow
@@ -22,16 +23,7 @@ TINY = """
 [run]
 name = "{name}"
 steps = {steps}
-[model]
-hidden_size = 32
-moe_intermediate_size = 32
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-head_dim = 8
-num_experts = 4
-num_experts_per_tok = 2
-[init]
+{model}[init]
 warmup_steps = 30
 [env]
 min_len = 2
@@ -50,7 +42,7 @@ max_off_policy_steps = 2
 
 def _config(tmp_path: Path, name: str, steps: int) -> Path:
     path = tmp_path / f"{name}.toml"
-    path.write_text(TINY.format(name=name, steps=steps))
+    path.write_text(TINY.format(name=name, steps=steps, model=TINY_MODEL_TOML))
     return path
 
 

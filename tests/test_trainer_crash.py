@@ -18,6 +18,7 @@ from bus.events import RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, 
 from bus.streams import Publisher, connect
 from consumers.trainer import CRASH_STAGES
 from runtime import config as config_mod
+from runbuilder import TINY_MODEL_TOML
 from runtime.initial_policy import ensure_initial_policy, load_initial_model
 
 pytestmark = pytest.mark.slow
@@ -26,16 +27,7 @@ CONFIG = """
 [run]
 name = "{name}"
 steps = 3
-[model]
-hidden_size = 32
-moe_intermediate_size = 32
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-head_dim = 8
-num_experts = 4
-num_experts_per_tok = 2
-[init]
+{model}[init]
 warmup_steps = 0
 [rollout]
 concurrency = 2
@@ -92,7 +84,7 @@ def test_crash_at_each_commit_stage_then_resume(tmp_path: Path, redis_url: str, 
     run_dir = tmp_path / "run"
     for sub in ("log", "blobs", "roles"):
         (run_dir / sub).mkdir(parents=True)
-    (run_dir / "config.toml").write_text(CONFIG.format(name=run_name))
+    (run_dir / "config.toml").write_text(CONFIG.format(name=run_name, model=TINY_MODEL_TOML))
     config = config_mod.load(run_dir / "config.toml")
     ensure_initial_policy(run_dir, config)
     groups = _groups(run_dir, run_name)
