@@ -39,12 +39,18 @@ def cast_to_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    """clamp(amax, 1e-4) / 448, correctly rounded on every device. Dividing a CUDA tensor by a
+    Python number multiplies by its reciprocal (1 ulp off, seen on an H200); by a tensor, it divides."""
+    return amax.clamp(min=AMAX_MIN) / amax.new_tensor(E4M3_MAX)
+
+
 def per_token_cast_to_fp8(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (e4m3 [..., K], fp32 scales [..., ceil(K/128)]); one scale per 1x128 tile."""
     K = x_MK.shape[-1]
     x = F.pad(x_MK.float(), (0, _ceil(K) - K))
     x_tiles = x.unflatten(-1, (-1, BLOCK))
-    scale = x_tiles.abs().amax(dim=-1).clamp(min=AMAX_MIN) / E4M3_MAX
+    scale = _scale(x_tiles.abs().amax(dim=-1))
     q = cast_to_e4m3(x_tiles / scale.unsqueeze(-1)).flatten(-2)
     return q[..., :K].contiguous(), scale
 
@@ -54,7 +60,7 @@ def per_block_cast_to_fp8(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     N, K = w_NK.shape[-2:]
     w = F.pad(w_NK.float(), (0, _ceil(K) - K, 0, _ceil(N) - N))
     w_blocks = w.unflatten(-1, (-1, BLOCK)).unflatten(-3, (-1, BLOCK))  # [..., N/128, 128, K/128, 128]
-    scale = w_blocks.abs().amax(dim=(-3, -1)).clamp(min=AMAX_MIN) / E4M3_MAX
+    scale = _scale(w_blocks.abs().amax(dim=(-3, -1)))
     q = cast_to_e4m3(w_blocks / scale[..., :, None, :, None]).flatten(-2).flatten(-3, -2)
     return q[..., :N, :K].contiguous(), scale
 

