@@ -69,7 +69,10 @@ async def wait_steps(engine: BuiltinEngine, steps: int) -> None:
         await asyncio.sleep(0.001)
 
 
-async def test_greedy_matches_full_forward_with_staggered_arrivals(model: MoEModel) -> None:
+@pytest.mark.parametrize("native", ["1", "0"], ids=["C", "torch"])
+async def test_greedy_matches_full_forward_with_staggered_arrivals(model: MoEModel, native: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REEL_NATIVE", native)
     prompts = [[1, 5, 9], [1, 20, 21, 22, 23, 24, 25], [3], [1, 30, 31, 32], [1, 40, 41]]
     max_tokens = [12, 9, 14, 6, 10]
     # 3 slots for 5 requests: the last ones wait for a finished sequence's slot.

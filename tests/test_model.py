@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.model import weights
+from runtime.model import native, weights
 from runtime.model.config import ModelError, MoEConfig
 from runtime.model.determinism import set_determinism
 from runtime.model.model import MoEModel
@@ -31,6 +31,16 @@ def _ids(*shape: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, CFG.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.fixture(params=["C", "torch"])
+def cached_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """forward_cached's two implementations: the C kernel (built here: CI has a compiler) and torch ops."""
+    if request.param == "C":
+        assert native._library() is not None, "the C forward did not build (see the log for the compiler's error)"
+    else:
+        monkeypatch.setenv("REEL_NATIVE", "0")
+    return request.param
+
+
 def test_routing_shape_and_padding_invariance():
     model = _model()
     ids_BT = _ids(3, 10)
@@ -47,7 +57,7 @@ def test_routing_shape_and_padding_invariance():
     assert torch.equal(out.routing[1, :7], alone.routing[0])
 
 
-def test_kv_cache_decode_matches_full_forward_token_by_token():
+def test_kv_cache_decode_matches_full_forward_token_by_token(cached_path: str):
     model = _model()
     lengths = [9, 4, 6]
     seqs = [_ids(n, seed=10 + i) for i, n in enumerate(lengths)]
@@ -64,7 +74,7 @@ def test_kv_cache_decode_matches_full_forward_token_by_token():
             assert torch.equal(out.routing[row], full[i].routing[0, p])
 
 
-def test_mixed_prefill_chunks_and_decode_in_one_call():
+def test_mixed_prefill_chunks_and_decode_in_one_call(cached_path: str):
     model = _model()
     a, b, c = _ids(8, seed=3), _ids(7, seed=4), _ids(5, seed=5)
     with torch.no_grad():
@@ -89,7 +99,7 @@ def test_cache_overflow_names_the_position():
         model.forward_cached(_ids(1), torch.tensor([0]), torch.tensor([4]), model.new_cache(1, 4))
 
 
-def test_replaying_own_routing_is_a_no_op():
+def test_replaying_own_routing_is_a_no_op(cached_path: str):
     model = _model()
     ids_BT = _ids(2, 9)
     out = model(ids_BT, return_routing=True)
@@ -197,3 +207,18 @@ def test_config_errors_name_the_key():
     with pytest.raises(ModelError, match="hidden_act"):
         MoEConfig.from_hf_dict({"vocab_size": 10, "hidden_act": "gelu"})
     assert CFG.moe_layers == [0, 2]
+
+
+def test_without_a_compiler_the_torch_path_serves(monkeypatch: pytest.MonkeyPatch, tmp_path, caplog) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("REEL_CACHE", str(tmp_path))
+    native._library.cache_clear()
+    try:
+        model = _model()
+        assert not native.usable(model, _ids(1))
+        out = model.forward_cached(_ids(3), torch.zeros(3, dtype=torch.long), torch.arange(3), model.new_cache(1, 4))
+        with torch.no_grad():
+            torch.testing.assert_close(out.logits, model(_ids(3)[None]).logits[0], atol=1e-5, rtol=1e-5)
+        assert "did not build" in caplog.text
+    finally:
+        native._library.cache_clear()

@@ -1,8 +1,10 @@
 """The KV-cache forward (inference only): flat tokens of many sequences against a preallocated cache.
 
 `MoEModel.forward_cached` runs here. It computes what `forward` computes from the same parameters
-(tests hold it to the full forward within 1e-5 and to the same routing), but is written for the
-small decode steps of a tiny model on CPU, whose cost is per-op overhead and memory traffic:
+(tests hold it to the full forward within 1e-5 and to the same routing). In fp32 on the CPU the
+whole call is one C function over the weights prepared below (native.py, forward_cached.c), when a
+C compiler is there; otherwise, and for bf16/fp8 or other devices, the torch ops below, written for
+the small decode steps of a tiny model, whose cost is per-op overhead and memory traffic:
 - weights are prepared once per parameter version and precision (q/k/v fused into one matrix,
   experts' gate/up fused, expert matrices stored in the layout a batched matmul reads, cast or fp8
   round-tripped as the precision says) and reused until a parameter changes in place or anew;
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.model import native
 from runtime.model.fp8 import dequant_blocks, dequant_tokens, per_block_cast_to_fp8, per_token_cast_to_fp8
 from runtime.model.layers import rope_cos_sin, unquantised
 from runtime.model.moe import DenseMLP
@@ -312,6 +315,8 @@ def forward_cached(model: MoEModel, ids_N: torch.Tensor, slot_N: torch.Tensor, p
     span: 1 + the largest position."""
     cfg, precision = model.config, model.precision
     w = _prepared_weights(model, cache.max_len)
+    if native.usable(model, ids_N):
+        return native.forward_cached(model, w, ids_N, slot_N, pos_N, cache, replay_NLK)
     h, g, D, K = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.num_experts_per_tok
     N = ids_N.shape[0]
     grids = _grids(slot_N, pos_N, span, cache)

@@ -1,0 +1,151 @@
+"""The C build of the KV-cache forward (forward_cached.c): fp32 on the CPU, one call per step.
+
+A tiny model's decode step is ~170 torch ops whose cost is dispatch, not arithmetic; the C version
+does the same math over the same prepared weights and cache in plain loops. It is compiled on
+first use with the machine's C compiler (`cc -O3 -march=native`, about a second) into
+$REEL_CACHE/native/ under a name that hashes the source, the flags and the CPU, and loaded with
+ctypes. Where no compiler works, or REEL_NATIVE=0, kvcache.py keeps its torch ops: same results
+up to fp32 rounding (tests hold both to the full forward).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from runtime.model.kvcache import KVCache, _Prepared
+    from runtime.model.model import MoEModel
+
+__all__ = ["forward_cached", "usable"]
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("forward_cached.c")
+_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
+_i64, _f32p, _i64p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int64)
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [(name, _i64) for name in ("H", "h", "g", "D", "K", "V", "S", "P", "renormalise")] + \
+               [("eps_H", ctypes.c_float), ("eps_D", ctypes.c_float)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _f32p) for name in ("input_norm", "qkv", "qk_norm", "o", "post_norm", "router",
+                                           "gate_up", "down")] + [("experts", _i64), ("width", _i64)]
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("REEL_CACHE", Path.home() / ".cache" / "reel")) / "native"
+
+
+def _cpu() -> str:
+    try:
+        flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")]
+        return flags[0] if flags else platform.processor()
+    except OSError:
+        return platform.processor()
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernel, built once per source, flags and CPU; None where it cannot be built."""
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), _cpu().encode()])).hexdigest()[:16]
+    path = _cache_dir() / f"forward_cached-{digest}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, renamed in: atomic
+            built = Path(tmp) / path.name
+            try:
+                subprocess.run([os.environ.get("CC", "cc"), *_FLAGS, "-o", str(built), str(_SOURCE), "-lm"],
+                               check=True, capture_output=True, timeout=120)
+            except (OSError, subprocess.SubprocessError) as exc:
+                detail = getattr(exc, "stderr", b"") or b""
+                log.warning("the C forward did not build (%s %s); decoding with torch ops instead",
+                            exc, detail.decode(errors="replace")[-500:])
+                return None
+            os.replace(built, path)
+    lib = ctypes.CDLL(str(path))
+    lib.reel_forward_cached.restype = ctypes.c_int
+    return lib
+
+
+def usable(model: MoEModel, ids_N: torch.Tensor) -> bool:
+    """fp32 on the CPU, not turned off (REEL_NATIVE=0), with the kernel built."""
+    return (model.precision == "fp32" and ids_N.device.type == "cpu" and os.environ.get("REEL_NATIVE") != "0"
+            and _library() is not None)
+
+
+class _Plan(NamedTuple):
+    """ctypes views of one _Prepared's weights (which keep the memory alive)."""
+
+    prepared: _Prepared
+    layers: ctypes.Array
+    extra: list[torch.Tensor]  # dense MLPs' weights in the experts' layout
+
+
+def _ptr(t: torch.Tensor | None):
+    if t is None:
+        return None
+    if t.dtype != torch.float32 or not t.is_contiguous():
+        raise ValueError(f"the C forward needs contiguous fp32 weights, got {t.dtype} {tuple(t.shape)}")
+    return ctypes.cast(t.data_ptr(), _f32p)
+
+
+_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Plan (not copied with it)
+
+
+def _plan(model: MoEModel, w: _Prepared) -> _Plan:
+    cached: _Plan | None = _plans.get(model)
+    if cached is not None and cached.prepared is w:
+        return cached
+    layers, extra = (_Layer * len(w.layers))(), []
+    for out, lw in zip(layers, w.layers):
+        gate_up, down = lw.gate_up_EHJ, lw.down_EIH
+        if lw.router_HE is None:  # dense SwiGLU: one expert, weight 1
+            mlp = lw.mlp
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).T.contiguous()[None]
+            down = mlp.down_proj.weight.T.contiguous()[None]
+            extra += [gate_up, down]
+        out.input_norm, out.qkv, out.qk_norm = _ptr(lw.input_norm_H), _ptr(lw.qkv_HO), _ptr(lw.qk_norm_D)
+        out.o, out.post_norm, out.router = _ptr(lw.o_OH), _ptr(lw.post_norm_H), _ptr(lw.router_HE)
+        out.gate_up, out.down = _ptr(gate_up), _ptr(down)
+        out.experts, out.width = gate_up.shape[0], gate_up.shape[2] // 2
+    _plans[model] = plan = _Plan(w, layers, extra)
+    return plan
+
+
+def forward_cached(model: MoEModel, w: _Prepared, ids_N: torch.Tensor, slot_N: torch.Tensor, pos_N: torch.Tensor,
+                   cache: KVCache, replay_NLK: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """kvcache.forward_cached's result, from one C call."""
+    cfg = model.config
+    plan = _plan(model, w)
+    N, K, moe_layers = ids_N.shape[0], cfg.num_experts_per_tok, sum(lw.router_HE is not None for lw in w.layers)
+    dims = _Dims(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, K,
+                 cfg.vocab_size, cache.slots, cache.max_len, int(cfg.norm_topk_prob), float(w.eps_H), float(w.eps_D))
+    ids, slots, pos = (t.to(torch.int64).contiguous() for t in (ids_N, slot_N, pos_N))
+    replay = None if replay_NLK is None else replay_NLK.to(torch.int64).contiguous()
+    logits_NV = torch.empty(N, cfg.vocab_size)
+    routing_NLK = torch.empty(N, moe_layers, K, dtype=torch.int64)
+    status = _library().reel_forward_cached(
+        ctypes.byref(dims), plan.layers, _i64(len(w.layers)), _ptr(w.embed_VH), _ptr(w.norm_H), _ptr(w.lm_head_HV),
+        _ptr(w.cos_PD), _ptr(w.sin_PD), _ptr(cache.k), _ptr(cache.v), _i64(N),
+        *(ctypes.cast(t.data_ptr(), _i64p) for t in (ids, slots, pos)),
+        None if replay is None else ctypes.cast(replay.data_ptr(), _i64p),
+        _ptr(logits_NV), ctypes.cast(routing_NLK.data_ptr(), _i64p))
+    if status != 0:
+        raise MemoryError(f"the C forward could not allocate scratch memory for {N} tokens")
+    return logits_NV, list(routing_NLK.unbind(1))
