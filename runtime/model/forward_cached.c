@@ -69,16 +69,21 @@ static inline __attribute__((always_inline)) void tile(Mat x, Mat w, float *rest
 /* y[N, out] (+)= x[N, in] @ w[in, out], y with row stride ldy: tiles of 4 rows x 16 columns, then the edges. */
 static void matmul(Mat x, Mat w, float *restrict y, int64_t ldy, int64_t N, int64_t in, int64_t out,
                    int accumulate) {
-#define TILES(ROWS, VECS)                                                                        \
-    for (int64_t n = 0; n < N; n += ROWS) {                                                      \
-        const Mat xn = {x.data + n * x.ld, x.ld}, wo = {w.data + o, w.ld};                       \
-        if (n + ROWS <= N) tile(xn, wo, y + n * ldy + o, ldy, in, ROWS, VECS, accumulate);       \
-        else for (int64_t m = n; m < N; m++)                                                     \
-            tile((Mat){x.data + m * x.ld, x.ld}, wo, y + m * ldy + o, ldy, in, 1, VECS, accumulate); \
+#define TILES(VECS)                                                                               \
+    {                                                                                             \
+        const Mat wo = {w.data + o, w.ld};                                                        \
+        int64_t n = 0;                                                                            \
+        for (; n + 4 <= N; n += 4)                                                                \
+            tile((Mat){x.data + n * x.ld, x.ld}, wo, y + n * ldy + o, ldy, in, 4, VECS, accumulate); \
+        if (n + 2 <= N) {                                                                         \
+            tile((Mat){x.data + n * x.ld, x.ld}, wo, y + n * ldy + o, ldy, in, 2, VECS, accumulate); \
+            n += 2;                                                                               \
+        }                                                                                         \
+        if (n < N) tile((Mat){x.data + n * x.ld, x.ld}, wo, y + n * ldy + o, ldy, in, 1, VECS, accumulate); \
     }
     int64_t o = 0;
-    for (; o + 16 <= out; o += 16) TILES(4, 2)
-    for (; o + 8 <= out; o += 8) TILES(4, 1)
+    for (; o + 16 <= out; o += 16) TILES(2)
+    for (; o + 8 <= out; o += 8) TILES(1)
 #undef TILES
     for (; o < out; o++)
         for (int64_t n = 0; n < N; n++) {
@@ -161,20 +166,41 @@ static void route(const Dims *d, const Layer *l, const float *hn, const int64_t 
     }
 }
 
-/* x += sum_k weight_k * down_e(silu(gate_e(hn)) * up_e(hn)) over the token's experts. */
-static void mlp(const Dims *d, const Layer *l, const float *hn, const int64_t *ids, const float *weights,
-                int64_t count, float *x, float *gate_up, float *y) {
-    const int64_t H = d->H, W = l->width;
-    memset(y, 0, (size_t)H * sizeof(float));
-    for (int64_t k = 0; k < count; k++) {
-        const int64_t e = ids ? ids[k] : 0;
-        dense(hn, l->gate_up + e * H * 2 * W, gate_up, 1, H, 2 * W, 0);
-        for (int64_t i = 0; i < W; i++) gate_up[i] = silu(gate_up[i]) * gate_up[W + i];
-        const float weight = weights ? weights[k] : 1.0f;
-        for (int64_t i = 0; i < W; i++) gate_up[i] *= weight;
-        dense(gate_up, l->down + e * W * H, y, 1, W, H, 1);
+typedef struct {
+    float *in, *mid, *out; /* one expert's rows: [N K, H], [N K, 2W], [N K, H] */
+    int64_t *token;        /* the token of each row */
+    float *weight;         /* its gate weight */
+    float *sum;            /* [N, H]: every token's expert outputs, added in expert order */
+} ExpertRows;
+
+/* x[n] += sum over token n's experts of weight * down_e(silu(gate_e(hn[n])) * up_e(hn[n])). Each
+ * expert runs once over all of its tokens (rows gathered), so its weights are read once per call; a
+ * row's result depends on that row alone. ids [N, K] with row stride ld; NULL: a dense MLP (one
+ * expert of weight 1 for every token). */
+static void experts(const Dims *d, const Layer *l, int64_t N, const float *hn, const int64_t *ids, int64_t ld,
+                    const float *weights, float *x, ExpertRows b) {
+    const int64_t H = d->H, W = l->width, K = ids ? d->K : 1;
+    memset(b.sum, 0, (size_t)(N * H) * sizeof(float));
+    for (int64_t e = 0; e < l->experts; e++) {
+        int64_t M = 0;
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t k = 0; k < K; k++)
+                if (!ids || ids[n * ld + k] == e) {
+                    memcpy(b.in + M * H, hn + n * H, (size_t)H * sizeof(float));
+                    b.token[M] = n;
+                    b.weight[M++] = ids ? weights[n * K + k] : 1.0f;
+                }
+        if (!M) continue;
+        dense(b.in, l->gate_up + e * H * 2 * W, b.mid, M, H, 2 * W, 0);
+        for (int64_t i = 0; i < M; i++) {
+            float *gu = b.mid + i * 2 * W, *act = b.mid + i * W; /* in place: act[j] only reads gu[j], gu[W + j] */
+            for (int64_t j = 0; j < W; j++) act[j] = silu(gu[j]) * gu[W + j] * b.weight[i];
+        }
+        dense(b.mid, l->down + e * W * H, b.out, M, W, H, 0);
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t c = 0; c < H; c++) b.sum[b.token[i] * H + c] += b.out[i * H + c];
     }
-    for (int64_t c = 0; c < H; c++) x[c] += y[c];
+    for (int64_t i = 0; i < N * H; i++) x[i] += b.sum[i];
 }
 
 /* Returns 0, or -1 if scratch memory could not be had. routing: [N, moe layers, K]. */
@@ -183,18 +209,28 @@ int reel_forward_cached(const Dims *d, const Layer *layers, int64_t L, const flo
                         float *cache_v, int64_t N, const int64_t *ids, const int64_t *slots, const int64_t *pos,
                         const int64_t *replay, float *logits, int64_t *routing) {
     const int64_t H = d->H, h = d->h, g = d->g, D = d->D, K = d->K, S = d->S, P = d->P;
-    const int64_t O = (h + 2 * g) * D;
-    int64_t moe_layers = 0, widest = 0, experts = 0;
+    const int64_t O = (h + 2 * g) * D, rows = N * K;
+    int64_t moe_layers = 0, widest = 0, experts_max = 0;
     for (int64_t l = 0; l < L; l++) {
         moe_layers += layers[l].router != NULL;
         widest = layers[l].width > widest ? layers[l].width : widest;
-        experts = layers[l].experts > experts ? layers[l].experts : experts;
+        experts_max = layers[l].experts > experts_max ? layers[l].experts : experts_max;
     }
-    float *x = malloc((size_t)(N * H + N * H + N * O + N * h * D + h / g * P + 2 * widest + H + D + experts + K) *
-                      sizeof(float));
+    /* Scratch, in floats: x, hn, qkv, attention output, scores, router scores, gate weights, rope
+     * temp, then the expert rows (token ids as int64 take two floats each). */
+    const int64_t floats = N * H * 2 + N * O + N * h * D + h / g * P + experts_max + N * K + D +
+                           rows * (H + 2 * widest + H + 1 + 2) + N * H;
+    float *x = malloc((size_t)floats * sizeof(float));
     if (!x) return -1;
     float *hn = x + N * H, *qkv = hn + N * H, *att = qkv + N * O, *scores = att + N * h * D;
-    float *gate_up = scores + h / g * P, *y = gate_up + 2 * widest, *tmp = y + H, *router = tmp + D, *weights = router + experts;
+    float *router = scores + h / g * P, *weights = router + experts_max, *tmp = weights + N * K;
+    ExpertRows b;
+    b.in = tmp + D;
+    b.mid = b.in + rows * H;
+    b.out = b.mid + rows * 2 * widest;
+    b.weight = b.out + rows * H;
+    b.token = (int64_t *)(b.weight + rows);
+    b.sum = (float *)(b.token + rows);
     for (int64_t n = 0; n < N; n++) memcpy(x + n * H, embed + ids[n] * H, (size_t)H * sizeof(float));
     for (int64_t l = 0, m = 0; l < L; l++) {
         const Layer *lw = layers + l;
@@ -220,17 +256,17 @@ int reel_forward_cached(const Dims *d, const Layer *layers, int64_t L, const flo
             attend(d, k_layer + slots[n] * g * D * P, v_layer + slots[n] * g * P * D, qkv + n * O, pos[n],
                    att + n * h * D, scores);
         dense(att, lw->o, x, N, h * D, H, 1);
-        for (int64_t n = 0; n < N; n++) {
-            rms_norm(x + n * H, lw->post_norm, d->eps_H, hn + n * H, H);
-            if (!lw->router) {
-                mlp(d, lw, hn + n * H, NULL, NULL, 1, x + n * H, gate_up, y);
-                continue;
-            }
-            int64_t *chosen = routing + (n * moe_layers + m) * K;
-            route(d, lw, hn + n * H, replay ? replay + (n * moe_layers + m) * K : NULL, chosen, weights, router);
-            mlp(d, lw, hn + n * H, chosen, weights, K, x + n * H, gate_up, y);
+        for (int64_t n = 0; n < N; n++) rms_norm(x + n * H, lw->post_norm, d->eps_H, hn + n * H, H);
+        if (!lw->router) {
+            experts(d, lw, N, hn, NULL, 0, NULL, x, b);
+            continue;
         }
-        m += lw->router != NULL;
+        const int64_t ld = moe_layers * K; /* routing row stride */
+        for (int64_t n = 0; n < N; n++)
+            route(d, lw, hn + n * H, replay ? replay + n * ld + m * K : NULL, routing + n * ld + m * K,
+                  weights + n * K, router);
+        experts(d, lw, N, hn, routing + m * K, ld, weights, x, b);
+        m++;
     }
     for (int64_t n = 0; n < N; n++) rms_norm(x + n * H, norm, d->eps_H, hn + n * H, H);
     dense(hn, lm_head, logits, N, H, d->V, 0);
