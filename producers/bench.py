@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
 import tempfile
 import time
+from collections.abc import Iterator
 
 import torch
 
 from producers.builtin_engine import BuiltinEngine
 from producers.engine import SamplingParams
+from runtime.model import native
 from runtime.model.config import MoEConfig
 from runtime.model.model import MoEModel
 from runtime.model.weights import save
@@ -40,22 +44,40 @@ def bench_engine(args: argparse.Namespace) -> int:
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(4, max_prompt))] for _ in range(prompts_n)]
 
     rounds = 1 if quick else 3
-    engine_s, hf_s = [], []
+    engine_s, torch_ops_s, hf_s = [], [], []
     for _ in range(rounds):
         seconds, engine_out = _time_engine(model, prompts, max_tokens)
         engine_s.append(seconds)
+        with _torch_ops():
+            torch_ops_s.append(_time_engine(model, prompts, max_tokens)[0])
         seconds, hf_out = _time_transformers(model, prompts, max_tokens)
         hf_s.append(seconds)
     tokens = prompts_n * max_tokens
     engine_tps, hf_tps = tokens / min(engine_s), tokens / min(hf_s)
     print(json.dumps({
         "bench": "engine", "quick": quick, "prompts": prompts_n, "max_tokens": max_tokens, "rounds": rounds,
-        "threads": torch.get_num_threads(), "engine_tokens_per_s": round(engine_tps, 1),
+        "threads": torch.get_num_threads(), "native": native.usable(model, torch.zeros(1)),
+        "engine_tokens_per_s": round(engine_tps, 1),
+        # the same engine with the torch-ops forward (REEL_NATIVE=0): what the C forward adds
+        "engine_torch_ops_tokens_per_s": round(tokens / min(torch_ops_s), 1),
         "transformers_tokens_per_s": round(hf_tps, 1),
         "agree": sum(a == b for a, b in zip(engine_out, hf_out)) / prompts_n,
         "ratio": round(engine_tps / hf_tps, 3),
     }))
     return 0
+
+
+@contextlib.contextmanager
+def _torch_ops() -> Iterator[None]:
+    previous = os.environ.get("REEL_NATIVE")
+    os.environ["REEL_NATIVE"] = "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["REEL_NATIVE"]
+        else:
+            os.environ["REEL_NATIVE"] = previous
 
 
 def _time_engine(model: MoEModel, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:

@@ -239,3 +239,4 @@ def test_bench_engine_quick_prints_one_json_line(capsys: pytest.CaptureFixture) 
     (line,) = capsys.readouterr().out.splitlines()
     result = json.loads(line)
     assert result["bench"] == "engine" and result["ratio"] > 0 and result["agree"] >= 0.9
+    assert result["native"] is True and result["engine_torch_ops_tokens_per_s"] > 0
