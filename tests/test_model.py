@@ -222,3 +222,22 @@ def test_without_a_compiler_the_torch_path_serves(monkeypatch: pytest.MonkeyPatc
         assert "did not build" in caplog.text
     finally:
         native._library.cache_clear()
+
+
+@pytest.mark.parametrize("bad", ["token", "slot", "expert"])
+def test_out_of_range_indices_are_refused_not_written(cached_path: str, bad: str) -> None:
+    model = _model()
+    cache = model.new_cache(2, 8)
+    ids, slots, pos = _ids(3), torch.zeros(3, dtype=torch.long), torch.arange(3)
+    replay = torch.zeros(3, len(CFG.moe_layers), CFG.num_experts_per_tok, dtype=torch.long)
+    if bad == "token":
+        ids[1] = CFG.vocab_size
+    elif bad == "slot":
+        slots[2] = 2
+    else:
+        replay[0, 0, 1] = CFG.num_experts
+    before = cache.k.clone()
+    with pytest.raises((ModelError, IndexError, RuntimeError)):
+        model.forward_cached(ids, slots, pos, cache, replay_routing_NLK=replay)
+    if cached_path == "C":
+        assert torch.equal(cache.k, before)  # refused before anything was written

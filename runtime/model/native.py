@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from runtime.model.config import ModelError
+
 if TYPE_CHECKING:
     from runtime.model.kvcache import KVCache, _Prepared
     from runtime.model.model import MoEModel
@@ -138,6 +140,11 @@ def forward_cached(model: MoEModel, w: _Prepared, ids_N: torch.Tensor, slot_N: t
                  cfg.vocab_size, cache.slots, cache.max_len, int(cfg.norm_topk_prob), float(w.eps_H), float(w.eps_D))
     ids, slots, pos = (t.to(torch.int64).contiguous() for t in (ids_N, slot_N, pos_N))
     replay = None if replay_NLK is None else replay_NLK.to(torch.int64).contiguous()
+    # C indexes memory with these: anything out of range is an error here, never a stray write.
+    for name, t, bound in (("token id", ids, cfg.vocab_size), ("slot", slots, cache.slots),
+                           ("position", pos, cache.max_len), ("replayed expert id", replay, cfg.num_experts)):
+        if t is not None and t.numel() and not (0 <= int(t.min()) and int(t.max()) < bound):
+            raise ModelError(f"{name}s must lie in [0, {bound}), got {int(t.min())}..{int(t.max())}")
     logits_NV = torch.empty(N, cfg.vocab_size)
     routing_NLK = torch.empty(N, moe_layers, K, dtype=torch.int64)
     status = _library().reel_forward_cached(
