@@ -120,6 +120,10 @@ def sampled_reward(model: MoEModel, env: Env, config: Config) -> float:
     rows = [list(p.ids) for p in prompts]  # every row grows by one token per step; finished rows by padding
     completions: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
+    sampling = r.temperature > 0
+    temperature_B = torch.full((len(rows),), r.temperature)
+    top_p_B = torch.full((len(rows),), r.top_p if sampling else 1.0)
+    sampled_S = torch.arange(len(rows)) if sampling else torch.empty(0, dtype=torch.long)
     model.eval()
     for _ in range(r.max_tokens):
         T = max(len(row) for row in rows)
@@ -131,7 +135,9 @@ def sampled_reward(model: MoEModel, env: Env, config: Config) -> float:
         with torch.no_grad():
             logits_BTV = model(input_ids_BT, mask_BT).logits
         last_BV = logits_BTV[torch.arange(len(rows)), mask_BT.sum(1) - 1].float()
-        tokens_B, _ = sample_tokens(last_BV, [r.temperature] * len(rows), [r.top_p] * len(rows), generators)
+        u_S = torch.stack([torch.rand((), generator=g) for g in generators]) if sampling else torch.empty(0)
+        tokens_B, _ = sample_tokens(last_BV, temperature_B, top_p_B, sampled_S, u_S,
+                                    nucleus=sampling and r.top_p < 1)
         for b, token in enumerate(tokens_B.tolist()):
             rows[b].append(env.tokenizer.pad_id if done[b] else token)
             if not done[b]:
