@@ -3,8 +3,8 @@
 One decode step = one `MoEModel.forward_cached` call over flat tokens: the whole prompt of every
 newly admitted sequence plus the last sampled token of every running one. Sequences join between
 steps when a KV slot is free and leave when they finish, so short and long completions never wait
-for each other and nothing is padded. Each sample has its own seeded `torch.Generator`, so what it
-draws does not depend on which other sequences share its steps.
+for each other and nothing is padded. Each sample has its own seeded `torch.Generator`
+(producers/sampling.py), so what it draws does not depend on which other sequences share its steps.
 
 Threading: the asyncio task `_serve` owns all queues; the math of a step (forward, sampling,
 bookkeeping of the running sequences) runs on one worker thread while the event loop keeps
@@ -38,10 +38,11 @@ from safetensors.torch import save as st_save
 from bus.blobs import BlobStore
 from bus.events import BlobRef
 from producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
+from producers.sampling import Sampler, Uniforms
 from runtime.model.model import MoEModel
 from runtime.model.weights import load_state_dict_bytes
 
-__all__ = ["BuiltinEngine", "sample_tokens"]
+__all__ = ["BuiltinEngine"]
 
 log = logging.getLogger("reel.engine")
 _RATE_WINDOW_S = 5.0  # tokens/s is measured over the steps of the last few seconds
@@ -61,14 +62,13 @@ class _Request:
 class _Sequence:
     """One sample of a request, from waiting to finished."""
 
-    __slots__ = ("request", "seed", "generator", "uniforms", "slot", "pending", "position", "tokens", "logprobs",
+    __slots__ = ("request", "seed", "uniforms", "slot", "pending", "position", "tokens", "logprobs",
                  "routing", "spans", "finish_reason")
 
     def __init__(self, request: _Request, index: int):
         self.request = request
         self.seed = request.params.seed + index
-        self.generator: torch.Generator | None = None  # made on admission, on the model's device
-        self.uniforms: torch.Tensor | None = None  # drawn from the generator, not used yet (see _Sampler)
+        self.uniforms: Uniforms | None = None  # the seeded stream, made on admission on the model's device
         self.slot = -1  # KV cache slot while running
         self.pending: list[int] = list(request.prompt)  # fed at the next step: the prompt, then the last token
         self.position = 0  # tokens already in this slot's cache
@@ -208,7 +208,7 @@ class BuiltinEngine(Engine):
             self._waiting.popleft()
             budget -= len(seq.pending)
             seq.slot = heapq.heappop(self._free_slots)
-            seq.generator = torch.Generator(self.device).manual_seed(seq.seed)
+            seq.uniforms = Uniforms(seq.seed, self.device)
             self._running.append(seq)
         self._running.sort(key=lambda s: s.slot)
 
@@ -278,7 +278,7 @@ class BuiltinEngine(Engine):
         params = [seq.request.params for seq in seqs]
         after = [(len(s.tokens) + 1, s.position + len(s.pending)) for s in seqs]
         room = min(min(p.max_tokens - n, self.max_seq_len - pos) for p, (n, pos) in zip(params, after))
-        sample = _Sampler(seqs, self.model.config.vocab_size, dev, draws=1 + room)
+        sample = Sampler(params, [s.uniforms for s in seqs], self.model.config.vocab_size, dev, draws=1 + room)
         tokens_B, logprobs_B, stopped = sample(out.logits[torch.tensor(last, device=dev)])
         self._count_step(len(seqs))
         tokens, logprobs, routing = [tokens_B], [logprobs_B], []
@@ -334,93 +334,6 @@ class BuiltinEngine(Engine):
         return finished
 
 
-class _Sampler:
-    """`sample_tokens` for a burst's fixed rows, step after step; also says whether a row drew one of
-    its stop tokens.
-
-    A sampled row's uniforms come from its sequence's generator, drawn ahead in blocks of a fixed
-    size (one call per block, not one per token) and kept on the sequence until used: a sequence
-    consumes its generator's stream in order and in the same blocks whatever its bursts were, so a
-    sample does not depend on its batch, on any device.
-    """
-
-    def __init__(self, seqs: list[_Sequence], vocab: int, device: torch.device, draws: int):
-        params = [seq.request.params for seq in seqs]
-        temperature = [p.temperature for p in params]
-        self.seqs = seqs
-        self.greedy = not any(temperature)
-        self.temp_B = torch.tensor(temperature, device=device, dtype=torch.float32)
-        self.top_p_B = torch.tensor([p.top_p if t else 1.0 for p, t in zip(params, temperature)], device=device)
-        self.nucleus = any(p.top_p < 1 for p, t in zip(params, temperature) if t)
-        self.rows = [b for b, t in enumerate(temperature) if t > 0]
-        self.rows_S = torch.tensor(self.rows, device=device, dtype=torch.long)
-        self.u_SD = torch.stack([_uniforms(seqs[b], draws)[:draws] for b in self.rows]) if self.rows else None
-        self.step = 0
-        self.stop_BV: torch.Tensor | None = None
-        if any(p.stop_token_ids for p in params):
-            self.stop_BV = torch.zeros(len(params), vocab, dtype=torch.bool, device=device)
-            for b, p in enumerate(params):
-                self.stop_BV[b, [t for t in p.stop_token_ids if 0 <= t < vocab]] = True
-
-    def __call__(self, logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        logits_BV = logits_BV.float()
-        if self.greedy:  # what sample_tokens does for temperature-0 rows (log softmax at the argmax), in fewer ops
-            top_B, tokens_B = logits_BV.max(-1)
-            logprobs_B = top_B - logits_BV.logsumexp(-1)
-        else:
-            tokens_B, logprobs_B = sample_tokens(logits_BV, self.temp_B, self.top_p_B, self.rows_S,
-                                                 self.u_SD[:, self.step], nucleus=self.nucleus)
-        self.step += 1
-        stopped = self.stop_BV is not None and bool(self.stop_BV.gather(1, tokens_B[:, None]).any())
-        return tokens_B, logprobs_B, stopped
-
-    def settle(self) -> None:
-        """The burst is over: drop the uniforms its steps used."""
-        for b in self.rows:
-            self.seqs[b].uniforms = self.seqs[b].uniforms[self.step:]
-
-
-_UNIFORM_BLOCK = 64  # uniforms drawn per generator call
-
-
-def _uniforms(seq: _Sequence, n: int) -> torch.Tensor:
-    """The sequence's unused uniforms, topped up to at least n in whole blocks."""
-    have = seq.uniforms if seq.uniforms is not None else torch.empty(0, device=seq.generator.device)
-    if len(have) < n:
-        blocks = -(-(n - len(have)) // _UNIFORM_BLOCK)
-        fresh = torch.rand(blocks * _UNIFORM_BLOCK, device=have.device, generator=seq.generator)
-        have = torch.cat([have, fresh])
-    seq.uniforms = have
-    return have
-
-
 def _completion(seq: _Sequence) -> Completion:
     return Completion(tokens=seq.tokens, logprobs=seq.logprobs, finish_reason=seq.finish_reason,
                       routing=np.concatenate(seq.routing), spans=seq.spans, seed=seq.seed)
-
-
-def sample_tokens(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_p_B: torch.Tensor,
-                  sampled_S: torch.Tensor, u_S: torch.Tensor, *, nucleus: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row and its log mu (see producers.engine): (tokens_B, logprobs_B).
-
-    Row b is greedy when temperature_B[b] == 0 (logprob = log softmax of the raw logits). Otherwise
-    mu = softmax(logits / temperature) restricted to the smallest top-p nucleus (tokens by
-    descending probability until their mass reaches top_p) and renormalised; the token is drawn by
-    inverse CDF from the row's own uniform (u_S, for the rows sampled_S), so the draw depends only
-    on that row. nucleus=False: no row has top_p < 1 (skips the sort).
-    """
-    greedy_B = temperature_B == 0
-    logp_BV = torch.log_softmax(logits_BV / torch.where(greedy_B, 1.0, temperature_B)[:, None], dim=-1)
-    if nucleus:
-        sorted_BV, order_BV = logp_BV.sort(dim=-1, descending=True)
-        p_BV = sorted_BV.exp()
-        outside_BV = (p_BV.cumsum(-1) - p_BV) >= top_p_B[:, None]  # mass before the token already >= top_p
-        sorted_BV = sorted_BV.masked_fill(outside_BV, float("-inf"))
-        logp_BV = torch.empty_like(logp_BV).scatter_(-1, order_BV, sorted_BV)
-        logp_BV = logp_BV - logp_BV.logsumexp(-1, keepdim=True)
-    tokens_B = logits_BV.argmax(-1)
-    if len(sampled_S):
-        cdf_SV = logp_BV[sampled_S].exp().cumsum(-1)
-        drawn_S = torch.searchsorted(cdf_SV, (u_S * cdf_SV[:, -1])[:, None], right=True)[:, 0]
-        tokens_B[sampled_S] = drawn_S.clamp_(max=logits_BV.shape[-1] - 1)
-    return tokens_B, logp_BV.gather(-1, tokens_B[:, None])[:, 0]

@@ -26,7 +26,7 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-from producers.builtin_engine import sample_tokens
+from producers.sampling import sample_tokens
 from producers.envs import Env, make_env
 from runtime.config import Config
 from runtime.initial_policy import code_version
@@ -123,7 +123,6 @@ def sampled_reward(model: MoEModel, env: Env, config: Config) -> float:
     sampling = r.temperature > 0
     temperature_B = torch.full((len(rows),), r.temperature)
     top_p_B = torch.full((len(rows),), r.top_p if sampling else 1.0)
-    sampled_S = torch.arange(len(rows)) if sampling else torch.empty(0, dtype=torch.long)
     model.eval()
     for _ in range(r.max_tokens):
         T = max(len(row) for row in rows)
@@ -135,9 +134,8 @@ def sampled_reward(model: MoEModel, env: Env, config: Config) -> float:
         with torch.no_grad():
             logits_BTV = model(input_ids_BT, mask_BT).logits
         last_BV = logits_BTV[torch.arange(len(rows)), mask_BT.sum(1) - 1].float()
-        u_S = torch.stack([torch.rand((), generator=g) for g in generators]) if sampling else torch.empty(0)
-        tokens_B, _ = sample_tokens(last_BV, temperature_B, top_p_B, sampled_S, u_S,
-                                    nucleus=sampling and r.top_p < 1)
+        u_B = torch.stack([torch.rand((), generator=g) for g in generators]) if sampling else torch.zeros(len(rows))
+        tokens_B, _ = sample_tokens(last_BV, temperature_B, top_p_B, u_B, nucleus=sampling and r.top_p < 1)
         for b, token in enumerate(tokens_B.tolist()):
             rows[b].append(env.tokenizer.pad_id if done[b] else token)
             if not done[b]:

@@ -94,9 +94,12 @@ async def test_greedy_matches_full_forward_with_staggered_arrivals(model: MoEMod
         np.testing.assert_array_equal(completion.routing, routing_TLK)
 
 
+@pytest.mark.parametrize("native", ["1", "0"], ids=["C", "torch"])
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
 async def test_sampled_logprob_is_that_of_the_sampling_distribution(model: MoEModel, temperature: float,
-                                                                    top_p: float) -> None:
+                                                                    top_p: float, native: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REEL_NATIVE", native)
     prompt = [1, 11, 12, 13]
     async with BuiltinEngine(model, max_batch=4, max_seq_len=32) as engine:
         samples = await engine.generate(prompt, SamplingParams(n=4, temperature=temperature, top_p=top_p,

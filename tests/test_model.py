@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtime import cbuild
 from runtime.model import native, weights
 from runtime.model.config import ModelError, MoEConfig
 from runtime.model.determinism import set_determinism
@@ -212,7 +213,7 @@ def test_config_errors_name_the_key():
 def test_without_a_compiler_the_torch_path_serves(monkeypatch: pytest.MonkeyPatch, tmp_path, caplog) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("REEL_CACHE", str(tmp_path))
-    native._library.cache_clear()
+    cbuild.load.cache_clear()
     try:
         model = _model()
         assert not native.usable(model, _ids(1))
@@ -221,7 +222,7 @@ def test_without_a_compiler_the_torch_path_serves(monkeypatch: pytest.MonkeyPatc
             torch.testing.assert_close(out.logits, model(_ids(3)[None]).logits[0], atol=1e-5, rtol=1e-5)
         assert "did not build" in caplog.text
     finally:
-        native._library.cache_clear()
+        cbuild.load.cache_clear()
 
 
 @pytest.mark.parametrize("bad", ["token", "slot", "expert"])

@@ -1,29 +1,21 @@
 """The C build of the KV-cache forward (forward_cached.c): fp32 on the CPU, one call per step.
 
 A tiny model's decode step is ~170 torch ops whose cost is dispatch, not arithmetic; the C version
-does the same math over the same prepared weights and cache in plain loops. It is compiled on
-first use with the machine's C compiler (`cc -O3 -march=native`, about a second) into
-$REEL_CACHE/native/ under a name that hashes the source, the flags and the CPU, and loaded with
-ctypes. Where no compiler works, or REEL_NATIVE=0, kvcache.py keeps its torch ops: same results
-up to fp32 rounding (tests hold both to the full forward).
+does the same math over the same prepared weights and cache in plain loops (runtime/cbuild.py
+compiles it on first use). Where no compiler works, or REEL_NATIVE=0, kvcache.py keeps its torch
+ops: same results up to fp32 rounding (tests hold both to the full forward).
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import subprocess
-import tempfile
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from runtime import cbuild
 from runtime.model.config import ModelError
 
 if TYPE_CHECKING:
@@ -32,10 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["forward_cached", "usable"]
 
-log = logging.getLogger(__name__)
-
 _SOURCE = Path(__file__).with_name("forward_cached.c")
-_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
 _i64, _f32p, _i64p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int64)
 
 
@@ -49,46 +38,13 @@ class _Layer(ctypes.Structure):
                                            "gate_up", "down")] + [("experts", _i64), ("width", _i64)]
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("REEL_CACHE", Path.home() / ".cache" / "reel")) / "native"
-
-
-def _cpu() -> str:
-    try:
-        flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")]
-        return flags[0] if flags else platform.processor()
-    except OSError:
-        return platform.processor()
-
-
-@functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernel, built once per source, flags and CPU; None where it cannot be built."""
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), _cpu().encode()])).hexdigest()[:16]
-    path = _cache_dir() / f"forward_cached-{digest}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, renamed in: atomic
-            built = Path(tmp) / path.name
-            try:
-                subprocess.run([os.environ.get("CC", "cc"), *_FLAGS, "-o", str(built), str(_SOURCE), "-lm"],
-                               check=True, capture_output=True, timeout=120)
-            except (OSError, subprocess.SubprocessError) as exc:
-                detail = getattr(exc, "stderr", b"") or b""
-                log.warning("the C forward did not build (%s %s); decoding with torch ops instead",
-                            exc, detail.decode(errors="replace")[-500:])
-                return None
-            os.replace(built, path)
-    lib = ctypes.CDLL(str(path))
-    lib.reel_forward_cached.restype = ctypes.c_int
-    return lib
+    return cbuild.load(_SOURCE) if cbuild.enabled() else None
 
 
 def usable(model: MoEModel, ids_N: torch.Tensor) -> bool:
     """fp32 on the CPU, not turned off (REEL_NATIVE=0), with the kernel built."""
-    return (model.precision == "fp32" and ids_N.device.type == "cpu" and os.environ.get("REEL_NATIVE") != "0"
-            and _library() is not None)
+    return model.precision == "fp32" and ids_N.device.type == "cpu" and _library() is not None
 
 
 class _Plan(NamedTuple):

@@ -1,0 +1,65 @@
+"""Reel's C kernels: compiled on first use with the machine's C compiler, loaded with ctypes.
+
+A kernel is one C file next to the Python that calls it. `load(source)` compiles it once
+(`cc -O3 -march=native`, about a second) into $REEL_CACHE/native/ under a name that hashes the
+source, the flags and the CPU, so an edit or another machine never picks up a stale build, and the
+build is renamed into place (processes that race each build their own copy; one wins). Where no
+compiler works (or REEL_NATIVE=0, see `enabled`), callers keep their torch implementation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+__all__ = ["enabled", "load"]
+
+log = logging.getLogger(__name__)
+
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
+
+
+def enabled() -> bool:
+    """Whether C kernels may run: REEL_NATIVE=0 turns them off (to compare against torch)."""
+    return os.environ.get("REEL_NATIVE") != "0"
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("REEL_CACHE", Path.home() / ".cache" / "reel")) / "native"
+
+
+def _cpu() -> str:
+    try:
+        flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")]
+        return flags[0] if flags else platform.processor()
+    except OSError:
+        return platform.processor()
+
+
+@functools.cache
+def load(source: Path) -> ctypes.CDLL | None:
+    """The compiled `source`; None (with a warning) where it cannot be built."""
+    text = source.read_bytes()
+    digest = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), _cpu().encode()])).hexdigest()[:16]
+    path = _cache_dir() / f"{source.stem}-{digest}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, renamed in: atomic
+            built = Path(tmp) / path.name
+            try:
+                subprocess.run([os.environ.get("CC", "cc"), *FLAGS, "-o", str(built), str(source), "-lm"],
+                               check=True, capture_output=True, timeout=120)
+            except (OSError, subprocess.SubprocessError) as exc:
+                detail = getattr(exc, "stderr", b"") or b""
+                log.warning("%s did not build (%s %s); running its torch version instead",
+                            source.name, exc, detail.decode(errors="replace")[-500:])
+                return None
+            os.replace(built, path)
+    return ctypes.CDLL(str(path))
