@@ -17,24 +17,26 @@ static float logsumexp(const float *x, int64_t n) {
     return top + logf(total);
 }
 
-static const float *sort_keys; /* qsort has no context argument; sampling runs on one thread per engine */
+typedef struct {
+    float logp;
+    int64_t token;
+} Ranked; /* 16 bytes: the caller's scratch holds V of them */
 
 static int descending(const void *a, const void *b) {
-    const int64_t i = *(const int64_t *)a, j = *(const int64_t *)b;
-    if (sort_keys[i] != sort_keys[j]) return sort_keys[i] > sort_keys[j] ? -1 : 1;
-    return i < j ? -1 : i > j; /* ties: lower token id first */
+    const Ranked *x = a, *y = b;
+    if (x->logp != y->logp) return x->logp > y->logp ? -1 : 1;
+    return x->token < y->token ? -1 : x->token > y->token; /* ties: lower token id first */
 }
 
 /* Drop the tokens outside the smallest set, by descending probability, whose mass reaches top_p;
- * renormalise the rest. order: [V] scratch. */
-static void nucleus(float *logp, int64_t V, float top_p, int64_t *order) {
-    for (int64_t v = 0; v < V; v++) order[v] = v;
-    sort_keys = logp;
-    qsort(order, (size_t)V, sizeof *order, descending);
+ * renormalise the rest. */
+static void nucleus(float *logp, int64_t V, float top_p, Ranked *ranked) {
+    for (int64_t v = 0; v < V; v++) ranked[v] = (Ranked){logp[v], v};
+    qsort(ranked, (size_t)V, sizeof *ranked, descending);
     float before = 0.0f; /* mass of the tokens ranked above this one */
     for (int64_t i = 0; i < V; i++) {
-        const float p = expf(logp[order[i]]);
-        if (before >= top_p) logp[order[i]] = -INFINITY;
+        const float p = expf(ranked[i].logp);
+        if (before >= top_p) logp[ranked[i].token] = -INFINITY;
         before += p;
     }
     const float lse = logsumexp(logp, V);
@@ -42,7 +44,7 @@ static void nucleus(float *logp, int64_t V, float top_p, int64_t *order) {
 }
 
 void reel_sample(int64_t B, int64_t V, const float *logits, const float *temperature, const float *top_p,
-                 const float *u, int64_t *tokens, float *logprobs, float *logp, int64_t *order) {
+                 const float *u, int64_t *tokens, float *logprobs, float *logp, Ranked *ranked) {
     for (int64_t b = 0; b < B; b++) {
         const float *z = logits + b * V;
         if (temperature[b] == 0.0f) {
@@ -55,7 +57,7 @@ void reel_sample(int64_t B, int64_t V, const float *logits, const float *tempera
         for (int64_t v = 0; v < V; v++) logp[v] = z[v] / temperature[b];
         const float lse = logsumexp(logp, V);
         for (int64_t v = 0; v < V; v++) logp[v] -= lse;
-        if (top_p[b] < 1.0f) nucleus(logp, V, top_p[b], order);
+        if (top_p[b] < 1.0f) nucleus(logp, V, top_p[b], ranked);
         float total = 0.0f;
         for (int64_t v = 0; v < V; v++) total += expf(logp[v]);
         const float target = u[b] * total;

@@ -120,11 +120,11 @@ def _sample_c(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_p_B: tor
     B, V = logits_BV.shape
     logits_BV = logits_BV.contiguous()
     tokens_B, logprobs_B = torch.empty(B, dtype=torch.int64), torch.empty(B)
-    scratch_V, order_V = torch.empty(V), torch.empty(V, dtype=torch.int64)
+    scratch_V, ranked_V2 = torch.empty(V), torch.empty(V, 2, dtype=torch.int64)  # sampling.c's Ranked: 16 bytes
     f32, i64 = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int64)
     cbuild.load(_SOURCE).reel_sample(
         ctypes.c_int64(B), ctypes.c_int64(V),
         *(ctypes.cast(t.data_ptr(), f32) for t in (logits_BV, temperature_B, top_p_B, u_B.contiguous())),
         ctypes.cast(tokens_B.data_ptr(), i64), ctypes.cast(logprobs_B.data_ptr(), f32),
-        ctypes.cast(scratch_V.data_ptr(), f32), ctypes.cast(order_V.data_ptr(), i64))
+        ctypes.cast(scratch_V.data_ptr(), f32), ctypes.cast(ranked_V2.data_ptr(), i64))
     return tokens_B, logprobs_B

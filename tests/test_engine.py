@@ -144,8 +144,9 @@ async def test_weight_update_mid_generation_keeps_every_request(model: MoEModel,
     blobs = BlobStore(tmp_path / "blobs")
     ref = blobs.put(state_dict_bytes(forcing_model(model)))
     prompts = [[1, 5, 9], [1, 20, 21], [2, 3, 4, 5]]
-    engine = BuiltinEngine(copy.deepcopy(model), max_batch=3, max_seq_len=64, blobs=blobs)  # swapped in place
-    params = SamplingParams(temperature=0.0, max_tokens=30)
+    engine = BuiltinEngine(copy.deepcopy(model), max_batch=3, max_seq_len=256, blobs=blobs)  # swapped in place
+    n = 200  # long enough that the update lands mid-generation however fast the steps are
+    params = SamplingParams(temperature=0.0, max_tokens=n)
     before = [asyncio.create_task(engine.generate(p, params)) for p in prompts]  # 3 run, 1 will wait
     waiting = asyncio.create_task(engine.generate([1, 8], params))
     await wait_steps(engine, 5)
@@ -157,12 +158,12 @@ async def test_weight_update_mid_generation_keeps_every_request(model: MoEModel,
 
     for prompt, completion in zip(prompts, results):
         (first, v0), (switch, v1) = completion.spans
-        assert (first, v0, v1) == (0, 0, 1) and 5 <= switch < 30
+        assert (first, v0, v1) == (0, 0, 1) and 5 <= switch < n
         assert completion.tokens[:switch] == greedy_reference(model, prompt, switch)
-        assert completion.tokens[switch:] == [FORCED] * (30 - switch)
-        assert len(completion.tokens) == 30 and completion.routing.shape[0] == len(prompt) + 29
+        assert completion.tokens[switch:] == [FORCED] * (n - switch)
+        assert len(completion.tokens) == n and completion.routing.shape[0] == len(prompt) + n - 1
     # The request that waited for a slot started after the swap, entirely under version 1.
-    assert results[3].spans == [(0, 1)] and results[3].tokens == [FORCED] * 30
+    assert results[3].spans == [(0, 1)] and results[3].tokens == [FORCED] * n
     assert after[0].spans == [(0, 1)] and after[0].tokens == [FORCED] * 4
 
 
