@@ -95,7 +95,7 @@ class StepReport(msgspec.Struct, kw_only=True):
     staleness: dict[int, int]  # versions behind -> completion tokens
     router_agreement: list[float]  # per MoE layer: share of tokens whose own top-k set = logged one
     tokens: int
-    replay_seconds: float  # batch assembly + train_step of step N, as the trainer times it
+    replay_seconds: float  # batch assembly + train_step of step N, as the trainer times it (not the log reads)
     original_seconds: float  # StepCommitted.timing.compute
     restored_from: int  # the checkpoint's step (0 = the initial policy)
     router_replay: bool
@@ -234,9 +234,11 @@ def reproduces(commit: StepCommitted, result: StepResult) -> bool:
 
 
 def _timed_step(state: TrainState, commit: StepCommitted, run: Run) -> tuple[TrainState, StepResult, float]:
-    # Timed like the trainer's compute: resolving the groups into a batch, then train_step.
+    # Timed like the trainer's compute: its groups are in memory already (read from the log here,
+    # untimed), then batch assembly and train_step.
+    groups = run.lookup.groups_of(commit)
     started = time.perf_counter()
-    batch = build_batch(run.lookup.groups_of(commit))
+    batch = build_batch(groups)
     state, result = train_step(state, batch, run.config)
     return state, result, time.perf_counter() - started
 

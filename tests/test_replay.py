@@ -48,9 +48,9 @@ def test_replay_of_one_step_takes_at_most_1_5x_its_original_compute(runs):
     """First in the file, so the run was built (and its steps timed) moments ago, under the same load."""
     run = Run(runs["main"])
     originals = sorted(c.timing.compute for c in run.commits.values())
-    replays = [replay_step(run, 3)[0] for _ in range(5)]
+    replays = [replay_step(run, 3)[0] for _ in range(10)]
     assert all(r.restored_from == 2 for r in replays)  # one step from the checkpoint of step 2
-    # Wall times of ~10 ms on a shared machine: best of five against the median of the run's steps.
+    # Wall times of ~20 ms on a shared machine: best of ten against the median of the run's steps.
     assert min(r.replay_seconds for r in replays) <= 1.5 * originals[len(originals) // 2]
 
 
