@@ -50,16 +50,20 @@ def load(source: Path) -> ctypes.CDLL | None:
     digest = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), _cpu().encode()])).hexdigest()[:16]
     path = _cache_dir() / f"{source.stem}-{digest}.so"
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, renamed in: atomic
-            built = Path(tmp) / path.name
-            try:
-                subprocess.run([os.environ.get("CC", "cc"), *FLAGS, "-o", str(built), str(source), "-lm"],
-                               check=True, capture_output=True, timeout=120)
-            except (OSError, subprocess.SubprocessError) as exc:
-                detail = getattr(exc, "stderr", b"") or b""
-                log.warning("%s did not build (%s %s); running its torch version instead",
-                            source.name, exc, detail.decode(errors="replace")[-500:])
-                return None
-            os.replace(built, path)
+        try:
+            _build(source, path)
+        except (OSError, subprocess.SubprocessError) as exc:  # no compiler, a failed build, a read-only cache
+            detail = getattr(exc, "stderr", b"") or b""
+            log.warning("%s did not build (%s %s); running its torch version instead",
+                        source.name, exc, detail.decode(errors="replace")[-500:])
+            return None
     return ctypes.CDLL(str(path))
+
+
+def _build(source: Path, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, renamed in: atomic
+        built = Path(tmp) / path.name
+        subprocess.run([os.environ.get("CC", "cc"), *FLAGS, "-o", str(built), str(source), "-lm"],
+                       check=True, capture_output=True, timeout=120)
+        os.replace(built, path)

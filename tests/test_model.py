@@ -210,9 +210,15 @@ def test_config_errors_name_the_key():
     assert CFG.moe_layers == [0, 2]
 
 
-def test_without_a_compiler_the_torch_path_serves(monkeypatch: pytest.MonkeyPatch, tmp_path, caplog) -> None:
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("REEL_CACHE", str(tmp_path))
+@pytest.mark.parametrize("missing", ["compiler", "writable cache"])
+def test_without_a_build_the_torch_path_serves(monkeypatch: pytest.MonkeyPatch, tmp_path, caplog,
+                                               missing: str) -> None:
+    if missing == "compiler":
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+        monkeypatch.setenv("REEL_CACHE", str(tmp_path))
+    else:  # a file where the cache directory should be
+        (tmp_path / "cache").write_text("")
+        monkeypatch.setenv("REEL_CACHE", str(tmp_path / "cache"))
     cbuild.load.cache_clear()
     try:
         model = _model()

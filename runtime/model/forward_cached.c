@@ -4,7 +4,7 @@
  * tensor holds); what differs is the cost: a decode step of a tiny model is ~170 small torch ops,
  * each paying dispatch and allocation, here it is plain loops over cache-resident weights. Every
  * token is computed on its own in a fixed order, so a token's result does not depend on which
- * other tokens share the call. Built and loaded by runtime/model/native.py.
+ * other tokens share the call. Built by runtime/cbuild.py, called by runtime/model/native.py.
  *
  * Shapes: N tokens, H hidden, h query heads, g kv heads (r = h / g), D head dim, E experts, K top-k,
  * S cache slots, P cache positions, V vocab. Matrices are row-major [in, out] (x @ w).
