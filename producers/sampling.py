@@ -57,15 +57,16 @@ class Sampler:
                  device: torch.device, draws: int):
         temperature = [p.temperature for p in params]
         self.uniforms = uniforms
-        self.greedy = not any(temperature)
+        self.sampled = [b for b, t in enumerate(temperature) if t]  # rows that draw (not greedy)
+        self.greedy = not self.sampled
+        self.native = device.type == "cpu" and cbuild.enabled() and cbuild.load(_SOURCE) is not None
         self.temperature_B = torch.tensor(temperature, device=device, dtype=torch.float32)
         self.top_p_B = torch.tensor([p.top_p if t else 1.0 for p, t in zip(params, temperature)], device=device)
         self.nucleus = any(p.top_p < 1 for p, t in zip(params, temperature) if t)
         # [draws, B]: step t's uniforms are one contiguous row; greedy rows draw none (zeros)
         self.u_DB = torch.zeros(draws, len(params), device=device)
-        for b, t in enumerate(temperature):
-            if t:
-                self.u_DB[:, b] = uniforms[b].peek(draws)
+        for b in self.sampled:
+            self.u_DB[:, b] = uniforms[b].peek(draws)
         self.step = 0
         self.stop_BV: torch.Tensor | None = None
         if any(p.stop_token_ids for p in params):
@@ -76,7 +77,7 @@ class Sampler:
     def __call__(self, logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
         logits_BV = logits_BV.float()
         u_B = self.u_DB[self.step]
-        if logits_BV.device.type == "cpu" and cbuild.enabled() and cbuild.load(_SOURCE) is not None:
+        if self.native:
             tokens_B, logprobs_B = _sample_c(logits_BV, self.temperature_B, self.top_p_B, u_B)
         elif self.greedy:  # sample_tokens for all-greedy rows, in fewer ops
             top_B, tokens_B = logits_BV.max(-1)
@@ -90,9 +91,8 @@ class Sampler:
 
     def settle(self) -> None:
         """The burst is over: its steps used one uniform of each sampled row."""
-        for b, t in enumerate(self.temperature_B.tolist()):
-            if t:
-                self.uniforms[b].consume(self.step)
+        for b in self.sampled:
+            self.uniforms[b].consume(self.step)
 
 
 def sample_tokens(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_p_B: torch.Tensor, u_B: torch.Tensor,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
 import shutil
 import tempfile
@@ -26,9 +25,9 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-from producers.sampling import sample_tokens
 from producers.envs import Env, make_env
-from runtime.config import Config
+from producers.sampling import sample_tokens
+from runtime.config import Config, cache_dir
 from runtime.initial_policy import code_version
 from runtime.model.config import MoEConfig
 from runtime.model.determinism import set_determinism
@@ -48,10 +47,6 @@ def model_config(config: Config, env: Env) -> MoEConfig:
     return MoEConfig(**keys)
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("REEL_CACHE", Path.home() / ".cache" / "reel")) / "warmstart"
-
-
 def warm_start(config: Config) -> tuple[MoEModel, float]:
     """The warm-started policy and its mean sampled reward (cached)."""
     env = make_env(config.env, config.rollout.max_tokens)
@@ -61,7 +56,7 @@ def warm_start(config: Config) -> tuple[MoEModel, float]:
     key = hashlib.sha256(msgspec.json.encode([
         mcfg, config.init, config.env, config.run.seed, r.max_tokens, r.temperature, r.top_p, code_version(), recipe,
     ])).hexdigest()[:16]
-    cached = cache_dir() / key
+    cached = cache_dir("warmstart") / key
     if (cached / "config.json").is_file() and (cached / EVAL_FILE).is_file():
         reward = json.loads((cached / EVAL_FILE).read_text())["reward_mean"]
         log.info("warm-start %s from cache %s: mean sampled reward %.3f", key, cached, reward)

@@ -19,6 +19,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from runtime.config import cache_dir
+
 __all__ = ["enabled", "load"]
 
 log = logging.getLogger(__name__)
@@ -29,10 +31,6 @@ FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
 def enabled() -> bool:
     """Whether C kernels may run: REEL_NATIVE=0 turns them off (to compare against torch)."""
     return os.environ.get("REEL_NATIVE") != "0"
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("REEL_CACHE", Path.home() / ".cache" / "reel")) / "native"
 
 
 def _cpu() -> str:
@@ -48,7 +46,7 @@ def load(source: Path) -> ctypes.CDLL | None:
     """The compiled `source`; None (with a warning) where it cannot be built."""
     text = source.read_bytes()
     digest = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), _cpu().encode()])).hexdigest()[:16]
-    path = _cache_dir() / f"{source.stem}-{digest}.so"
+    path = cache_dir("native") / f"{source.stem}-{digest}.so"
     if not path.exists():
         try:
             _build(source, path)

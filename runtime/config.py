@@ -7,6 +7,7 @@ expected, e.g. "trainer.batch_groups = 64 exceeds ...; lower it or raise rollout
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -270,3 +271,8 @@ def config_hash(c: Config) -> str:
     """Hash of what determines a training step's result: the seed, the model and the trainer."""
     keys = msgspec.json.encode([c.run.seed, c.model, c.trainer])
     return hashlib.sha256(keys).hexdigest()[:16]
+
+
+def cache_dir(kind: str) -> Path:
+    """$REEL_CACHE/KIND (default ~/.cache/reel/KIND): what Reel rebuilds when it is missing."""
+    return Path(os.environ.get("REEL_CACHE", Path.home() / ".cache" / "reel")) / kind

@@ -76,9 +76,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             items[:] = [i for i in items if "gpu" not in i.keywords]
 
 
+@pytest.fixture(params=["C", "torch"])
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The test runs twice: on the C kernels (the KV-cache forward and the sampler; they must build
+    here, CI has a compiler) and on the torch ops they replace (REEL_NATIVE=0)."""
+    if request.param == "C":
+        from producers import sampling
+        from runtime import cbuild
+        from runtime.model import native
+
+        for source in (native._SOURCE, sampling._SOURCE):
+            assert cbuild.load(source) is not None, f"{source.name} did not build (see the log for the compiler's error)"
+    else:
+        monkeypatch.setenv("REEL_NATIVE", "0")
+    return request.param
+
+
 @pytest.fixture(scope="session", autouse=True)
 def warm_start_cache(tmp_path_factory: pytest.TempPathFactory):
-    """Warm-starts are cached per test session (never in the user's ~/.cache)."""
+    """Warm-starts and compiled kernels are cached per test session (never in the user's ~/.cache)."""
     previous = os.environ.get("REEL_CACHE")
     os.environ["REEL_CACHE"] = str(tmp_path_factory.mktemp("reel-cache"))
     yield

@@ -69,10 +69,7 @@ async def wait_steps(engine: BuiltinEngine, steps: int) -> None:
         await asyncio.sleep(0.001)
 
 
-@pytest.mark.parametrize("native", ["1", "0"], ids=["C", "torch"])
-async def test_greedy_matches_full_forward_with_staggered_arrivals(model: MoEModel, native: str,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("REEL_NATIVE", native)
+async def test_greedy_matches_full_forward_with_staggered_arrivals(model: MoEModel, kernels: str) -> None:
     prompts = [[1, 5, 9], [1, 20, 21, 22, 23, 24, 25], [3], [1, 30, 31, 32], [1, 40, 41]]
     max_tokens = [12, 9, 14, 6, 10]
     # 3 slots for 5 requests: the last ones wait for a finished sequence's slot.
@@ -94,12 +91,9 @@ async def test_greedy_matches_full_forward_with_staggered_arrivals(model: MoEMod
         np.testing.assert_array_equal(completion.routing, routing_TLK)
 
 
-@pytest.mark.parametrize("native", ["1", "0"], ids=["C", "torch"])
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
 async def test_sampled_logprob_is_that_of_the_sampling_distribution(model: MoEModel, temperature: float,
-                                                                    top_p: float, native: str,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("REEL_NATIVE", native)
+                                                                    top_p: float, kernels: str) -> None:
     prompt = [1, 11, 12, 13]
     async with BuiltinEngine(model, max_batch=4, max_seq_len=32) as engine:
         samples = await engine.generate(prompt, SamplingParams(n=4, temperature=temperature, top_p=top_p,

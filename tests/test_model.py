@@ -32,16 +32,6 @@ def _ids(*shape: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, CFG.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(params=["C", "torch"])
-def cached_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """forward_cached's two implementations: the C kernel (built here: CI has a compiler) and torch ops."""
-    if request.param == "C":
-        assert native._library() is not None, "the C forward did not build (see the log for the compiler's error)"
-    else:
-        monkeypatch.setenv("REEL_NATIVE", "0")
-    return request.param
-
-
 def test_routing_shape_and_padding_invariance():
     model = _model()
     ids_BT = _ids(3, 10)
@@ -58,7 +48,7 @@ def test_routing_shape_and_padding_invariance():
     assert torch.equal(out.routing[1, :7], alone.routing[0])
 
 
-def test_kv_cache_decode_matches_full_forward_token_by_token(cached_path: str):
+def test_kv_cache_decode_matches_full_forward_token_by_token(kernels: str):
     model = _model()
     lengths = [9, 4, 6]
     seqs = [_ids(n, seed=10 + i) for i, n in enumerate(lengths)]
@@ -75,7 +65,7 @@ def test_kv_cache_decode_matches_full_forward_token_by_token(cached_path: str):
             assert torch.equal(out.routing[row], full[i].routing[0, p])
 
 
-def test_mixed_prefill_chunks_and_decode_in_one_call(cached_path: str):
+def test_mixed_prefill_chunks_and_decode_in_one_call(kernels: str):
     model = _model()
     a, b, c = _ids(8, seed=3), _ids(7, seed=4), _ids(5, seed=5)
     with torch.no_grad():
@@ -100,7 +90,7 @@ def test_cache_overflow_names_the_position():
         model.forward_cached(_ids(1), torch.tensor([0]), torch.tensor([4]), model.new_cache(1, 4))
 
 
-def test_replaying_own_routing_is_a_no_op(cached_path: str):
+def test_replaying_own_routing_is_a_no_op(kernels: str):
     model = _model()
     ids_BT = _ids(2, 9)
     out = model(ids_BT, return_routing=True)
@@ -232,7 +222,7 @@ def test_without_a_build_the_torch_path_serves(monkeypatch: pytest.MonkeyPatch, 
 
 
 @pytest.mark.parametrize("bad", ["token", "slot", "expert"])
-def test_out_of_range_indices_are_refused_not_written(cached_path: str, bad: str) -> None:
+def test_out_of_range_indices_are_refused_not_written(kernels: str, bad: str) -> None:
     model = _model()
     cache = model.new_cache(2, 8)
     ids, slots, pos = _ids(3), torch.zeros(3, dtype=torch.long), torch.arange(3)
@@ -246,5 +236,5 @@ def test_out_of_range_indices_are_refused_not_written(cached_path: str, bad: str
     before = cache.k.clone()
     with pytest.raises((ModelError, IndexError, RuntimeError)):
         model.forward_cached(ids, slots, pos, cache, replay_routing_NLK=replay)
-    if cached_path == "C":
+    if kernels == "C":
         assert torch.equal(cache.k, before)  # refused before anything was written

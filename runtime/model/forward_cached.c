@@ -141,10 +141,7 @@ static void route(const Dims *d, const Layer *l, const float *hn, const int64_t 
                   float *weights, float *scores) {
     const int64_t E = l->experts, K = d->K;
     dense(hn, l->router, scores, 1, d->H, E, 0);
-    float top = -INFINITY, total = 0.0f;
-    for (int64_t e = 0; e < E; e++) top = scores[e] > top ? scores[e] : top;
-    for (int64_t e = 0; e < E; e++) total += (scores[e] = expf(scores[e] - top));
-    for (int64_t e = 0; e < E; e++) scores[e] /= total;
+    softmax_rows(scores, 1, E, E);
     for (int64_t k = 0; k < K; k++) {
         int64_t best = -1;
         if (replay) {
@@ -203,7 +200,14 @@ static void experts(const Dims *d, const Layer *l, int64_t N, const float *hn, c
     for (int64_t i = 0; i < N * H; i++) x[i] += b.sum[i];
 }
 
-/* Returns 0, or -1 if scratch memory could not be had. routing: [N, moe layers, K]. */
+static int within(const int64_t *values, int64_t n, int64_t bound) {
+    for (int64_t i = 0; i < n; i++)
+        if (values[i] < 0 || values[i] >= bound) return 0;
+    return 1;
+}
+
+/* Returns 0; 1, 2, 3 or 4 if a token id, slot, position or replayed expert id is out of range (then
+ * nothing was written); -1 if scratch memory could not be had. routing: [N, moe layers, K]. */
 int reel_forward_cached(const Dims *d, const Layer *layers, int64_t L, const float *embed, const float *norm,
                         const float *lm_head, const float *cos_PD, const float *sin_PD, float *cache_k,
                         float *cache_v, int64_t N, const int64_t *ids, const int64_t *slots, const int64_t *pos,
@@ -216,6 +220,10 @@ int reel_forward_cached(const Dims *d, const Layer *layers, int64_t L, const flo
         widest = layers[l].width > widest ? layers[l].width : widest;
         experts_max = layers[l].experts > experts_max ? layers[l].experts : experts_max;
     }
+    if (!within(ids, N, d->V)) return 1;
+    if (!within(slots, N, S)) return 2;
+    if (!within(pos, N, P)) return 3;
+    if (replay && !within(replay, N * moe_layers * K, experts_max)) return 4;
     /* Scratch, in floats: x, hn, qkv, attention output, scores, router scores, gate weights, rope
      * temp, then the expert rows (token ids as int64 take two floats each). */
     const int64_t floats = N * H * 2 + N * O + N * h * D + h / g * P + experts_max + N * K + D +

@@ -88,8 +88,8 @@ class _LayerWeights(NamedTuple):
     o_OH: torch.Tensor
     post_norm_H: torch.Tensor
     router_HE: torch.Tensor | None  # None for a dense MLP
-    gate_up_EHJ: torch.Tensor | None  # experts' gate then up, transposed for x @ w
-    down_EIH: torch.Tensor | None
+    gate_up_EHJ: torch.Tensor  # experts' gate then up, transposed for x @ w (a dense MLP: one expert)
+    down_EIH: torch.Tensor
     mlp: nn.Module  # the layer's MoE (its experts serve large calls) or dense MLP
 
 
@@ -137,13 +137,16 @@ def _prepared_weights(model: MoEModel, max_len: int) -> _Prepared:
         # Norm weights carry sqrt(width) (see _rms_norm); for q it cancels the attention scale D^-0.5.
         qk_norm = torch.cat([attn.q_norm.weight.expand(cfg.num_attention_heads, -1),
                              attn.k_norm.weight.expand(cfg.num_key_value_heads, -1) * D ** 0.5])
-        router = gate_up = down = None
-        if not isinstance(layer.mlp, DenseMLP):
+        if isinstance(layer.mlp, DenseMLP):  # one expert of weight 1, in the experts' layout
+            router = None
+            gate_EIH, up_EIH, down_EHI = (p.weight[None] for p in (layer.mlp.gate_proj, layer.mlp.up_proj,
+                                                                    layer.mlp.down_proj))
+        else:
             ex = layer.mlp.experts
             router = _prepare(layer.mlp.gate.weight, unq).T.contiguous()
-            gate_up = torch.cat([_prepare(ex.gate_proj, precision), _prepare(ex.up_proj, precision)], 1)
-            gate_up = gate_up.transpose(1, 2).contiguous()
-            down = _prepare(ex.down_proj, precision).transpose(1, 2).contiguous()
+            gate_EIH, up_EIH, down_EHI = ex.gate_proj, ex.up_proj, ex.down_proj
+        gate_up = torch.cat([_prepare(gate_EIH, precision), _prepare(up_EIH, precision)], 1).transpose(1, 2).contiguous()
+        down = _prepare(down_EHI, precision).transpose(1, 2).contiguous()
         layers.append(_LayerWeights(layer.input_layernorm.weight * H ** 0.5, qkv.T.contiguous(), qk_norm,
                                     _prepare(attn.o_proj.weight, precision).T.contiguous(),
                                     layer.post_attention_layernorm.weight * H ** 0.5, router, gate_up, down, layer.mlp))
