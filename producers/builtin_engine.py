@@ -8,7 +8,7 @@ for each other and nothing is padded. Each sample has its own seeded `torch.Gene
 
 Threading: the asyncio task `_serve` owns all queues; the math of a step (forward, sampling,
 bookkeeping of the running sequences) runs on one worker thread while the event loop keeps
-talking to Redis (torch releases the GIL inside its ops). Weight swaps run on the same thread
+talking to Redis (torch ops and the C kernels release the GIL). Weight swaps run on the same thread
 between two steps, so a step never sees half-loaded weights.
 
 Bursts: one hand-off to the worker thread runs one step over every pending token, then keeps
