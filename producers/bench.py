@@ -8,6 +8,11 @@ the CPU its steps run the C forward, runtime/model/native.py). `agree` is the sh
 whose greedy tokens are identical on both sides (a sanity check: both run fp32, so only near-ties
 may differ). The two sides run alternately (rounds) and each keeps its best, so a burst of noise
 on a shared machine does not decide the ratio.
+
+Beside them, a figure without a target: `vllm_tokens_per_s`, the same prompts sent to a real
+`vllm serve` of the same weights through Reel's HTTP engine (where vLLM is installed; its CPU
+build on a machine without a GPU, which is not what vLLM is built for). The model has head_dim 32
+because vLLM's CPU attention has no kernel for 16.
 """
 
 from __future__ import annotations
@@ -15,12 +20,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import random
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -39,7 +46,7 @@ def bench_engine(args: argparse.Namespace) -> int:
     quick = bool(getattr(args, "quick", False))
     prompts_n, max_tokens, max_prompt = (16, 16, 24) if quick else (64, 64, 48)
     torch.manual_seed(SEED)
-    model = MoEModel(MoEConfig(vocab_size=VOCAB, initializer_range=0.1)).eval()
+    model = MoEModel(MoEConfig(vocab_size=VOCAB, head_dim=32, initializer_range=0.1)).eval()
     rng = random.Random(SEED)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(4, max_prompt))] for _ in range(prompts_n)]
 
@@ -54,6 +61,7 @@ def bench_engine(args: argparse.Namespace) -> int:
         hf_s.append(seconds)
     tokens = prompts_n * max_tokens
     engine_tps, hf_tps = tokens / min(engine_s), tokens / min(hf_s)
+    vllm_s = _time_vllm(model, prompts, max_tokens, rounds)
     print(json.dumps({
         "bench": "engine", "quick": quick, "prompts": prompts_n, "max_tokens": max_tokens, "rounds": rounds,
         "threads": torch.get_num_threads(), "native": native.usable(model, torch.zeros(1)),
@@ -61,6 +69,7 @@ def bench_engine(args: argparse.Namespace) -> int:
         # the same engine with the torch-ops forward (REEL_NATIVE=0): what the C forward adds
         "engine_torch_ops_tokens_per_s": round(tokens / min(torch_ops_s), 1),
         "transformers_tokens_per_s": round(hf_tps, 1),
+        "vllm_tokens_per_s": None if vllm_s is None else round(tokens / vllm_s, 1),
         "agree": sum(a == b for a, b in zip(engine_out, hf_out)) / prompts_n,
         "ratio": round(engine_tps / hf_tps, 3),
     }))
@@ -116,3 +125,31 @@ def _time_transformers(model: MoEModel, prompts: list[list[int]], max_tokens: in
                           min_new_tokens=max_tokens, **kwargs)
         seconds = time.perf_counter() - start
     return seconds, out[:, width:].tolist()
+
+
+def _time_vllm(model: MoEModel, prompts: list[list[int]], max_tokens: int, rounds: int) -> float | None:
+    """Best seconds of a real `vllm serve` on the same weights and prompts (None without vLLM)."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    from producers.vllm_http import VLLMHTTPEngine
+    from runtime import config as config_mod
+    from runtime.vllm_serve import local_vllm
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    serve = config_mod.loads(f'[engine]\nkind = "vllm"\nmax_batch = {len(prompts)}\n'
+                             f'[trainer]\nrouter_replay = false\n')
+
+    async def run(url: str, model_dir: Path) -> float:
+        best = float("inf")
+        async with VLLMHTTPEngine(model_dir, url=url, routed_experts=False, version=0) as engine:
+            await engine.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+            for _ in range(rounds):
+                start = time.perf_counter()
+                await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+                best = min(best, time.perf_counter() - start)
+        return best
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save(model, tmp)
+        with local_vllm(serve, Path(tmp), Path(tmp) / "vllm.log") as url:
+            return asyncio.run(run(url, Path(tmp)))

@@ -52,7 +52,7 @@ from bus.events import RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, 
 from bus.log import LogError, RunLog
 from bus.streams import Publisher, connect, recover_next_seq
 from bus.tail import Tail
-from producers.engine import Completion, Engine, SamplingParams
+from producers.engine import Completion, Engine, EngineError, SamplingParams
 from producers.envs import Env, Prompt, make_env
 from runtime.config import Config, load
 from runtime.initial_policy import init_dir
@@ -349,8 +349,9 @@ def group_seed(run_seed: int, worker: int, seq_base: int, counter: int) -> int:
 def make_engine(config: Config, model_dir: Path, blobs: BlobStore, worker: int = 0) -> Engine:
     """The configured engine for the model in `model_dir` (HF layout); version -1 until weights arrive.
 
-    vLLM runs as `vllm serve` pools when the job exported REEL_VLLM_URL (runtime/slurm.py), else in
-    this process. The pools are shared, so only worker 0 pushes weights to them.
+    vLLM runs as `vllm serve` servers reached over HTTP when REEL_VLLM_URL is set (the Slurm job's
+    pools, or the one `reel run` starts), else in this process (engine.vllm_server = "inprocess").
+    The servers are shared, so only worker 0 pushes weights to them.
     """
     e = config.engine
     if e.kind == "vllm" and os.environ.get("REEL_VLLM_URL"):
@@ -360,12 +361,16 @@ def make_engine(config: Config, model_dir: Path, blobs: BlobStore, worker: int =
         servers = [s for s in os.environ.get("REEL_VLLM_SERVERS", "").split(",") if s]
         return VLLMHTTPEngine(model_dir, url=url, servers=servers, max_batch=e.max_batch, blobs=blobs, version=-1,
                               routed_experts=config.trainer.router_replay, push_weights=worker == 0)
+    if e.kind == "vllm" and e.vllm_server == "local":
+        raise EngineError("engine.vllm_server = \"local\" serves through the `vllm serve` that `reel run` starts; "
+                          "a rollout role started by hand needs REEL_VLLM_URL (the server's http://host:port)")
     if e.kind == "vllm":
         from producers.vllm import VLLMEngine
 
         return VLLMEngine(model_dir, max_batch=e.max_batch, max_seq_len=e.max_seq_len, precision=e.precision,
                           tensor_parallel_size=e.tensor_parallel_size, data_parallel_size=e.data_parallel_size,
-                          expert_parallel=e.expert_parallel, blobs=blobs, version=-1)
+                          expert_parallel=e.expert_parallel, blobs=blobs, version=-1,
+                          routed_experts=config.trainer.router_replay)
     from producers.builtin_engine import BuiltinEngine
     from runtime.model.config import MoEConfig
     from runtime.model.model import MoEModel

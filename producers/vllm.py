@@ -11,8 +11,12 @@ How Reel's contract maps onto vLLM:
   seeds we could not name), sharing the prompt's KV blocks through prefix caching;
 - logprobs: `logprobs_mode="processed_logprobs"`, `logprobs=0` gives the sampled token's logprob
   after temperature and top-p, i.e. log mu;
-- routing: `enable_return_routed_experts` gives [P + C - 1, L, K] logical expert ids;
-- versions: the prefix cache is salted with the version a request starts under (`cache_salt`),
+- routing: `enable_return_routed_experts` gives [P + C - 1, layers, K] logical expert ids, one row
+  per hidden layer (dense ones included); Reel keeps the MoE layers. The capture needs vLLM's
+  Model Runner V2 (GPU): router replay on an engine without it is refused when the engine starts;
+- versions: vLLM labels weights with strings (`"default"` until told otherwise); Reel tells it
+  `str(version)` after every load and reads any label that is not an integer as "no Reel version".
+  The prefix cache is salted with the version a request starts under (`cache_salt`),
   so no request reuses KV blocks computed by other weights. A weight update pauses the scheduler
   with mode="keep" and clear_cache=False (running requests keep their KV and resume under the new
   weights), loads the safetensors blob in every worker through `ReelWorkerExtension`, and resumes.
@@ -31,6 +35,7 @@ import collections
 import hashlib
 import itertools
 import json
+import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -42,7 +47,7 @@ from bus.blobs import BlobStore
 from bus.events import BlobRef
 from producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
 from runtime.model.config import MoEConfig
-from runtime.vllm_args import WORKER_EXTENSION
+from runtime.vllm_args import DTYPE, WORKER_EXTENSION, cpu_env, quantization, router_replay_unsupported
 
 try:
     import vllm
@@ -52,17 +57,25 @@ except ImportError:  # the CPU path never needs it
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["VLLMEngine", "VLLMEngineBase", "ReelWorkerExtension", "cache_salt", "sampling_options"]
+__all__ = ["VLLMEngine", "VLLMEngineBase", "ReelWorkerExtension", "cache_salt", "policy_version", "sampling_options"]
 
 _RATE_WINDOW_S = 5.0
-# engine.precision -> (dtype, quantization) of the vLLM model; fp8 is DeepSeek-style 128x128 blocks.
-_PRECISION = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "fp8": ("bfloat16", "fp8_per_block")}
 LOAD_WEIGHTS = "reel_load_weights"  # the ReelWorkerExtension method collective_rpc calls
 
 
 def cache_salt(version: int) -> str:
     """The prefix-cache salt of a request started under `version`: KV blocks never cross versions."""
     return f"v{version}"
+
+
+def policy_version(label: str | int | None) -> int | None:
+    """Reel's policy version behind a vLLM weight-version label; None for any other label ("default")."""
+    if isinstance(label, int):
+        return label
+    try:
+        return int(label) if label is not None else None
+    except ValueError:
+        return None
 
 
 def sampling_options(params: SamplingParams, index: int) -> dict[str, Any]:
@@ -92,6 +105,8 @@ class VLLMEngineBase(Engine):
         model = MoEConfig.from_hf_dict(json.loads((self.model_dir / "config.json").read_text()))
         self._routing_dtype = routing_dtype(model.num_experts)
         self._routing_shape = (len(model.moe_layers), model.num_experts_per_tok)
+        self._moe_layers = list(model.moe_layers)
+        self._hidden_layers = model.num_hidden_layers
         self.version = version
         self._running = 0
         self._generated = 0
@@ -113,8 +128,14 @@ class VLLMEngineBase(Engine):
         return str(path), weights.sha256
 
     def _completion(self, prompt_len: int, tokens: list[int], logprobs: list[float], finish_reason: str | None,
-                    routing: np.ndarray | None, spans: list[tuple[int, int]], version: int, seed: int) -> Completion:
-        """One vLLM sample checked against the engine contract; `version` is the one it started under."""
+                    routing: np.ndarray | None, spans: list[tuple[int, int | None]], version: int,
+                    seed: int) -> Completion:
+        """One vLLM sample checked against the engine contract; `version` is the one it started under.
+
+        `spans` are (first token, policy version) from vLLM's weight_versions; a span whose label is
+        no Reel version (None) takes the version before it, the first one the version the sample
+        started under.
+        """
         if finish_reason not in ("stop", "length"):
             raise EngineError(f"vLLM ended a request with finish_reason {finish_reason!r}")
         if len(logprobs) != len(tokens):
@@ -123,7 +144,7 @@ class VLLMEngineBase(Engine):
         self._recent.append((time.monotonic(), len(tokens)))
         return Completion(tokens=tokens, logprobs=logprobs, finish_reason=finish_reason,
                           routing=self._routing(routing, prompt_len + len(tokens) - 1),
-                          spans=spans or [(0, version)], seed=seed)
+                          spans=known_spans(spans, version), seed=seed)
 
     def _routing(self, routing: np.ndarray | None, rows: int) -> np.ndarray:
         expected = (rows, *self._routing_shape)
@@ -131,6 +152,8 @@ class VLLMEngineBase(Engine):
             if self.routed_experts:
                 raise EngineError("vLLM returned no routed experts; it must run with --enable-return-routed-experts")
             return np.zeros((0, *self._routing_shape), self._routing_dtype)
+        if routing.ndim == 3 and routing.shape[1] == self._hidden_layers != len(self._moe_layers):
+            routing = routing[:, self._moe_layers, :]  # vLLM has a row per hidden layer, dense ones included
         if routing.shape != expected:
             raise EngineError(f"vLLM returned routed experts of shape {routing.shape}; expected {expected} "
                               f"(prompt + completion - 1 tokens, MoE layers, top-k)")
@@ -148,6 +171,12 @@ class VLLMEngineBase(Engine):
     async def _sample(self, prompt: list[int], params: SamplingParams, index: int, version: int) -> Completion:
         """Sample `index` of a request (seed + index), tagged with `version`."""
 
+    def _check_routed_experts(self) -> None:
+        """Refuse to start when router replay needs a capture this machine's vLLM lacks."""
+        reason = router_replay_unsupported() if self.routed_experts else None
+        if reason:
+            raise EngineError(reason)
+
     def stats(self) -> EngineStats:
         now = time.monotonic()
         while self._recent and now - self._recent[0][0] > _RATE_WINDOW_S:
@@ -161,11 +190,11 @@ class VLLMEngineBase(Engine):
 class VLLMEngine(VLLMEngineBase):
     def __init__(self, model_dir: str | Path, *, max_batch: int = 64, max_seq_len: int = 0, precision: str = "bf16",
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, expert_parallel: bool = False,
-                 blobs: BlobStore | None = None, version: int = 0):
+                 blobs: BlobStore | None = None, version: int = 0, routed_experts: bool = True):
         if vllm is None:
             raise EngineError("engine.kind = 'vllm' needs vLLM on a CUDA machine; pip install 'reel-rl[vllm]' "
                               "or set engine.kind = 'builtin'")
-        super().__init__(model_dir, max_batch=max_batch, blobs=blobs, version=version)
+        super().__init__(model_dir, max_batch=max_batch, blobs=blobs, version=version, routed_experts=routed_experts)
         # Fixed at construction.
         self.max_seq_len = max_seq_len
         self.precision = precision
@@ -182,19 +211,26 @@ class VLLMEngine(VLLMEngineBase):
             raise EngineClosed("the vLLM engine was closed; make a new one")
         if self._llm is not None:
             return
+        self._check_routed_experts()
+        for key, value in cpu_env().items():
+            os.environ.setdefault(key, value)
+        if self.routed_experts:
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # where the routed-expert capture lives
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        dtype, quantization = _PRECISION[self.precision]
         args = AsyncEngineArgs(
-            model=str(self.model_dir), skip_tokenizer_init=True, dtype=dtype, quantization=quantization,
+            model=str(self.model_dir), skip_tokenizer_init=True, dtype=DTYPE[self.precision],
+            quantization=quantization(self.precision, self.model_dir),
             max_num_seqs=self.max_batch, max_model_len=self.max_seq_len or None, enable_prefix_caching=True,
-            enable_return_routed_experts=True, logprobs_mode="processed_logprobs",
+            enable_return_routed_experts=self.routed_experts, logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
             tensor_parallel_size=self.tensor_parallel_size, data_parallel_size=self.data_parallel_size,
-            enable_expert_parallel=self.expert_parallel)
+            enable_expert_parallel=self.expert_parallel, enforce_eager=bool(cpu_env()))
         try:
             self._llm = AsyncLLM.from_engine_args(args)
+            # A fresh engine labels its weights "default"; spans must name Reel versions.
+            await self._llm.update_weight_version(str(self.version))
         except Exception as exc:
             raise EngineError(f"vLLM could not start on {self.model_dir}: {type(exc).__name__}: {exc}") from exc
 
@@ -224,7 +260,7 @@ class VLLMEngine(VLLMEngineBase):
             raise EngineError("vLLM ended a request without any output")
         out = final.outputs[0]
         tokens = list(out.token_ids)
-        spans = [(int(s.start), int(s.version)) for s in getattr(out, "weight_versions", None) or ()]
+        spans = [(int(s.start), policy_version(s.version)) for s in getattr(out, "weight_versions", None) or ()]
         routing = None if out.routed_experts is None else np.asarray(out.routed_experts)
         return self._completion(len(prompt), tokens, [float(step[t].logprob) for step, t in zip(out.logprobs or (), tokens)],
                                 out.finish_reason, routing, spans, version, options["seed"])
@@ -235,6 +271,7 @@ class VLLMEngine(VLLMEngineBase):
         await self._llm.pause_generation(mode="keep", clear_cache=False)
         try:
             await self._llm.collective_rpc(LOAD_WEIGHTS, args=(path, sha256))
+            await self._llm.update_weight_version(str(version))
             self.version = version
         finally:
             await self._llm.resume_generation()
@@ -259,7 +296,8 @@ class ReelWorkerExtension:
         actual = hashlib.sha256(data).hexdigest()
         if actual != sha256:
             raise ValueError(f"weights blob {path} hashes to {actual}, expected {sha256}")
-        model = self.model_runner.model
+        runner = self.model_runner
+        model = runner.get_model()  # the runner may wrap the model it serves
         tensors = iter(load(data).items())
         try:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
@@ -269,4 +307,13 @@ class ReelWorkerExtension:
         # Quantised (fp8) layers re-run their post-load processing after the raw weights are in.
         initialize_layerwise_reload(model)
         model.load_weights(weights=tensors)
-        finalize_layerwise_reload(model, self.model_runner.model_config)
+        finalize_layerwise_reload(model, runner.model_config)
+
+
+def known_spans(spans: list[tuple[int, int | None]], started: int) -> list[tuple[int, int]]:
+    known: list[tuple[int, int]] = []
+    for start, version in spans:
+        version = (known[-1][1] if known else started) if version is None else version
+        if not known or known[-1][1] != version:
+            known.append((start, version))
+    return known or [(0, started)]

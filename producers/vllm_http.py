@@ -46,7 +46,7 @@ import numpy as np
 from bus.blobs import BlobStore
 from bus.events import BlobRef
 from producers.engine import Completion, EngineClosed, EngineError, SamplingParams
-from producers.vllm import LOAD_WEIGHTS, VLLMEngineBase, cache_salt, sampling_options
+from producers.vllm import LOAD_WEIGHTS, VLLMEngineBase, cache_salt, policy_version, sampling_options
 
 try:
     import httpx
@@ -70,6 +70,8 @@ _VLLM_ID_PREFIX = "generate-tokens-"  # vLLM's serving layer names a generate re
 CONNECT_TIMEOUT_S = 30.0
 CONTROL_TIMEOUT_S = 1800.0  # a pause, a weight load or a wait for another worker's: big MoE blobs load for minutes
 ABORT_TIMEOUT_S = 5.0
+STARTUP_TIMEOUT_S = 900.0  # vLLM imports and loads for minutes (a busy CPU machine, or a big checkpoint)
+HEALTH_POLL_S = 2.0
 VERSION_POLL_S = 0.5
 
 
@@ -110,7 +112,7 @@ class Generated(NamedTuple):
     logprobs: list[float]
     finish_reason: str | None
     routing: np.ndarray | None
-    spans: list[tuple[int, int]]
+    spans: list[tuple[int, int | None]]  # (first token, policy version; None: a label that is no Reel version)
 
 
 def generate_body(prompt: list[int], params: SamplingParams, index: int, version: int,
@@ -135,7 +137,7 @@ def parse_generate_response(data: bytes, where: str) -> Generated:
         logprobs=[entry.logprob for entry in choice.logprobs.content] if choice.logprobs else [],
         finish_reason=choice.finish_reason,
         routing=None if choice.routed_experts is None else _decode_npy(choice.routed_experts, where),
-        spans=[(span.start, _version(span.version, where)) for span in choice.weight_versions or ()])
+        spans=[(span.start, policy_version(span.version)) for span in choice.weight_versions or ()])
 
 
 def _decode_npy(text: str, where: str) -> np.ndarray:
@@ -145,15 +147,8 @@ def _decode_npy(text: str, where: str) -> np.ndarray:
         raise EngineError(f"{where} answered routed_experts that are not a base64 .npy array: {exc}") from exc
 
 
-def _version(value: str | int, where: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise EngineError(f"{where} reports weight version {value!r}, which is not a Reel policy version") from None
-
-
 def _hint(endpoint: str, status: int) -> str:
-    if status != 404:
+    if status not in (403, 404):  # vLLM answers 403 for the generate route without its flag, 404 elsewhere
         return ""
     if endpoint in _DEV_ENDPOINTS:
         return "; start `vllm serve` with VLLM_SERVER_DEV_MODE=1 in its environment"
@@ -170,10 +165,12 @@ class VLLMHTTPEngine(VLLMEngineBase):
     servers: list[str]  # every API server: weight updates and aborts go to each
     push_weights: bool  # this engine updates the servers; otherwise it waits until they report the version
     control_timeout_s: float
+    startup_timeout_s: float  # how long start() waits for servers that are still loading (GET /health)
 
     def __init__(self, model_dir: str | Path, *, url: str, servers: Sequence[str] = (), max_batch: int = 64,
                  blobs: BlobStore | None = None, version: int = 0, routed_experts: bool = True,
-                 push_weights: bool = True, control_timeout_s: float = CONTROL_TIMEOUT_S):
+                 push_weights: bool = True, control_timeout_s: float = CONTROL_TIMEOUT_S,
+                 startup_timeout_s: float = STARTUP_TIMEOUT_S):
         if httpx is None:
             raise EngineError("the vLLM HTTP engine needs httpx; pip install httpx (vLLM's environment has it)")
         super().__init__(model_dir, max_batch=max_batch, blobs=blobs, version=version, routed_experts=routed_experts)
@@ -181,6 +178,7 @@ class VLLMHTTPEngine(VLLMEngineBase):
         self.servers = [s.rstrip("/") for s in servers] or [self.url]
         self.push_weights = push_weights
         self.control_timeout_s = control_timeout_s
+        self.startup_timeout_s = startup_timeout_s
         # Changed while serving.
         self._client: Any = None  # httpx.AsyncClient once started
         self._closed = False
@@ -197,12 +195,30 @@ class VLLMHTTPEngine(VLLMEngineBase):
         # not in the client (no connection limit).
         client = self._client = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_connections=None))
         try:
-            await asyncio.gather(*(self._call(s, "/health", method="GET", timeout_s=CONNECT_TIMEOUT_S)
-                                   for s in dict.fromkeys([self.url, *self.servers])))
+            await asyncio.gather(*(self._wait_healthy(s) for s in dict.fromkeys([self.url, *self.servers])))
         except BaseException:
             self._client = None  # the next start() tries again
             await client.aclose()
             raise
+
+    async def _wait_healthy(self, server: str) -> None:
+        """Until GET /health answers 200: a server loading its model refuses connections or answers 503."""
+        started = time.monotonic()
+        for attempt in itertools.count():
+            try:
+                await self._call(server, "/health", method="GET", timeout_s=CONNECT_TIMEOUT_S)
+                if attempt:
+                    log.info("vLLM server %s healthy after %.0f s", server, time.monotonic() - started)
+                return
+            except EngineClosed:
+                raise
+            except EngineError as exc:
+                if time.monotonic() - started > self.startup_timeout_s:
+                    raise EngineError(f"vLLM server {server} was not healthy after {self.startup_timeout_s:.0f} s "
+                                      f"of waiting; last answer: {exc}") from exc
+                if not attempt:
+                    log.info("waiting for vLLM server %s to be healthy (%s)", server, exc)
+            await asyncio.sleep(HEALTH_POLL_S)
 
     async def _sample(self, prompt: list[int], params: SamplingParams, index: int, version: int) -> Completion:
         request_id = f"{self._id_prefix}-{next(self._ids)}"
@@ -271,7 +287,8 @@ class VLLMHTTPEngine(VLLMEngineBase):
             info = msgspec.json.decode(data, type=_WeightInfo)
         except msgspec.DecodeError as exc:
             raise EngineError(f"{where} answered a body Reel cannot read: {exc}") from exc
-        return -1 if info.weight_version is None else _version(info.weight_version, where)
+        version = policy_version(info.weight_version)
+        return -1 if version is None else version  # a fresh server says "default": no Reel version yet
 
     async def _each(self, endpoint: str, *, body: Any = None, params: dict[str, str] | None = None) -> None:
         """POST `endpoint` to every server at once; the first failure is raised after all have answered."""

@@ -20,6 +20,7 @@ BENCHES = {
     "r3": "runtime.model.bench:bench_r3",
     "fp8": "runtime.model.bench:bench_fp8",
     "engine": "producers.bench:bench_engine",
+    "swap": "producers.bench_swap:bench_swap",
     "async": "runtime.bench_async:bench_async",
 }
 

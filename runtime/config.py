@@ -88,6 +88,10 @@ class EngineSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     eplb: bool = False  # --enable-eplb: rebalance experts across expert-parallel ranks
     mooncake_protocol: Literal["rdma", "tcp"] = "rdma"  # MooncakeStoreConnector transport
     serve_args: str = ""  # more `vllm serve` arguments, as shell words ("--gpu-memory-utilization 0.9")
+    # Where `reel run` puts vLLM: "local" = one `vllm serve` for the run, started and stopped with it, that
+    # the rollout workers reach over HTTP (its log in roles/vllm.log); "inprocess" = vLLM's AsyncLLM inside
+    # each rollout worker. Slurm jobs always run `vllm serve` pools.
+    vllm_server: Literal["local", "inprocess"] = "local"
 
 
 class RolloutSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -12,6 +12,11 @@ Run directory:
     redis/           embedded Redis (AOF)           roles/<role>.log   each process's output
 Roles reach each other only through the bus and these files, so `reel role NAME --run DIR`
 starts the same process on another node.
+
+With engine.kind = "vllm" and engine.vllm_server = "local", the supervisor also runs one
+`vllm serve` (roles/vllm.log) on the run's version-0 weights once the trainer has written them
+(RUN_DIR/init), and gives the rollout workers its address (REEL_VLLM_URL); they wait for it to be
+healthy. It stops with the run, and a server that dies stops the run like any role.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import importlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +37,7 @@ from pathlib import Path
 
 from bus.errors import ReelError
 from runtime import config as config_mod
+from runtime import vllm_args
 from runtime.config import Config
 from runtime.progress import Progress
 
@@ -50,6 +57,8 @@ class RunDirError(ReelError):
 
 def main_run(args: argparse.Namespace) -> int:
     config = config_mod.load(args.config)  # every config error surfaces before anything is written
+    if serves_vllm_locally(config):
+        vllm_args.check_local_server(config)
     text = Path(args.config).read_text()
     run_dir = Path(args.out) if args.out else Path(config.run.out_dir) / config.run.name
     prepare_run_dir(run_dir, text, config, resume=args.resume)
@@ -151,14 +160,32 @@ def announce_finished(url: str, run: str, reason: str) -> None:
     asyncio.run(publish())
 
 
-class RoleProcess:
-    """One role running as a child process, its output in roles/<name>.log."""
+def serves_vllm_locally(config: Config) -> bool:
+    """Whether `reel run` starts a `vllm serve` for the run (not when REEL_VLLM_URL names one already)."""
+    return (config.engine.kind == "vllm" and config.engine.vllm_server == "local"
+            and not os.environ.get("REEL_VLLM_URL"))
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, threads: int):
+
+def beside_python(name: str) -> str:
+    """An executable of this environment (the venv's reel, torchrun, vllm), else whatever PATH has."""
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else shutil.which(name) or name
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RoleProcess:
+    """One role running as a child process (its own process group), its output in roles/<name>.log."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, threads: int, env: dict[str, str] | None = None):
         self.name = name
         self.log_path = log_path
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-                   REEL_TORCH_THREADS=str(threads), PYTHONUNBUFFERED="1")
+                   REEL_TORCH_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))
         with open(log_path, "ab") as log:
             self.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                           start_new_session=True)
@@ -173,10 +200,15 @@ class RoleProcess:
 
     def wait(self, timeout: float) -> int:
         try:
-            return self.popen.wait(timeout=timeout)
+            code = self.popen.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.popen.kill()
-            return self.popen.wait()
+            code = None
+        # The role's children (vLLM's engine processes) go with it, even when it did not wait for them.
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return self.popen.wait() if code is None else code
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:
@@ -193,6 +225,7 @@ class Supervisor:
     config: Config
     roles: dict[str, RoleProcess]
     progress: Progress
+    vllm_port: int | None  # the local `vllm serve` (engine.vllm_server = "local"), started once init/ exists
 
     def __init__(self, run_dir: Path, url: str, config: Config, *, live: bool):
         self.run_dir = run_dir
@@ -200,18 +233,33 @@ class Supervisor:
         self.config = config
         self.roles = {}
         self.progress = Progress(url, config, live=live)
+        self.vllm_port = free_port() if serves_vllm_locally(config) else None
 
-    def _start(self, name: str, role: str, *extra: str, threads: int = 1) -> None:
+    def _start(self, name: str, role: str, *extra: str, threads: int = 1, env: dict[str, str] | None = None) -> None:
         argv = [sys.executable, "-m", "runtime.cli", "role", role, "--run", str(self.run_dir), "--bus", self.url, *extra]
-        self.roles[name] = RoleProcess(name, argv, self.run_dir / "roles" / f"{name}.log", threads)
+        self.roles[name] = RoleProcess(name, argv, self.run_dir / "roles" / f"{name}.log", threads, env)
+
+    def _start_vllm_when_ready(self) -> None:
+        """Start the local `vllm serve` once the trainer has written the version-0 weights it loads."""
+        if self.vllm_port is None or "vllm" in self.roles:
+            return
+        from runtime.initial_policy import init_dir  # here: it imports the model (torch)
+
+        weights = init_dir(self.run_dir)
+        if not (weights / "config.json").is_file():
+            return
+        argv = vllm_args.local_serve_argv(self.config, beside_python("vllm"), weights, self.vllm_port)
+        self.roles["vllm"] = RoleProcess("vllm", argv, self.run_dir / "roles" / "vllm.log", self.config.engine.threads,
+                                         vllm_args.local_serve_env(self.config))
 
     def run(self) -> int:
         trainer_threads = self.config.trainer.threads or 1
+        rollout_env = {"REEL_VLLM_URL": f"http://127.0.0.1:{self.vllm_port}"} if self.vllm_port else None
         try:
             self._start("archiver", "archiver")
             self._start("trainer", "trainer", threads=trainer_threads)
             for w in range(self.config.rollout.workers):
-                self._start(f"rollout-{w}", "rollout", "--worker", str(w))
+                self._start(f"rollout-{w}", "rollout", "--worker", str(w), env=rollout_env)
             with self.progress:
                 failed = self._watch()
             if failed is not None:
@@ -228,6 +276,7 @@ class Supervisor:
         """Until the trainer exits; returns the name of a failed role, else None."""
         while True:
             self.progress.refresh()
+            self._start_vllm_when_ready()
             for name, role in self.roles.items():
                 code = role.poll()
                 if code is None:

@@ -30,6 +30,7 @@ from bus.errors import ReelError
 from runtime import config as config_mod
 from runtime import vllm_args
 from runtime.config import Config, ConfigError
+from runtime.launch import beside_python
 from runtime.vllm_args import Expand, Pool
 
 OPS = Path(__file__).resolve().parents[1] / "ops"
@@ -219,14 +220,14 @@ def _trainer_lines(c: Config, opts: JobOptions, group: int) -> list[str]:
 
 
 def _binaries(c: Config) -> dict[str, str]:
-    found = {"REEL": _beside_python("reel"), "PYTHON": sys.executable, "TORCHRUN": _beside_python("torchrun"),
+    found = {"REEL": beside_python("reel"), "PYTHON": sys.executable, "TORCHRUN": beside_python("torchrun"),
              "REDIS_SERVER": shutil.which("redis-server") or "redis-server", "REDIS_CONF": str(REDIS_CONF)}
     if c.engine.kind == "vllm":
-        found["VLLM"] = _beside_python("vllm")
+        found["VLLM"] = beside_python("vllm")
     if c.engine.pd_disaggregation:
-        found["VLLM_ROUTER"] = _beside_python("vllm-router")
+        found["VLLM_ROUTER"] = beside_python("vllm-router")
     if c.engine.kv_connector == "MooncakeStoreConnector":
-        found["MOONCAKE_MASTER"] = _beside_python("mooncake_master")
+        found["MOONCAKE_MASTER"] = beside_python("mooncake_master")
     return found
 
 
@@ -262,6 +263,8 @@ def check(c: Config, run_dir: Path, opts: JobOptions) -> None:
                  f"--rollout-nodes {opts.rollout_nodes} exceeds rollout.workers = {c.rollout.workers}: a node "
                  f"would run no worker; lower --rollout-nodes or raise rollout.workers")
         return
+    _require(bool(c.model.path), "engine.kind = \"vllm\" on Slurm needs model.path (the HF-layout directory "
+                                 "every vLLM node loads at start; later weights come from WeightsPublished)")
     _require(not (c.engine.pd_disaggregation and opts.rollout_nodes != 1),
              "with engine.pd_disaggregation = true the pools' sizes are engine.prefill_nodes and "
              "engine.decode_nodes; drop --rollout-nodes")
@@ -374,12 +377,6 @@ def _wrap(words: list[str], width: int = 100) -> str:
 
 def _comment(text: str) -> str:
     return "\n".join(textwrap.wrap(text, 98, initial_indent="# ", subsequent_indent="#   ", break_on_hyphens=False))
-
-
-def _beside_python(name: str) -> str:
-    """An executable of this environment (the venv's reel, torchrun, vllm), else whatever PATH has."""
-    here = Path(sys.executable).parent / name
-    return str(here) if here.exists() else shutil.which(name) or name
 
 
 def _which(command: str) -> None:

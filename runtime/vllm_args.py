@@ -21,14 +21,20 @@ Router replay needs vLLM's routed-expert capture (--enable-return-routed-experts
 rejects P/D connectors, so that combination is refused here, at config load.
 
 Weight updates reach the servers over HTTP (producers/vllm_http.py): /pause, /collective_rpc into
-Reel's worker extension (--worker-extension-cls), /resume; those endpoints exist only with
-VLLM_SERVER_DEV_MODE=1 in the server's environment.
+Reel's worker extension (--worker-extension-cls), /update_weight_version, /resume; those endpoints
+exist only with VLLM_SERVER_DEV_MODE=1 in the server's environment, and the token-ids generate
+route only with --enable-scale-out (403 without it).
+
+`reel run` with engine.vllm_server = "local" starts one `vllm serve` on this machine with the same
+flags (local_serve_argv), serving the run's version-0 weights (RUN_DIR/init).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
+from pathlib import Path
 from typing import NamedTuple
 
 from runtime.config import Config, ConfigError, EngineSection
@@ -38,7 +44,7 @@ CONNECTORS = (*PD_CONNECTORS, "OffloadingConnector", "MooncakeStoreConnector")
 # Keys that only `vllm serve` reads: set with the built-in engine they would silently do nothing.
 VLLM_ONLY_KEYS = ("tensor_parallel_size", "data_parallel_size", "expert_parallel", "eplb",
                   "pd_disaggregation", "prefill_nodes", "decode_nodes", "kv_connector",
-                  "kv_offload_cpu_gib", "kv_offload_disk_dir", "mooncake_protocol", "serve_args")
+                  "kv_offload_cpu_gib", "kv_offload_disk_dir", "mooncake_protocol", "serve_args", "vllm_server")
 
 # vLLM pools run on nodes of their own, so their ports are fixed.
 API_PORT = 8000
@@ -49,13 +55,10 @@ MOONCAKE_LOCAL_BUFFER_BYTES = 4 << 30  # a store client's staging buffer
 # Loads Reel's weight blobs inside vLLM's workers; named, not imported (runtime/ never imports producers/).
 WORKER_EXTENSION = "producers.vllm.ReelWorkerExtension"
 
-PRECISION_ARGS = {
-    "fp32": ["--dtype", "float32"],
-    "bf16": ["--dtype", "bfloat16"],
-    # Block-scaled FP8 like the trainer's when model.path is a block-FP8 checkpoint; on a BF16
-    # checkpoint vLLM quantises online with its own (per-tensor) scales.
-    "fp8": ["--dtype", "bfloat16", "--quantization", "fp8"],
-}
+DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
+# vLLM's online quantisation with DeepSeek-style 128x128 block scales, the trainer's FP8 numerics
+# (vLLM refuses `--quantization fp8` on an unquantised checkpoint).
+ONLINE_FP8 = "fp8_per_block"
 ALL2ALL = {"prefill": "deepep_high_throughput", "decode": "deepep_low_latency"}
 
 
@@ -74,6 +77,27 @@ class Pool(NamedTuple):
         return f"{self.role.upper()}_HEAD"
 
 
+def quantization(precision: str, model_dir: str | Path) -> str | None:
+    """vLLM's `quantization` for a checkpoint served at `precision` (None: the checkpoint's own).
+
+    An FP8 checkpoint (config.json has a quantization_config) carries its block scales and needs no
+    flag; an unquantised one served at fp8 is quantised online in blocks. A directory this machine
+    cannot read (a Slurm login node) counts as unquantised.
+    """
+    if precision != "fp8":
+        return None
+    try:
+        hf = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        hf = {}
+    return None if hf.get("quantization_config") else ONLINE_FP8
+
+
+def precision_args(precision: str, model_dir: str | Path) -> list[str]:
+    quant = quantization(precision, model_dir)
+    return ["--dtype", DTYPE[precision], *(["--quantization", quant] if quant else [])]
+
+
 def validate_engine(c: Config) -> None:
     """Refuse engine settings vLLM would reject or that contradict each other (from config.validate)."""
     e = c.engine
@@ -83,8 +107,6 @@ def validate_engine(c: Config) -> None:
             _require(getattr(e, key) == getattr(default, key),
                      f"engine.{key} is read only by vLLM; set engine.kind = \"vllm\" or remove engine.{key}")
         return
-    _require(bool(c.model.path), "engine.kind = \"vllm\" needs model.path (the HF-layout directory vLLM "
-                                 "loads at start; later weights come from WeightsPublished)")
     for key in ("tensor_parallel_size", "data_parallel_size", "prefill_nodes", "decode_nodes"):
         _require(getattr(e, key) >= 1, f"engine.{key} = {getattr(e, key)} must be at least 1")
     _require(e.kv_connector in ("", *CONNECTORS),
@@ -170,16 +192,82 @@ def kv_transfer_config(c: Config, pool: Pool) -> dict | None:
             "kv_connector_extra_config": {"connectors": parts}}
 
 
+def common_serve_args(c: Config, model_dir: str | Path) -> list[str]:
+    """What every `vllm serve` of a run gets, on Slurm pools and the local server alike."""
+    e = c.engine
+    argv = ["--seed", str(c.run.seed), "--max-num-seqs", str(e.max_batch),
+            # Token ids in and out (/inference/v1/generate exists only with --enable-scale-out).
+            "--enable-scale-out", "--skip-tokenizer-init",
+            # Reel salts the prefix cache per policy version and compares processed logprobs.
+            "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs",
+            "--worker-extension-cls", WORKER_EXTENSION, *precision_args(e.precision, model_dir)]
+    if e.max_seq_len:
+        argv += ["--max-model-len", str(e.max_seq_len)]
+    if c.trainer.router_replay:
+        argv.append("--enable-return-routed-experts")
+    return argv
+
+
+def local_serve_argv(c: Config, vllm: str, model_dir: Path, port: int) -> list[str]:
+    """The `vllm serve` that `reel run` starts for a run (engine.vllm_server = "local")."""
+    argv = [vllm, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+            *common_serve_args(c, model_dir)]
+    if not _has_cuda():
+        argv.append("--enforce-eager")  # no graphs to capture on a CPU; saves the compile at start
+    return argv + shlex.split(c.engine.serve_args)
+
+
+def local_serve_env(c: Config) -> dict[str, str]:
+    # vLLM's workers import Reel's worker extension (producers.vllm) from wherever this Reel is.
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENGINE_READY_TIMEOUT_S": "3600",
+           "OMP_NUM_THREADS": str(c.engine.threads), "PYTHONPATH": path}
+    if c.trainer.router_replay:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    return env | cpu_env()
+
+
+def cpu_env() -> dict[str, str]:
+    """The CPU build's settings: a small KV cache (GiB), no pinning of threads to cores the roles share."""
+    return {} if _has_cuda() else {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def check_local_server(c: Config) -> None:
+    """Refuse what the local `vllm serve` cannot do on this machine, before anything starts."""
+    if _has_cuda():
+        return
+    _require(c.engine.precision == "fp32",
+             f"engine.precision = \"{c.engine.precision}\": the CPU build of vLLM serves float32 only "
+             f"(bf16 crashes its attention kernel); set engine.precision = \"fp32\" or run on a GPU")
+    reason = router_replay_unsupported()
+    _require(not (c.trainer.router_replay and reason), str(reason))
+
+
+def router_replay_unsupported() -> str | None:
+    """Why vLLM on this machine cannot return routed experts (None when it can).
+
+    The capture lives in vLLM's Model Runner V2, which needs Triton kernels on a GPU; the CPU build
+    falls back to the V1 runner and fails such requests ("AuxOutput Connector requires Model Runner
+    V2"), so router replay is refused before anything starts.
+    """
+    if _has_cuda():
+        return None
+    return ("trainer.router_replay = true needs vLLM's routed-expert capture (Model Runner V2, GPU only) and "
+            "this machine has no GPU: set trainer.router_replay = false or engine.kind = \"builtin\"")
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def serve_argv(c: Config, pool: Pool, node: int) -> list[str]:
     """`vllm serve` for node `node` (from 0) of `pool`; Expand words refer to the job's shell."""
     e = c.engine
     argv = [Expand("$VLLM"), "serve", c.model.path, "--host", "0.0.0.0", "--port", str(API_PORT),
-            "--seed", str(c.run.seed), "--max-num-seqs", str(e.max_batch),
-            # Reel salts the prefix cache per policy version and compares processed logprobs.
-            "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs",
-            "--worker-extension-cls", WORKER_EXTENSION, *PRECISION_ARGS[e.precision]]
-    if e.max_seq_len:
-        argv += ["--max-model-len", str(e.max_seq_len)]
+            *common_serve_args(c, c.model.path)]
     if e.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(e.tensor_parallel_size)]
     if e.data_parallel_size > 1:
@@ -200,8 +288,6 @@ def serve_argv(c: Config, pool: Pool, node: int) -> list[str]:
             argv += ["--all2all-backend", backend]
         if backend == "deepep_low_latency":
             argv += ["--compilation-config", json.dumps({"cudagraph_mode": "FULL_DECODE_ONLY"}, separators=(",", ":"))]
-    if c.trainer.router_replay:
-        argv.append("--enable-return-routed-experts")
     kv = kv_transfer_config(c, pool)
     if kv is not None:
         argv += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]

@@ -1,0 +1,243 @@
+"""Reel's vLLM engines against a real vLLM (the CPU build `ops/install_vllm.sh` installs; fp32, token ids).
+
+One `vllm serve` for the module, started with the same command line `reel run` uses
+(vllm_args.local_serve_argv), on a tiny random Qwen3-MoE written by Reel's own `save` (one dense
+layer, so vLLM serves Reel's `mlp_only_layers` too). Logprobs are checked against Reel's own
+forward on the same weights. What a real server cannot be made to do (a dropped connection, a 5xx)
+stays with the protocol tests in test_vllm_http.py. Routed-expert capture needs a GPU (Model
+Runner V2): on this CPU router replay is refused before vLLM starts, which is tested here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from bus.blobs import BlobStore
+from producers.engine import Completion, EngineError, SamplingParams
+from producers.vllm import VLLMEngine
+from producers.vllm_http import VLLMHTTPEngine
+from runtime import config as config_mod
+from runtime import vllm_args
+from runtime.model.config import MoEConfig
+from runtime.model.model import MoEModel
+from runtime.model.weights import save, state_dict_bytes
+from runtime.vllm_serve import local_vllm
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+TINY = MoEConfig(vocab_size=96, hidden_size=64, moe_intermediate_size=64, intermediate_size=96, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32,  # vLLM's CPU attention: head_dim >= 32
+                 num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1], max_position_embeddings=256)
+RUN = """
+[model]
+hidden_size = 64
+[engine]
+kind = "vllm"
+max_batch = 16
+[trainer]
+router_replay = false
+"""
+PROMPT = [5, 17, 33, 2, 60, 41, 8]
+
+
+def _model(seed: int) -> MoEModel:
+    torch.manual_seed(seed)
+    model = MoEModel(TINY)
+    with torch.no_grad():  # wider than the default init, so greedy tokens are decided by clear margins
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.05) if "norm" in name else p.normal_(0.0, 0.08)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, MoEModel, MoEModel]:
+    """(directory vLLM starts from, its model, another model with the same shape)."""
+    directory = tmp_path_factory.mktemp("vllm-model")
+    first = _model(0)
+    save(first, directory)
+    return directory, first, _model(1)
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of a real `vllm serve` on the tiny model, with the command line `reel run` gives its server."""
+    import importlib.util
+
+    assert importlib.util.find_spec("vllm") is not None, "vLLM is not installed: run `bash ops/install_vllm.sh`"
+    with local_vllm(config_mod.loads(RUN), models[0], tmp_path_factory.mktemp("vllm") / "vllm.log") as url:
+        yield url
+
+
+def _engine(models, url: str, blobs: BlobStore, **kwargs) -> VLLMHTTPEngine:
+    return VLLMHTTPEngine(models[0], url=url, blobs=blobs, version=-1, routed_experts=False, **kwargs)
+
+
+def _reel_logprobs(model: MoEModel, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / T) of each completion token under Reel's own forward (teacher-forced)."""
+    ids_BT = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits_TV = model(ids_BT).logits[0, len(prompt) - 1:-1].float() / temperature
+    return torch.log_softmax(logits_TV, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def _greedy_tokens(model: MoEModel, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+async def _push(engine, model: MoEModel, blobs: BlobStore, version: int) -> None:
+    await engine.update_weights(blobs.put(state_dict_bytes(model)), version)
+
+
+async def test_http_greedy_and_sampled_logprobs_match_reels_forward(models, server, tmp_path) -> None:
+    blobs = BlobStore(tmp_path / "blobs")
+    engine = _engine(models, server, blobs)
+    try:
+        await engine.start()
+        assert await engine._server_version(server) == -1  # a fresh server says "default": no Reel version
+        await _push(engine, models[1], blobs, 0)  # not the weights it started with: the load must really happen
+        assert await engine._server_version(server) == 0
+        greedy, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=24))
+        assert greedy.tokens == _greedy_tokens(models[1], PROMPT, 24)
+        assert greedy.spans == [(0, 0)] and greedy.finish_reason == "length"
+        assert greedy.routing.shape == (0, len(TINY.moe_layers), TINY.num_experts_per_tok)
+        sampled = await engine.generate(PROMPT, SamplingParams(n=3, temperature=0.8, max_tokens=32, seed=7))
+        for sample in sampled:
+            want = _reel_logprobs(models[1], PROMPT, sample.tokens, temperature=0.8)
+            torch.testing.assert_close(torch.tensor(sample.logprobs), want, atol=1e-4, rtol=0)
+    finally:
+        await engine.close()
+
+
+async def test_http_seeded_samples_reproduce(models, server, tmp_path) -> None:
+    blobs = BlobStore(tmp_path / "blobs")
+    engine = _engine(models, server, blobs)
+    try:
+        await _push(engine, models[0], blobs, 3)
+        params = SamplingParams(n=4, temperature=1.0, max_tokens=20, seed=1234)
+        first = await engine.generate(PROMPT, params)
+        again = await engine.generate(PROMPT, params)
+        assert [c.tokens for c in first] == [c.tokens for c in again]
+        assert [c.logprobs for c in first] == [c.logprobs for c in again]
+        assert len({tuple(c.tokens) for c in first}) > 1  # sample i has its own seed (seed + i)
+        assert [c.seed for c in first] == [1234, 1235, 1236, 1237]
+    finally:
+        await engine.close()
+
+
+async def test_http_weight_push_mid_generation_changes_outputs_and_spans_say_where(models, server, tmp_path) -> None:
+    blobs = BlobStore(tmp_path / "blobs")
+    engine = _engine(models, server, blobs)
+    old, new = models[0], models[1]
+    try:
+        await _push(engine, old, blobs, 10)
+        params = SamplingParams(temperature=0.0, max_tokens=240)
+        running = asyncio.create_task(engine.generate(PROMPT, params))
+        await _until(lambda: engine._running > 0)
+        await asyncio.sleep(0.3)
+        await _push(engine, new, blobs, 11)
+        completion: Completion = (await running)[0]
+        (start_old, v_old), (swap, v_new) = completion.spans
+        assert (start_old, v_old, v_new) == (0, 10, 11) and 0 < swap < len(completion.tokens)
+        # Before the swap: the old weights' tokens and logprobs. After it: the new weights decide.
+        assert completion.tokens[:swap] == _greedy_tokens(old, PROMPT, swap)
+        torch.testing.assert_close(torch.tensor(completion.logprobs[:swap]),
+                                   _reel_logprobs(old, PROMPT, completion.tokens[:swap]), atol=1e-4, rtol=0)
+        after = _reel_logprobs(old, PROMPT, completion.tokens)[swap:]
+        assert (after - torch.tensor(completion.logprobs[swap:])).abs().max() > 1e-2
+        fresh, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
+        assert fresh.spans == [(0, 11)] and fresh.tokens == _greedy_tokens(new, PROMPT, 16)
+    finally:
+        await engine.close()
+
+
+async def test_http_cancelled_request_is_aborted_on_the_server(models, server, tmp_path) -> None:
+    blobs = BlobStore(tmp_path / "blobs")
+    engine = _engine(models, server, blobs)
+    try:
+        await _push(engine, models[0], blobs, 20)
+        running = asyncio.create_task(engine.generate(PROMPT, SamplingParams(n=4, temperature=1.0, max_tokens=240)))
+        await _until(lambda: engine._running == 4)
+        await _until_metric(server, lambda v: v > 0)
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        await _until_metric(server, lambda v: v == 0)  # the server stopped decoding them
+    finally:
+        await engine.close()
+
+
+async def test_http_follower_waits_for_the_version_worker_0_pushes(models, server, tmp_path) -> None:
+    blobs = BlobStore(tmp_path / "blobs")
+    pusher, follower = _engine(models, server, blobs), _engine(models, server, blobs, push_weights=False)
+    try:
+        await _push(pusher, models[0], blobs, 30)
+        ref = blobs.put(state_dict_bytes(models[1]))
+        waiting = asyncio.create_task(follower.update_weights(ref, 31))
+        await asyncio.sleep(2.0)
+        assert not waiting.done() and follower.version == -1
+        await pusher.update_weights(ref, 31)
+        await asyncio.wait_for(waiting, 30)
+        assert follower.version == 31
+        sample, = await follower.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8))
+        assert sample.spans == [(0, 31)]
+    finally:
+        await pusher.close()
+        await follower.close()
+
+
+def test_router_replay_is_refused_on_a_cpu_vllm(models, tmp_path) -> None:
+    """Routed-expert capture needs Model Runner V2 (GPU): refused with the key to change, never a crash."""
+    with pytest.raises(EngineError, match="trainer.router_replay"):
+        asyncio.run(VLLMEngine(models[0], precision="fp32", blobs=BlobStore(tmp_path), routed_experts=True).start())
+    with pytest.raises(config_mod.ConfigError, match="trainer.router_replay = false"):
+        vllm_args.check_local_server(config_mod.loads(RUN.replace("router_replay = false", "router_replay = true")))
+    with pytest.raises(config_mod.ConfigError, match="engine.precision"):
+        vllm_args.check_local_server(config_mod.loads(RUN.replace("max_batch = 16", 'precision = "bf16"')))
+
+
+async def test_inprocess_asyncllm_matches_reels_forward_and_names_versions(models, tmp_path) -> None:
+    blobs = BlobStore(tmp_path / "blobs")
+    engine = VLLMEngine(models[0], max_batch=8, precision="fp32", blobs=blobs, version=-1, routed_experts=False)
+    try:
+        await engine.start()
+        await _push(engine, models[1], blobs, 0)
+        greedy, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
+        assert greedy.tokens == _greedy_tokens(models[1], PROMPT, 16)
+        assert greedy.spans == [(0, 0)]  # a Reel version, not vLLM's "default"
+        sampled, = await engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=16, seed=3))
+        torch.testing.assert_close(torch.tensor(sampled.logprobs), _reel_logprobs(models[1], PROMPT, sampled.tokens),
+                                   atol=1e-4, rtol=0)
+    finally:
+        await engine.close()
+
+
+async def _until(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def _until_metric(server: str, condition, timeout_s: float = 60.0) -> None:
+    """Until the server's `vllm:num_requests_running` gauge satisfies `condition`."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(trust_env=False) as client:
+        while True:
+            text = (await client.get(server + "/metrics")).text
+            values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith("vllm:num_requests_running")]
+            if values and condition(sum(values)):
+                return
+            assert time.monotonic() < deadline, f"vllm:num_requests_running = {values}"
+            await asyncio.sleep(0.1)
