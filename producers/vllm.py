@@ -284,7 +284,7 @@ class VLLMEngine(VLLMEngineBase):
 
 
 class ReelWorkerExtension:
-    """Mixed into each vLLM GPU worker (`worker_extension_cls`); `collective_rpc` calls its methods there."""
+    """Mixed into each vLLM worker (`worker_extension_cls`); `collective_rpc` calls its methods there."""
 
     model_runner: Any  # provided by vLLM's worker
 
@@ -298,16 +298,51 @@ class ReelWorkerExtension:
             raise ValueError(f"weights blob {path} hashes to {actual}, expected {sha256}")
         runner = self.model_runner
         model = runner.get_model()  # the runner may wrap the model it serves
-        tensors = iter(load(data).items())
+        tensors = load(data)
         try:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
         except ImportError:  # older vLLM: unquantised models load in place directly
-            model.load_weights(weights=tensors)
+            model.load_weights(weights=iter(tensors.items()))
             return
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # vLLM's layerwise reload prepacks the CPU experts' weights a second time (measured: every
+            # other tensor reloads bit-exact, the experts do not), so they are rebuilt here instead.
+            experts = {name: tensors.pop(name) for name in [n for n in tensors if _EXPERT in n]}
+            _load_cpu_experts(model, experts)
         # Quantised (fp8) layers re-run their post-load processing after the raw weights are in.
         initialize_layerwise_reload(model)
-        model.load_weights(weights=tensors)
+        model.load_weights(weights=iter(tensors.items()))
         finalize_layerwise_reload(model, runner.model_config)
+
+
+_EXPERT = ".mlp.experts."  # Hub names: model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight
+
+
+def _load_cpu_experts(model: Any, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Put Hub-layout expert weights into vLLM's fused-MoE layers the way its first load does.
+
+    A fused-MoE layer holds w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] until its
+    quant method processes them (pads, prepacks for the CPU kernel, builds the kernel); so the raw
+    stacks go back in and that processing runs again, once.
+    """
+    import torch
+
+    by_layer: dict[str, dict[str, torch.Tensor]] = collections.defaultdict(dict)
+    for name, tensor in tensors.items():
+        module, _, rest = name.partition(_EXPERT)
+        by_layer[module + _EXPERT.rstrip(".")][rest] = tensor
+    for module_name, weights in by_layer.items():
+        layer = model.get_submodule(module_name)
+        n = len({key.split(".")[0] for key in weights})
+        gate_up = torch.stack([torch.cat([weights[f"{e}.gate_proj.weight"], weights[f"{e}.up_proj.weight"]])
+                               for e in range(n)])
+        down = torch.stack([weights[f"{e}.down_proj.weight"] for e in range(n)])
+        dtype = layer.w13_weight.dtype
+        layer.w13_weight = torch.nn.Parameter(gate_up.to(dtype), requires_grad=False)
+        layer.w2_weight = torch.nn.Parameter(down.to(dtype), requires_grad=False)
+        layer.quant_method.process_weights_after_loading(layer)
 
 
 def known_spans(spans: list[tuple[int, int | None]], started: int) -> list[tuple[int, int]]:

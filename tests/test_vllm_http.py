@@ -165,8 +165,8 @@ async def test_missing_endpoints_and_servers_say_what_to_set(peers, model_dir: P
             await e.generate([1], SamplingParams(max_tokens=1))
     gone = peers()
     gone.close()
-    with pytest.raises(EngineError, match=f"vLLM server {gone.url}: GET /health failed"):
-        await engine(model_dir, gone.url).start()
+    with pytest.raises(EngineError, match=f"vLLM server {gone.url} was not healthy after 0 s.*GET /health failed"):
+        await engine(model_dir, gone.url, startup_timeout_s=0.2).start()
 
 
 async def test_close_fails_unfinished_requests_with_engine_closed(peers, model_dir: Path) -> None:
