@@ -63,7 +63,7 @@ class _Sequence:
     """One sample of a request, from waiting to finished."""
 
     __slots__ = ("request", "seed", "uniforms", "slot", "pending", "position", "tokens", "logprobs",
-                 "routing", "spans", "finish_reason")
+                 "routing", "spans", "finish_reason", "admitted_at", "seconds")
 
     def __init__(self, request: _Request, index: int):
         self.request = request
@@ -77,6 +77,8 @@ class _Sequence:
         self.routing: list[np.ndarray] = []  # [n, L, K] per step, one row per token fed
         self.spans: list[tuple[int, int]] = []
         self.finish_reason = ""
+        self.admitted_at = 0.0  # monotonic time it got a KV slot
+        self.seconds = 0.0  # admission to last token
 
 
 class BuiltinEngine(Engine):
@@ -112,6 +114,7 @@ class BuiltinEngine(Engine):
         self._started_at = 0.0
         self._steps = 0
         self._generated = 0
+        self._busy_s = 0.0  # seconds in bursts
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
 
     # ---- Engine interface -------------------------------------------------------------------
@@ -158,7 +161,8 @@ class BuiltinEngine(Engine):
         rate = sum(n for _, n in self._recent) / window if self._recent and window > 0 else 0.0
         return EngineStats(version=self.version, tokens_per_s=rate, running=len(self._running),
                            waiting=len(self._waiting), kv_slots_used=self.max_batch - len(self._free_slots),
-                           kv_slots_total=self.max_batch, steps=self._steps, generated_tokens=self._generated)
+                           kv_slots_total=self.max_batch, steps=self._steps, generated_tokens=self._generated,
+                           busy_s=self._busy_s)
 
     async def close(self) -> None:
         self._closed = True
@@ -190,7 +194,9 @@ class BuiltinEngine(Engine):
                     self._wake.clear()
                     await self._wake.wait()
                     continue
+                started = time.monotonic()
                 finished = await loop.run_in_executor(self._executor, self._burst)
+                self._busy_s += time.monotonic() - started
                 self._finish(finished)
         except asyncio.CancelledError:
             raise
@@ -209,6 +215,7 @@ class BuiltinEngine(Engine):
             budget -= len(seq.pending)
             seq.slot = heapq.heappop(self._free_slots)
             seq.uniforms = Uniforms(seq.seed, self.device)
+            seq.admitted_at = time.monotonic()
             self._running.append(seq)
         self._running.sort(key=lambda s: s.slot)
 
@@ -229,7 +236,9 @@ class BuiltinEngine(Engine):
         self._running = kept
 
     def _finish(self, finished: list[_Sequence]) -> None:
+        now = time.monotonic()
         for seq in finished:
+            seq.seconds = now - seq.admitted_at
             heapq.heappush(self._free_slots, seq.slot)
             request = seq.request
             request.unfinished -= 1
@@ -336,4 +345,5 @@ class BuiltinEngine(Engine):
 
 def _completion(seq: _Sequence) -> Completion:
     return Completion(tokens=seq.tokens, logprobs=seq.logprobs, finish_reason=seq.finish_reason,
-                      routing=np.concatenate(seq.routing), spans=seq.spans, seed=seq.seed)
+                      routing=np.concatenate(seq.routing), spans=seq.spans, seed=seq.seed,
+                      seconds=seq.seconds)
