@@ -197,6 +197,7 @@ class WorkerStats(Event, tag="worker_stats"):
     # time and batch occupancy over the interval: what `reel simulate` calibrates on).
     decode_steps: int = 0
     decode_tokens: int = 0  # tokens sampled, one per running sequence per decode step
+    forward_tokens: int = 0  # tokens fed through the model: decode_tokens plus the prompts' prefill
     busy_s: float = 0.0  # seconds the engine spent decoding
     swap_s: list[float] = []  # weight swaps since the last stats: seconds from reading the event to live
 

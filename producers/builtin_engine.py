@@ -115,6 +115,7 @@ class BuiltinEngine(Engine):
         self._steps = 0
         self._generated = 0
         self._busy_s = 0.0  # seconds in bursts
+        self._forward = 0  # tokens fed through the model
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
 
     # ---- Engine interface -------------------------------------------------------------------
@@ -162,7 +163,7 @@ class BuiltinEngine(Engine):
         return EngineStats(version=self.version, tokens_per_s=rate, running=len(self._running),
                            waiting=len(self._waiting), kv_slots_used=self.max_batch - len(self._free_slots),
                            kv_slots_total=self.max_batch, steps=self._steps, generated_tokens=self._generated,
-                           busy_s=self._busy_s)
+                           busy_s=self._busy_s, forward_tokens=self._forward)
 
     async def close(self) -> None:
         self._closed = True
@@ -289,6 +290,7 @@ class BuiltinEngine(Engine):
         room = min(min(p.max_tokens - n, self.max_seq_len - pos) for p, (n, pos) in zip(params, after))
         sample = Sampler(params, [s.uniforms for s in seqs], self.model.config.vocab_size, dev, draws=1 + room)
         tokens_B, logprobs_B, stopped = sample(out.logits[torch.tensor(last, device=dev)])
+        self._forward += len(ids) - len(seqs)  # the prompts' extra tokens; _count_step adds one per sequence
         self._count_step(len(seqs))
         tokens, logprobs, routing = [tokens_B], [logprobs_B], []
         slot_B = torch.tensor([s.slot for s in seqs], device=dev)
@@ -309,6 +311,7 @@ class BuiltinEngine(Engine):
     def _count_step(self, sampled: int) -> None:
         self._steps += 1
         self._generated += sampled
+        self._forward += sampled
         self._recent.append((time.monotonic(), sampled))
 
     def _record(self, seqs: list[_Sequence], first_routing_NLK: torch.Tensor, last: list[int],

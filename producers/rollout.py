@@ -301,7 +301,8 @@ class RolloutWorker:
             await self.publisher.publish([self.publisher.stamp(
                 WorkerStats, worker=self.name, tokens_per_s=s.tokens_per_s, running=s.running, waiting=s.waiting,
                 policy_version=s.version, groups_published=self.published, idle_share=share,
-                decode_steps=s.steps, decode_tokens=s.generated_tokens, busy_s=s.busy_s, swap_s=swaps)])
+                decode_steps=s.steps, decode_tokens=s.generated_tokens, forward_tokens=s.forward_tokens,
+                busy_s=s.busy_s, swap_s=swaps)])
 
     async def _recover_seq(self, redis) -> int:
         on_bus = await recover_next_seq(redis, self.run_name, self.name)

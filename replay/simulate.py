@@ -1,8 +1,8 @@
 """A discrete-event simulation of a Reel pipeline, driven by a workload measured on a real run.
 
     rollout worker  an engine with continuous batching: at most `max_batch` sequences decode one
-                    token per step, a step with B of them taking step_s(B) / speedup_rollout;
-                    sequences join between steps. The async gate of producers/rollout.py decides
+                    token per step, a step with B of them taking step_s(B, X) / speedup_rollout,
+                    X the prompt tokens of sequences joining in it (they join between steps). The async gate of producers/rollout.py decides
                     when a group may start: round r(g) = c0 + g // R may start while r(g) - c <= a,
                     c = the newest version both committed and live in this worker's engine.
     weight swap     after a commit each worker loads the new weights at its next step boundary;
@@ -82,6 +82,7 @@ class _Group:
 class _Sequence:
     group: _Group
     left: int  # tokens still to sample
+    prefill: int  # prompt tokens fed with its first step beyond the one sampled from
 
 
 @dataclass
@@ -160,9 +161,9 @@ class _Simulation:
         """Start every group the gate allows, then keep the engine going."""
         while self._may_start(worker):
             group = _Group(worker.index, 0)
-            lengths = self.w.groups[int(self.rng.integers(len(self.w.groups)))]
-            group.samples = len(lengths)
-            worker.waiting.extend(_Sequence(group, max(1, n)) for n in lengths)
+            shape = self.w.groups[int(self.rng.integers(len(self.w.groups)))]
+            group.samples = len(shape.completions)
+            worker.waiting.extend(_Sequence(group, max(1, n), max(0, shape.prompt - 1)) for n in shape.completions)
             worker.started += 1
             worker.in_flight += 1
             if worker.idle_since is not None:
@@ -178,12 +179,16 @@ class _Simulation:
             worker.busy = True
             self._at(self.w.swap_s, "swap", worker.index, self.version)
             return
+        prefill = 0
         while worker.waiting and len(worker.running) < self.p.max_batch:
-            worker.running.append(worker.waiting.popleft())
+            seq = worker.waiting.popleft()
+            prefill += seq.prefill
+            worker.running.append(seq)
         if not worker.running:
             return
         d = self.w.decode
-        seconds = (d.base_s + d.per_seq_s * len(worker.running)) / self.s.speedup_rollout
+        seconds = (d.base_s + d.per_seq_s * len(worker.running) + d.per_prefill_token_s * prefill)
+        seconds /= self.s.speedup_rollout
         if self.computing and not self.s.dedicated:
             seconds *= 1.0 + d.shared_slowdown
         worker.busy = True

@@ -65,7 +65,8 @@ def view(workload: Workload, rows: list[Row]) -> Group:
     shared = "" if not (d.shared_slowdown or t.shared_slowdown) else (
         f"; while sharing cores: decode x{1 + d.shared_slowdown:.2f}, trainer x{1 + t.shared_slowdown:.2f}")
     calibration = (f"calibrated on {workload.run_dir}: decode step {1e3 * d.base_s:.2f} ms + "
-                   f"{1e3 * d.per_seq_s:.3f} ms x sequences ({d.intervals} intervals); trainer compute "
+                   f"{1e3 * d.per_seq_s:.3f} ms x sequences + {1e6 * d.per_prefill_token_s:.1f} µs x prefill "
+                   f"tokens ({d.intervals} intervals); trainer compute "
                    f"{1e3 * t.base_s:.0f} ms + {1e6 * t.per_token_s:.1f} µs x tokens, publish "
                    f"{1e3 * t.publish_s:.0f} ms; swap {1e3 * workload.swap_s:.0f} ms{shared}; "
                    f"{len(workload.groups)} logged groups")

@@ -2,14 +2,19 @@
 
 From the log alone (entry ids carry the Redis server's millisecond clock, so every event has a time):
 
-- group shapes: the completion length of every sample of every group (Trajectory), kept per group,
-  so a long-tail prompt stays long for all of its samples when the simulation resamples it;
+- group shapes: the prompt length and the completion length of every sample of every group
+  (Trajectory), kept per group, so a long-tail prompt stays long for all of its samples when the
+  simulation resamples it;
 - decode speed: between two WorkerStats of a worker, Δbusy_s / Δdecode_steps is the mean decode-step
-  time and Δdecode_tokens / Δdecode_steps the mean batch occupancy B; least squares gives
-  step_s(B) = base_s + per_seq_s · B. Intervals are also weighed by how much of them the trainer
-  spent computing, which gives the slowdown of a step while trainer and rollout share cores;
-- trainer speed: compute_s = base_s + per_token_s · tokens over the StepCommitted timings, with the
-  slowdown while a worker decodes fitted the same way; publish_s is the mean publish time;
+  time, Δdecode_tokens / Δdecode_steps the mean batch occupancy B and (Δforward_tokens -
+  Δdecode_tokens) / Δdecode_steps the mean prefill X (prompt tokens beyond the one sampled from);
+  least squares gives step_s = base_s + per_seq_s · B + per_prefill_token_s · X;
+- shared cores: a worker is active from a group's start to its publication (Trajectory.generate_s
+  and the entry's time), the trainer computes over the span its StepCommitted timing gives; the
+  share of each interval where both ran gives the slowdown of either while they share cores, fitted
+  with the speeds above (0 when they never overlapped, as in a synchronous run);
+- trainer speed: compute_s = base_s + per_token_s · tokens over the StepCommitted timings of steps
+  2..N; publish_s is the mean publish time;
 - weight swaps: the mean of WorkerStats.swap_s;
 - the figures the run measured, defined as `reel bench async` defines them: wall time of steps
   2..N (step 1 also waits for the processes to start), trainer idle = wait / wall, rollout idle =
@@ -30,7 +35,7 @@ from bus.events import StepCommitted, Trajectory, WorkerStats
 from bus.log import LogError, RunLog
 from runtime.config import Config, ConfigError, load
 
-__all__ = ["WorkloadError", "Pipeline", "StepModel", "TrainerModel", "Measured", "Workload", "extract",
+__all__ = ["WorkloadError", "Pipeline", "GroupShape", "StepModel", "TrainerModel", "Measured", "Workload", "extract",
            "pipeline_of", "measured_of"]
 
 # Slowdown factors are fitted on this grid (0 = none, 3 = four times slower while shared).
@@ -55,11 +60,18 @@ class Pipeline(msgspec.Struct, kw_only=True):
     trainer_ranks: int = 1
 
 
+class GroupShape(msgspec.Struct, array_like=True):
+    prompt: int  # prompt tokens (prefilled once per sample: the engine shares no prefix)
+    completions: list[int]  # completion tokens of each sample
+
+
 class StepModel(msgspec.Struct, kw_only=True):
-    """Seconds of one decode step with B running sequences: (base_s + per_seq_s · B) · (1 + shared)."""
+    """Seconds of one decode step over B sequences, X of whose prompt tokens are prefilled in it:
+    (base_s + per_seq_s · B + per_prefill_token_s · X) · (1 + shared)."""
 
     base_s: float
     per_seq_s: float
+    per_prefill_token_s: float
     shared_slowdown: float  # extra share of a step's time while the trainer computes on the same machine
     intervals: int  # WorkerStats intervals fitted
 
@@ -88,7 +100,7 @@ class Measured(msgspec.Struct, kw_only=True):
 class Workload(msgspec.Struct, kw_only=True):
     run_dir: str
     pipeline: Pipeline
-    groups: list[list[int]]  # completion lengths of each logged group's samples
+    groups: list[GroupShape]
     decode: StepModel
     trainer: TrainerModel
     swap_s: float  # mean seconds from a worker reading WeightsPublished to the weights being live
@@ -103,18 +115,23 @@ def extract(run_dir: Path) -> Workload:
         with RunLog(run_dir, readonly=True) as run_log:
             commits = [(_ms(i), e) for i, e in run_log.events("steps") if isinstance(e, StepCommitted)]
             stats = [(_ms(i), e) for i, e in run_log.events("control") if isinstance(e, WorkerStats)]
-            groups = [[int(s.tokens.shape[0]) for s in e.samples]
-                      for _, e in run_log.events("trajectories") if isinstance(e, Trajectory)]
+            trajectories = [(_ms(i), e) for i, e in run_log.events("trajectories") if isinstance(e, Trajectory)]
     except LogError as exc:
         raise WorkloadError(f"cannot read the log of {run_dir}: {exc}") from exc
     if len(commits) < 3:
         raise WorkloadError(f"the log of {run_dir} has {len(commits)} committed steps; a simulation needs at "
                             "least 3 (step 1 includes process start-up)")
-    if not groups:
+    if not trajectories:
         raise WorkloadError(f"the log of {run_dir} has no Trajectory events to take group shapes from")
+    groups = [GroupShape(int(e.prompt.shape[0]), [int(s.tokens.shape[0]) for s in e.samples])
+              for _, e in trajectories]
     computing = _compute_intervals(commits)
+    active = _active_intervals(trajectories)
+    # Calibrate on the steady state, as the measured figures do: before the first commit the
+    # engine also compiles kernels and warms caches.
+    stats = [(ms, e) for ms, e in stats if ms > commits[0][0]]
     return Workload(run_dir=str(run_dir), pipeline=pipeline_of(config), groups=groups,
-                    decode=_fit_decode(run_dir, stats, computing), trainer=_fit_trainer(commits, stats),
+                    decode=_fit_decode(run_dir, stats, computing, active), trainer=_fit_trainer(commits, active),
                     swap_s=_mean([s for _, e in stats for s in e.swap_s]), measured=measured_of(commits, stats))
 
 
@@ -144,112 +161,126 @@ def measured_of(commits: list[tuple[int, StepCommitted]], stats: list[tuple[int,
 
 # ---- fitting ------------------------------------------------------------------------------------
 
-def _fit_decode(run_dir: Path, stats: list[tuple[int, WorkerStats]], computing: np.ndarray) -> StepModel:
-    """Least squares of the mean step time on the mean batch over WorkerStats intervals."""
-    rows = []  # (steps, mean batch, mean step seconds, share of the interval the trainer computed)
+def _fit_decode(run_dir: Path, stats: list[tuple[int, WorkerStats]], computing: np.ndarray,
+                active: dict[str, np.ndarray]) -> StepModel:
+    """Least squares of the mean step time on mean batch and prefill over WorkerStats intervals."""
+    rows = []  # (steps, mean batch, mean prefill, mean step seconds, share of active time the trainer computed)
     last: dict[str, tuple[int, WorkerStats]] = {}
     for ms, e in stats:
         prev = last.get(e.worker)
         last[e.worker] = (ms, e)
         if prev is None or e.decode_steps <= prev[1].decode_steps:
             continue
-        steps = e.decode_steps - prev[1].decode_steps
-        busy = e.busy_s - prev[1].busy_s
-        rows.append((steps, (e.decode_tokens - prev[1].decode_tokens) / steps, busy / steps,
-                     _overlap(prev[0], ms, computing) / max(ms - prev[0], 1)))
-    if len(rows) < 2:
-        raise WorkloadError(f"the log of {run_dir} has {len(rows)} WorkerStats intervals with decode timings; "
-                            "it needs at least 2 (logs written before Reel recorded WorkerStats.decode_steps "
-                            "cannot calibrate a simulation: re-run the config)")
-    w, b, s, o = (np.array(c, dtype=float) for c in zip(*rows))
-    base, per_seq, shared = _fit_linear_with_slowdown(w, b, s, o)
-    return StepModel(base_s=base, per_seq_s=per_seq, shared_slowdown=shared, intervals=len(rows))
+        p = prev[1]
+        steps = e.decode_steps - p.decode_steps
+        tokens = e.decode_tokens - p.decode_tokens
+        mine = _clip(active.get(e.worker, _NONE), prev[0], ms)
+        busy = _length(mine)
+        rows.append((steps, tokens / steps, (e.forward_tokens - p.forward_tokens - tokens) / steps,
+                     (e.busy_s - p.busy_s) / steps, _intersection(mine, computing) / busy if busy else 0.0))
+    if len(rows) < 3:
+        raise WorkloadError(f"the log of {run_dir} has {len(rows)} WorkerStats intervals with decode timings after "
+                            "step 1; it needs at least 3 (logs written before Reel recorded "
+                            "WorkerStats.decode_steps cannot calibrate a simulation: re-run the config)")
+    w, b, x, s, o = (np.array(c, dtype=float) for c in zip(*rows))
+    (base, per_seq, per_prefill), shared = _fit_with_slowdown(w, np.stack([np.ones_like(b), b, x], axis=1), s, o)
+    return StepModel(base_s=base, per_seq_s=per_seq, per_prefill_token_s=per_prefill, shared_slowdown=shared,
+                     intervals=len(rows))
 
 
-def _fit_trainer(commits: list[tuple[int, StepCommitted]], stats: list[tuple[int, WorkerStats]]) -> TrainerModel:
+def _fit_trainer(commits: list[tuple[int, StepCommitted]], active: dict[str, np.ndarray]) -> TrainerModel:
     """Least squares of compute seconds on batch tokens; steps 2..N (step 1 pays one-off warm-ups)."""
-    busy = _busy_intervals(stats)
     rows = []
     for ms, e in commits[1:]:
         end = ms - 1000 * e.timing.publish
-        start = end - 1000 * e.timing.compute
-        rows.append((e.metrics.get("tokens", 0.0), e.timing.compute, _busy_share(start, end, busy)))
+        span = np.array([[end - 1000 * e.timing.compute, end]])
+        decoding = [_intersection(a, span) / max(1.0, 1000 * e.timing.compute) for a in active.values()]
+        rows.append((e.metrics.get("tokens", 0.0), e.timing.compute, _mean(decoding)))
     tokens, seconds, shared = (np.array(c, dtype=float) for c in zip(*rows))
-    base, per_token, slowdown = _fit_linear_with_slowdown(np.ones_like(tokens), tokens, seconds, shared)
+    (base, per_token), slowdown = _fit_with_slowdown(np.ones_like(tokens), np.stack([np.ones_like(tokens), tokens],
+                                                                                      axis=1), seconds, shared)
     return TrainerModel(base_s=base, per_token_s=per_token, shared_slowdown=slowdown,
                         publish_s=_mean([e.timing.publish for _, e in commits[1:]]))
 
 
-def _fit_linear_with_slowdown(weight: np.ndarray, x: np.ndarray, y: np.ndarray,
-                              shared: np.ndarray) -> tuple[float, float, float]:
-    """y ≈ (a + b·x)(1 + k·shared): weighted least squares for a, b at each k of a grid, best k.
+def _fit_with_slowdown(weight: np.ndarray, x: np.ndarray, y: np.ndarray,
+                       shared: np.ndarray) -> tuple[list[float], float]:
+    """y ≈ (x · coef)(1 + k · shared), coef >= 0: weighted least squares at each k of a grid, best k.
 
     When `shared` does not vary (a synchronous run never overlaps) every k fits alike and the
     smallest, 0, is kept: such a log cannot tell what sharing costs."""
-    best = (math.inf, 0.0, 0.0, 0.0)
-    root_w = np.sqrt(weight)
+    best: tuple[float, list[float], float] = (math.inf, [0.0] * x.shape[1], 0.0)
     for k in _SLOWDOWN_GRID:
         factor = 1.0 + k * shared
-        design = np.stack([factor, factor * x], axis=1) * root_w[:, None]
-        if np.ptp(x) == 0:  # one batch size (or one token count): only the mean is identifiable
-            design = design[:, :1]
-        coef, *_ = np.linalg.lstsq(design, y * root_w, rcond=None)
-        a, b = float(coef[0]), float(coef[1]) if coef.size > 1 else 0.0
-        a, b = _non_negative(a, b, x, y, factor, weight)
-        residual = float(np.sum(weight * (y - (a + b * x) * factor) ** 2))
-        if residual < best[0] - 1e-15:
-            best = (residual, a, b, float(k))
-    return best[1], best[2], best[3]
+        coef = _non_negative_lstsq(x * factor[:, None], y, weight)
+        residual = float(np.sum(weight * (y - (x @ coef) * factor) ** 2))
+        if residual < best[0] * (1 - 1e-12) - 1e-15:
+            best = (residual, [float(c) for c in coef], float(k))
+    return best[1], best[2]
 
 
-def _non_negative(a: float, b: float, x: np.ndarray, y: np.ndarray, factor: np.ndarray,
-                  weight: np.ndarray) -> tuple[float, float]:
-    """A fit with a negative term (noise on a few points) falls back to the other term alone."""
-    if a >= 0 and b >= 0:
-        return a, b
-    if b < 0 or not np.any(x):
-        return float(np.sum(weight * y * factor) / np.sum(weight * factor * factor)), 0.0
-    fx = factor * x
-    return 0.0, float(np.sum(weight * y * fx) / np.sum(weight * fx * fx))
+def _non_negative_lstsq(x: np.ndarray, y: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """Weighted least squares; a column whose coefficient comes out negative (noise, or a feature
+    that does not vary) is left out and the rest refitted: times are sums of non-negative costs."""
+    keep = [j for j in range(x.shape[1]) if np.any(x[:, j])]
+    root = np.sqrt(weight)[:, None]
+    while True:
+        coef = np.zeros(x.shape[1])
+        if keep:
+            coef[keep] = np.linalg.lstsq(x[:, keep] * root, y * root[:, 0], rcond=None)[0]
+        negative = [j for j in keep if coef[j] < 0]
+        if not negative:
+            return coef
+        keep.remove(min(negative, key=lambda j: coef[j]))
 
 
-# ---- intervals ----------------------------------------------------------------------------------
+# ---- intervals (milliseconds, as [n, 2] arrays of sorted disjoint [start, end]) ------------------
+
+_NONE = np.zeros((0, 2))
+
 
 def _compute_intervals(commits: list[tuple[int, StepCommitted]]) -> np.ndarray:
-    """[start_ms, end_ms] of each step's compute (a commit's entry id is stamped after its publish)."""
+    """When the trainer computed (a commit's entry id is stamped after its publish)."""
     out = []
     for ms, e in commits:
         end = ms - 1000 * e.timing.publish
         out.append((end - 1000 * e.timing.compute, end))
+    return _union(np.array(out, dtype=float).reshape(-1, 2))
+
+
+def _active_intervals(trajectories: list[tuple[int, Trajectory]]) -> dict[str, np.ndarray]:
+    """Per worker, when it had a group in flight: from each group's start to its publication."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for ms, e in trajectories:
+        spans.setdefault(e.worker, []).append((ms - 1000 * e.generate_s, ms))
+    return {worker: _union(np.array(s, dtype=float)) for worker, s in spans.items()}
+
+
+def _union(intervals: np.ndarray) -> np.ndarray:
+    out: list[list[float]] = []
+    for start, end in intervals[np.argsort(intervals[:, 0])]:
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
     return np.array(out, dtype=float).reshape(-1, 2)
 
 
-def _overlap(start: float, end: float, intervals: np.ndarray) -> float:
-    """Milliseconds of [start, end] inside the union of disjoint `intervals`."""
-    return float(np.clip(np.minimum(intervals[:, 1], end) - np.maximum(intervals[:, 0], start), 0, None).sum())
+def _clip(intervals: np.ndarray, start: float, end: float) -> np.ndarray:
+    clipped = np.clip(intervals, start, end)
+    return clipped[clipped[:, 1] > clipped[:, 0]]
 
 
-def _busy_intervals(stats: list[tuple[int, WorkerStats]]) -> list[tuple[float, float, float]]:
-    """(start_ms, end_ms, share of the interval some engine was decoding) per WorkerStats interval."""
-    out = []
-    last: dict[str, tuple[int, WorkerStats]] = {}
-    for ms, e in stats:
-        prev = last.get(e.worker)
-        last[e.worker] = (ms, e)
-        if prev is not None and ms > prev[0]:
-            out.append((prev[0], ms, min(1.0, 1000 * (e.busy_s - prev[1].busy_s) / (ms - prev[0]))))
-    return out
+def _length(intervals: np.ndarray) -> float:
+    return float(np.sum(intervals[:, 1] - intervals[:, 0]))
 
 
-def _busy_share(start: float, end: float, busy: list[tuple[float, float, float]]) -> float:
-    """Share of [start, end] some worker spent decoding, from the intervals that cover it."""
-    covered = weighted = 0.0
-    for a, b, share in busy:
-        overlap = min(b, end) - max(a, start)
-        if overlap > 0:
-            covered += overlap
-            weighted += overlap * share
-    return min(1.0, weighted / covered) if covered else 0.0
+def _intersection(a: np.ndarray, b: np.ndarray) -> float:
+    """Length of the intersection of two unions of intervals."""
+    total = 0.0
+    for start, end in a:
+        total += float(np.clip(np.minimum(b[:, 1], end) - np.maximum(b[:, 0], start), 0, None).sum())
+    return total
 
 
 # ---- small helpers ------------------------------------------------------------------------------

@@ -23,8 +23,8 @@ from replay.workload import WorkloadError, extract
 from runtime import config as config_mod
 from runtime.cli import main as reel
 
-L, N, G = 6, 4, 4  # tokens per sample, samples per group, groups per step
-A, B = 0.010, 0.0005  # decode step seconds: A + B · running sequences
+L, N, G, P = 6, 4, 4, 3  # tokens per sample, samples per group, groups per step, prompt tokens
+A, B, X = 0.010, 0.0005, 0.0002  # decode step seconds: A + B · running sequences + X · prefill tokens
 C0, C1 = 0.05, 0.001  # trainer compute seconds: C0 + C1 · tokens
 PUBLISH, SWAP = 0.02, 0.004
 
@@ -41,10 +41,11 @@ def _write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: fl
         sample = Sample(tokens=Tensor.from_numpy(np.zeros(L, np.int32)),
                         logprobs=Tensor.from_numpy(np.zeros(L, np.float32)), reward=0.0, finish_reason="length",
                         seed=0, spans=[(0, 0)])
+        # The worker always has a group in flight: one published every 100 ms, started 100 ms before.
         log.stream("trajectories").append_batch([
-            (f"{i + 1}-0", encode(Trajectory(**meta, seq=i, group_id=f"g{i}", env="reverse_text",
-                                             prompt=Tensor.from_numpy(np.zeros(3, np.int32)), samples=[sample] * N,
-                                             worker="rollout:0"))) for i in range(G)])
+            (f"{1100 + 100 * i}-0", encode(Trajectory(
+                **meta, seq=i, group_id=f"g{i}", env="reverse_text", prompt=Tensor.from_numpy(np.zeros(P, np.int32)),
+                samples=[sample] * N, worker="rollout:0", generate_s=0.1))) for i in range(90)])
         # Steps of varying size, 1 s apart, computing in the first half of each second.
         commits, now_ms = [], 1000
         for step in range(1, 9):
@@ -57,19 +58,20 @@ def _write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: fl
                 metrics={"tokens": float(tokens)}))))
         log.stream("steps").append_batch(commits)
         # WorkerStats every 700 ms (so intervals overlap compute by varying shares), batch sizes varying.
-        stats, steps_done, tokens_done, busy = [], 0, 0, 0.0
+        stats, steps_done, tokens_done, forward, busy = [], 0, 0, 0, 0.0
         for i in range(12):
             ms = 1500 + 700 * i
             if i:
                 batch = 4 + 3 * (i % 5)
                 share = _overlap_share(ms - 700, ms)
-                count = 10 + i
+                count, prefill = 10 + i, 5 * (i % 3)
                 steps_done += count
                 tokens_done += count * batch
-                busy += count * (A + B * batch) * (1 + slowdown * share)
+                forward += count * (batch + prefill)
+                busy += count * (A + B * batch + X * prefill) * (1 + slowdown * share)
             stats.append((f"{ms}-0", encode(WorkerStats(
                 **meta, seq=100 + i, worker="rollout:0", tokens_per_s=0.0, running=0, waiting=0, policy_version=0,
-                groups_published=0, decode_steps=steps_done, decode_tokens=tokens_done, busy_s=busy,
+                groups_published=0, decode_steps=steps_done, decode_tokens=tokens_done, forward_tokens=forward, busy_s=busy,
                 swap_s=[SWAP]))))
         log.stream("control").append_batch(stats)
     return run_dir
@@ -87,11 +89,12 @@ def _overlap_share(start_ms: float, end_ms: float) -> float:
 
 def test_calibration_recovers_the_constants(tmp_path: Path) -> None:
     w = extract(_write_run(tmp_path / "run", async_level=0))
-    assert (w.decode.base_s, w.decode.per_seq_s, w.decode.shared_slowdown) == pytest.approx((A, B, 0.0), abs=1e-9)
+    d = w.decode
+    assert (d.base_s, d.per_seq_s, d.per_prefill_token_s, d.shared_slowdown) == pytest.approx((A, B, X, 0.0), abs=1e-9)
     assert (w.trainer.base_s, w.trainer.per_token_s) == pytest.approx((C0, C1), abs=1e-9)
     assert w.trainer.publish_s == pytest.approx(PUBLISH)
     assert w.swap_s == pytest.approx(SWAP)
-    assert w.groups == [[L] * N] * G
+    assert {(g.prompt, tuple(g.completions)) for g in w.groups} == {(P, (L,) * N)}
     assert (w.pipeline.async_level, w.pipeline.batch_groups, w.pipeline.group_size) == (0, G, N)
     assert w.measured.wall_s == pytest.approx(7.0)
 
@@ -103,7 +106,7 @@ def test_calibration_finds_the_shared_core_slowdown(tmp_path: Path) -> None:
 
 
 def _rollout_s(speedup: float = 1.0) -> float:
-    return L * (A + B * G * N) / speedup
+    return (L * (A + B * G * N) + X * G * N * (P - 1)) / speedup  # the round's prompts join in its first step
 
 
 def _train_s(speedup: float = 1.0, ranks: int = 1, efficiency: float = 0.9) -> float:
@@ -127,8 +130,8 @@ def test_asynchronous_period_is_the_slower_side(tmp_path: Path, speedup_rollout:
     w = extract(_write_run(tmp_path / "run", async_level=1, steps=30))
     r = simulate(w, Scenario(pipeline=w.pipeline, speedup_rollout=speedup_rollout))
     rollout, train = _rollout_s(speedup_rollout), _train_s()
-    # Trainer-bound (rollout + swap 0.112 s < train 0.166 s): the trainer never waits after step 1.
-    # Rollout-bound (rollout 0.432 s): rounds run back to back, each paused once by a weight swap.
+    # Trainer-bound (rollout + swap 0.118 s < train 0.166 s): the trainer never waits after step 1.
+    # Rollout-bound (rollout 0.458 s): rounds run back to back, each paused once by a weight swap.
     period = train if rollout < train else rollout + SWAP
     assert r.wall_s / 29 == pytest.approx(period, rel=1e-6)
     assert r.trainer_idle == pytest.approx(1 - train / period, abs=1e-6)
