@@ -4,12 +4,13 @@ The scenario is the run's own configuration with the options applied; with none 
 logged run, and its measured figures are shown beside the prediction. `--against DIR2` simulates
 DIR2's configuration on DIR's measured speeds and compares with what DIR2 measured (how the model
 is validated: predict the synchronous run from the asynchronous one's log, and back).
-`--sweep KEY=V1,V2,...` runs one scenario per value.
+`--sweep KEY=V1,V2,...` runs one scenario per value; several --sweep options run their grid.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 from pathlib import Path
 
 import msgspec
@@ -40,8 +41,13 @@ def main(args: argparse.Namespace) -> int:
     target = extract(Path(args.against)) if args.against else workload
     base = _scenario(args, target.pipeline)
     if args.sweep:
-        key, values = parse_sweep(args.sweep)
-        rows = [_row(workload, _with(base, key, value), f"{key}={value}", None) for value in values]
+        axes = [parse_sweep(text) for text in args.sweep]
+        rows = []
+        for point in itertools.product(*[[(key, v) for v in values] for key, values in axes]):
+            scenario = base
+            for key, value in point:
+                scenario = _with(scenario, key, value)
+            rows.append(_row(workload, scenario, " ".join(f"{k}={v}" for k, v in point), None))
     else:
         logged = base.pipeline == target.pipeline and _unchanged(base)
         rows = [_row(workload, base, "as logged" if logged else "scenario", target if logged else None)]

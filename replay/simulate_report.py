@@ -101,15 +101,21 @@ def plot(rows: list[Row], path: Path) -> None:
     labels = [row.label for row in rows]
     x = np.arange(len(rows))
     measured = [row.measured for row in rows]
-    ax_rate.bar(x - 0.2, [r.result.steps_per_hour for r in rows], 0.4, label="simulated", color="tab:blue")
-    ax_rate.bar(x + 0.2, [m.steps_per_hour if m else 0 for m in measured], 0.4, label="measured", color="tab:gray")
+    known = any(m is not None for m in measured)
+    width = 0.4 if known else 0.8
+    ax_rate.bar(x - 0.2 if known else x, [r.result.steps_per_hour for r in rows], width, label="simulated",
+                color="tab:blue")
+    if known:
+        ax_rate.bar(x + 0.2, [m.steps_per_hour if m else 0 for m in measured], width, label="measured",
+                    color="tab:gray")
     ax_rate.set(title="trainer steps per hour", xticks=x, xticklabels=labels)
     ax_rate.legend(fontsize=8)
     for offset, key, color in ((-0.2, "trainer_idle", "tab:orange"), (0.2, "rollout_idle", "tab:green")):
         ax_idle.bar(x + offset, [getattr(r.result, key) for r in rows], 0.4, color=color,
                     label=f"{key.replace('_', ' ')} (simulated)")
-        ax_idle.plot(x + offset, [getattr(m, key) if m and getattr(m, key) is not None else np.nan for m in measured],
-                     "kx", label="measured" if key == "trainer_idle" else None)
+        if known:
+            ax_idle.plot(x + offset, [getattr(m, key) if m and getattr(m, key) is not None else np.nan
+                                      for m in measured], "kx", label="measured" if key == "trainer_idle" else None)
     ax_idle.set(title="idle share of wall time", xticks=x, xticklabels=labels, ylim=(0, 1))
     ax_idle.legend(fontsize=8)
     versions = sorted({k for row in rows for k in row.result.staleness})

@@ -96,8 +96,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="rollout and trainer on their own hardware: no slowdown fitted for shared cores")
     sim.add_argument("--steps", type=int, default=None, help="trainer steps to simulate (default: the run's)")
     sim.add_argument("--seed", type=int, default=0, help="seed of the group resampling")
-    sim.add_argument("--sweep", default=None, metavar="KEY=V1,V2,...",
-                     help="one scenario per value; keys: rollout-workers, trainer-ranks, async-level, "
+    sim.add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2,...",
+                     help="one scenario per value (repeat for a grid); keys: rollout-workers, trainer-ranks, async-level, "
                           "max-off-policy, speedup-rollout, speedup-trainer")
     sim.add_argument("--against", default=None, metavar="DIR",
                      help="simulate DIR's configuration and compare with what DIR measured")

@@ -185,6 +185,16 @@ def test_cli_sweep_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert png.stat().st_size > 10_000
 
 
+def test_cli_sweeps_make_a_grid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _write_run(tmp_path / "run", async_level=1)
+    assert reel(["simulate", "--run", str(run), "--sweep", "rollout-workers=1,2", "--sweep", "trainer-ranks=1,4",
+                 "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [row["label"] for row in rows] == ["rollout-workers=1 trainer-ranks=1", "rollout-workers=1 trainer-ranks=4",
+                                              "rollout-workers=2 trainer-ranks=1", "rollout-workers=2 trainer-ranks=4"]
+    assert rows[1]["scenario"]["pipeline"]["trainer_ranks"] == 4 and rows[2]["scenario"]["pipeline"]["rollout_workers"] == 2
+
+
 def test_cli_as_logged_shows_the_measured_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = _write_run(tmp_path / "run", async_level=0)
     assert reel(["simulate", "--run", str(run)]) == 0
