@@ -63,7 +63,7 @@ class SimResult(msgspec.Struct, kw_only=True):
     staleness: dict[int, int]  # versions behind -> tokens, over every step
     dropped_share: float  # groups dropped as too stale / groups that reached the trainer
     redis_busy: float  # share of the wall time the Redis thread spent on group events
-    bottleneck: str  # "trainer" | "rollout" | "redis"
+    bottleneck: str  # "redis" | "latency" (both sides wait on each other) | "trainer" | "rollout"
 
 
 @dataclass
@@ -280,7 +280,7 @@ class _Simulation:
         redis = sum(_clip(a, b, first, end) for a, b in self.redis_busy) / wall if wall else 0.0
         trainer_idle = waited / wall if wall else 0.0
         rollout_idle = float(np.mean(idle))
-        bottleneck = "redis" if redis > 0.8 else ("trainer" if trainer_idle <= rollout_idle else "rollout")
+        bottleneck = _bottleneck(trainer_idle, rollout_idle, redis)
         offered = self.used + self.dropped
         return SimResult(steps=len(self.commits), wall_s=wall,
                          steps_per_hour=3600 * (len(self.commits) - 1) / wall if wall else 0.0,
@@ -311,6 +311,17 @@ def simulate(workload: Workload, scenario: Scenario) -> SimResult:
     if not 0 < scenario.rank_efficiency <= 1:
         raise SimulationError(f"--rank-efficiency = {scenario.rank_efficiency} must be in (0, 1]")
     return _Simulation(workload, scenario).run()
+
+
+def _bottleneck(trainer_idle: float, rollout_idle: float, redis_busy: float) -> str:
+    """What sets the pace. "latency": trainer and workers both wait a fifth of the time or more, so
+    neither is saturated; a step waits for its round's slowest group while the async gate holds the
+    workers (raise async_level, or shorten the tail)."""
+    if redis_busy > 0.8:
+        return "redis"
+    if min(trainer_idle, rollout_idle) >= 0.2:
+        return "latency"
+    return "trainer" if trainer_idle <= rollout_idle else "rollout"
 
 
 def _clip(a: float, b: float, lo: float, hi: float) -> float:

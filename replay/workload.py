@@ -18,7 +18,7 @@ From the log alone (entry ids carry the Redis server's millisecond clock, so eve
 - weight swaps: the mean of WorkerStats.swap_s;
 - the figures the run measured, defined as `reel bench async` defines them: wall time of steps
   2..N (step 1 also waits for the processes to start), trainer idle = wait / wall, rollout idle =
-  mean WorkerStats.idle_share after the first commit; plus the staleness histogram and the share
+  mean WorkerStats.idle_share between the first and the last commit; plus the staleness histogram and the share
   of groups dropped as too stale.
 """
 
@@ -129,7 +129,7 @@ def extract(run_dir: Path) -> Workload:
     active = _active_intervals(trajectories)
     # Calibrate on the steady state, as the measured figures do: before the first commit the
     # engine also compiles kernels and warms caches.
-    stats = [(ms, e) for ms, e in stats if ms > commits[0][0]]
+    stats = [(ms, e) for ms, e in stats if commits[0][0] < ms <= commits[-1][0]]
     return Workload(run_dir=str(run_dir), pipeline=pipeline_of(config), groups=groups,
                     decode=_fit_decode(run_dir, stats, computing, active), trainer=_fit_trainer(commits, active),
                     swap_s=_mean([s for _, e in stats for s in e.swap_s]), measured=measured_of(commits, stats))
@@ -145,8 +145,9 @@ def pipeline_of(config: Config) -> Pipeline:
 def measured_of(commits: list[tuple[int, StepCommitted]], stats: list[tuple[int, WorkerStats]]) -> Measured:
     timed = [e for _, e in commits[1:]]
     wall = sum(_step_s(e) for e in timed)
-    first_ms = commits[0][0]
-    idle = [e.idle_share for ms, e in stats if ms > first_ms]
+    # Workers keep reporting after the last commit until the run stops them: those are not the RL loop.
+    first_ms, last_ms = commits[0][0], commits[-1][0]
+    idle = [e.idle_share for ms, e in stats if first_ms < ms <= last_ms]
     staleness: dict[int, int] = {}
     for _, e in commits:
         for behind, tokens in e.staleness.items():
