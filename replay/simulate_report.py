@@ -96,9 +96,9 @@ def plot(rows: list[Row], path: Path) -> None:
     import numpy as np
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(15, 4.5))
+    fig = Figure(figsize=(max(15.0, 1.2 * len(rows)), 4.8))
     ax_rate, ax_idle, ax_stale = fig.subplots(1, 3)
-    labels = [row.label for row in rows]
+    ticks, axis_label = _ticks([row.label for row in rows])
     x = np.arange(len(rows))
     measured = [row.measured for row in rows]
     known = any(m is not None for m in measured)
@@ -108,7 +108,7 @@ def plot(rows: list[Row], path: Path) -> None:
     if known:
         ax_rate.bar(x + 0.2, [m.steps_per_hour if m else 0 for m in measured], width, label="measured",
                     color="tab:gray")
-    ax_rate.set(title="trainer steps per hour", xticks=x, xticklabels=labels)
+    ax_rate.set(title="trainer steps per hour")
     ax_rate.legend(fontsize=8)
     for offset, key, color in ((-0.2, "trainer_idle", "tab:orange"), (0.2, "rollout_idle", "tab:green")):
         ax_idle.bar(x + offset, [getattr(r.result, key) for r in rows], 0.4, color=color,
@@ -116,18 +116,26 @@ def plot(rows: list[Row], path: Path) -> None:
         if known:
             ax_idle.plot(x + offset, [getattr(m, key) if m and getattr(m, key) is not None else np.nan
                                       for m in measured], "kx", label="measured" if key == "trainer_idle" else None)
-    ax_idle.set(title="idle share of wall time", xticks=x, xticklabels=labels, ylim=(0, 1))
+    ax_idle.set(title="idle share of wall time", ylim=(0, 1))
     ax_idle.legend(fontsize=8)
     versions = sorted({k for row in rows for k in row.result.staleness})
-    width = 0.8 / max(1, len(rows))
-    for i, row in enumerate(rows):
-        tokens = sum(row.result.staleness.values()) or 1
-        ax_stale.bar(np.arange(len(versions)) + i * width, [row.result.staleness.get(v, 0) / tokens for v in versions],
-                     width, label=f"{row.label}")
-    ax_stale.set(title="staleness (share of tokens, simulated)", xlabel="versions behind",
-                 xticks=np.arange(len(versions)) + 0.4 - width / 2, xticklabels=[str(v) for v in versions])
+    bottom = np.zeros(len(rows))
+    for v in versions:
+        share = np.array([row.result.staleness.get(v, 0) / (sum(row.result.staleness.values()) or 1) for row in rows])
+        ax_stale.bar(x, share, 0.8, bottom=bottom, label=f"{v} behind")
+        bottom += share
+    ax_stale.set(title="staleness: share of trained tokens (simulated)", ylim=(0, 1))
     ax_stale.legend(fontsize=8)
-    for ax in (ax_rate, ax_idle):
-        ax.tick_params(axis="x", labelrotation=20)
+    for ax in (ax_rate, ax_idle, ax_stale):
+        ax.set_xticks(x, ticks, rotation=30 if len(rows) > 4 else 0, fontsize=8)
+        ax.set_xlabel(axis_label)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def _ticks(labels: list[str]) -> tuple[list[str], str]:
+    """Sweep labels "k1=a k2=b" become ticks "a, b" under an axis label "k1, k2"."""
+    parts = [[item.partition("=") for item in label.split()] for label in labels]
+    if all(len(p) == len(parts[0]) and all(sep for _, sep, _ in p) for p in parts):
+        return [", ".join(v for _, _, v in p) for p in parts], ", ".join(k for k, _, _ in parts[0])
+    return labels, ""
