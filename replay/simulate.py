@@ -68,7 +68,6 @@ class SimResult(msgspec.Struct, kw_only=True):
 
 @dataclass
 class _Group:
-    worker: int
     samples: int  # unfinished samples
     tokens: dict[int, int] = field(default_factory=dict)  # version -> tokens sampled under it
     oldest: int = 1 << 30
@@ -100,39 +99,60 @@ class _Worker:
 
 
 class _Simulation:
+    # Fixed at construction.
+    workload: Workload
+    scenario: Scenario
+    pipeline: Pipeline
+    round_size: int  # R of the async gate
+    rng: np.random.Generator
+    # The clock and the pending events: (time, order of scheduling, kind, worker index, payload).
+    now: float
+    events: list[tuple[float, int, str, int, object]]
+    workers: list[_Worker]
+    # Trainer.
+    version: int  # committed steps
+    queue: collections.deque[_Group]  # arrived, not yet offered
+    batch: list[_Group]
+    computing: bool  # computing or publishing
+    step_started: float
+    commits: list[tuple[float, float]]  # (time of the commit, seconds its step waited)
+    staleness: dict[int, int]
+    used: int
+    dropped: int
+    # Redis.
+    redis_free: float  # when the Redis thread is next free
+    redis_busy: list[tuple[float, float]]
+
     def __init__(self, workload: Workload, scenario: Scenario):
-        self.w = workload
-        self.s = scenario
-        p = scenario.pipeline
-        self.p = p
+        self.workload = workload
+        self.scenario = scenario
+        self.pipeline = p = scenario.pipeline
         self.round_size = min(p.concurrency, -(-p.batch_groups // p.rollout_workers))
         self.rng = np.random.default_rng(scenario.seed)
-        self.workers = [_Worker(i) for i in range(p.rollout_workers)]
         self.now = 0.0
-        self._events: list[tuple[float, int, str, int, object]] = []
+        self.events = []
         self._order = itertools.count()
-        # Trainer.
+        self.workers = [_Worker(i) for i in range(p.rollout_workers)]
         self.version = 0
-        self.queue: collections.deque[_Group] = collections.deque()  # arrived, not yet offered
-        self.batch: list[_Group] = []
+        self.queue = collections.deque()
+        self.batch = []
         self.computing = False
         self.step_started = 0.0
-        self.commits: list[tuple[float, float]] = []  # (time of the commit, seconds waited)
-        self.staleness: dict[int, int] = {}
+        self.commits = []
+        self.staleness = {}
         self.used = self.dropped = 0
-        # Redis.
         self.redis_free = 0.0
-        self.redis_busy: list[tuple[float, float]] = []
+        self.redis_busy = []
 
     # ---- the loop -------------------------------------------------------------------------------
 
     def run(self) -> SimResult:
         for worker in self.workers:
             self._fill(worker)
-        while self.version < self.p.steps:
-            if not self._events:
+        while self.version < self.pipeline.steps:
+            if not self.events:
                 raise SimulationError(self._stuck())
-            self.now, _, kind, index, payload = heapq.heappop(self._events)
+            self.now, _, kind, index, payload = heapq.heappop(self.events)
             match kind:
                 case "step":
                     self._step_done(self.workers[index])
@@ -142,27 +162,26 @@ class _Simulation:
                     self.queue.append(payload)
                     self._collect()
                 case "computed":
-                    self._at(self.w.trainer.publish_s, "commit")
+                    self._at(self.workload.trainer.publish_s, "commit")
                 case "commit":
                     self._commit()
         return self._result()
 
     def _at(self, delay: float, kind: str, index: int = 0, payload: object = None) -> None:
-        heapq.heappush(self._events, (self.now + delay, next(self._order), kind, index, payload))
+        heapq.heappush(self.events, (self.now + delay, next(self._order), kind, index, payload))
 
     # ---- rollout --------------------------------------------------------------------------------
 
     def _may_start(self, worker: _Worker) -> bool:
         round_ = worker.started // self.round_size  # c0 = 0: every worker starts with version 0 live
         gate = min(worker.committed, worker.version)
-        return worker.in_flight < self.p.concurrency and round_ - gate <= self.p.async_level
+        return worker.in_flight < self.pipeline.concurrency and round_ - gate <= self.pipeline.async_level
 
     def _fill(self, worker: _Worker) -> None:
         """Start every group the gate allows, then keep the engine going."""
         while self._may_start(worker):
-            group = _Group(worker.index, 0)
-            shape = self.w.groups[int(self.rng.integers(len(self.w.groups)))]
-            group.samples = len(shape.completions)
+            shape = self.workload.groups[int(self.rng.integers(len(self.workload.groups)))]
+            group = _Group(len(shape.completions))
             worker.waiting.extend(_Sequence(group, max(1, n), max(0, shape.prompt - 1)) for n in shape.completions)
             worker.started += 1
             worker.in_flight += 1
@@ -177,19 +196,19 @@ class _Simulation:
             return
         if worker.version < self.version:
             worker.busy = True
-            self._at(self.w.swap_s, "swap", worker.index, self.version)
+            self._at(self.workload.swap_s, "swap", worker.index, self.version)
             return
         prefill = 0
-        while worker.waiting and len(worker.running) < self.p.max_batch:
+        while worker.waiting and len(worker.running) < self.pipeline.max_batch:
             seq = worker.waiting.popleft()
             prefill += seq.prefill
             worker.running.append(seq)
         if not worker.running:
             return
-        d = self.w.decode
+        d = self.workload.decode
         seconds = (d.base_s + d.per_seq_s * len(worker.running) + d.per_prefill_token_s * prefill)
-        seconds /= self.s.speedup_rollout
-        if self.computing and not self.s.dedicated:
+        seconds /= self.scenario.speedup_rollout
+        if self.computing and not self.scenario.dedicated:
             seconds *= 1.0 + d.shared_slowdown
         worker.busy = True
         self._at(seconds, "step", worker.index)
@@ -218,7 +237,7 @@ class _Simulation:
         worker.in_flight -= 1
         if worker.in_flight == 0:
             worker.idle_since = self.now
-        cost = GROUP_EVENTS * self.s.redis_s_per_event
+        cost = GROUP_EVENTS * self.scenario.redis_s_per_event
         start = max(self.now, self.redis_free)
         self.redis_free = start + cost
         if cost:
@@ -229,24 +248,24 @@ class _Simulation:
 
     def _collect(self) -> None:
         """Offer arrived groups in order until the batch is full (consumers/trainer.py `_collect`)."""
-        if self.computing or self.version >= self.p.steps:
+        if self.computing or self.version >= self.pipeline.steps:
             return
-        while self.queue and len(self.batch) < self.p.batch_groups:
+        while self.queue and len(self.batch) < self.pipeline.batch_groups:
             group = self.queue.popleft()
-            if self.version - group.oldest > self.p.max_off_policy:
+            if self.version - group.oldest > self.pipeline.max_off_policy:
                 self.dropped += 1
             else:
                 self.batch.append(group)
-        if len(self.batch) < self.p.batch_groups:
+        if len(self.batch) < self.pipeline.batch_groups:
             return
         self.computing = True
         self.commits.append((0.0, self.now - self.step_started))  # the commit time is set by _commit
-        t = self.w.trainer
+        t = self.workload.trainer
         tokens = sum(sum(g.tokens.values()) for g in self.batch)
-        seconds = (t.base_s + t.per_token_s * tokens) / self.s.speedup_trainer
-        if self.p.trainer_ranks > 1:
-            seconds /= self.p.trainer_ranks * self.s.rank_efficiency
-        if not self.s.dedicated:
+        seconds = (t.base_s + t.per_token_s * tokens) / self.scenario.speedup_trainer
+        if self.pipeline.trainer_ranks > 1:
+            seconds /= self.pipeline.trainer_ranks * self.scenario.rank_efficiency
+        if not self.scenario.dedicated:
             decoding = sum(1 for w in self.workers if w.running) / len(self.workers)
             seconds *= 1.0 + t.shared_slowdown * decoding
         self._at(seconds, "computed")
@@ -290,7 +309,7 @@ class _Simulation:
                          bottleneck=bottleneck)
 
     def _stuck(self) -> str:
-        p = self.p
+        p = self.pipeline
         return (f"the simulated pipeline stalls before step {self.version + 1}: {p.rollout_workers} workers x "
                 f"{self.round_size} groups per round cannot fill trainer.batch_groups = {p.batch_groups} at "
                 f"async_level = {p.async_level}; raise rollout.concurrency or the number of workers")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 import numpy as np
@@ -37,6 +38,8 @@ from runtime.config import Config, ConfigError, load
 
 __all__ = ["WorkloadError", "Pipeline", "GroupShape", "StepModel", "TrainerModel", "Measured", "Workload", "extract",
            "pipeline_of", "measured_of"]
+
+T = TypeVar("T")
 
 # Slowdown factors are fitted on this grid (0 = none, 3 = four times slower while shared).
 _SLOWDOWN_GRID = np.linspace(0.0, 3.0, 301)
@@ -113,9 +116,9 @@ def extract(run_dir: Path) -> Workload:
     config = _config(run_dir)
     try:
         with RunLog(run_dir, readonly=True) as run_log:
-            commits = [(_ms(i), e) for i, e in run_log.events("steps") if isinstance(e, StepCommitted)]
-            stats = [(_ms(i), e) for i, e in run_log.events("control") if isinstance(e, WorkerStats)]
-            trajectories = [(_ms(i), e) for i, e in run_log.events("trajectories") if isinstance(e, Trajectory)]
+            commits = _timed(run_log, "steps", StepCommitted)
+            stats = _timed(run_log, "control", WorkerStats)
+            trajectories = _timed(run_log, "trajectories", Trajectory)
     except LogError as exc:
         raise WorkloadError(f"cannot read the log of {run_dir}: {exc}") from exc
     if len(commits) < 3:
@@ -294,6 +297,13 @@ def _config(run_dir: Path) -> Config:
         return load(path)
     except ConfigError as exc:
         raise WorkloadError(f"{path}: {exc}") from exc
+
+
+def _timed(run_log: RunLog, stream: str, kind: type[T]) -> list[tuple[int, T]]:
+    """(entry time in ms, event) of one kind; none when the stream was never logged."""
+    if stream not in run_log.names():
+        return []
+    return [(_ms(i), e) for i, e in run_log.events(stream) if isinstance(e, kind)]
 
 
 def _step_s(e: StepCommitted) -> float:

@@ -9,6 +9,7 @@ the model against a real run is in test_simulate_real.py.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import msgspec
@@ -218,3 +219,10 @@ def test_cli_bad_input_is_one_sentence(tmp_path: Path, capsys: pytest.CaptureFix
 def test_not_a_run_directory(tmp_path: Path) -> None:
     with pytest.raises(WorkloadError, match="no config.toml"):
         extract(tmp_path)
+
+
+def test_a_log_without_decode_timings_says_so(tmp_path: Path) -> None:
+    run = _write_run(tmp_path / "run", async_level=0)
+    shutil.rmtree(run / "log" / "control")  # as if no worker had reported its engine counters
+    with pytest.raises(WorkloadError, match="0 WorkerStats intervals with decode timings.*re-run the config"):
+        extract(run)
