@@ -123,6 +123,7 @@ class Sample(msgspec.Struct, frozen=True, gc=False):
     seed: int
     # [(first completion token index, policy version)], ascending; first index is 0.
     spans: list[tuple[int, int]]
+    generate_s: float = 0.0  # seconds from the engine admitting the sample to its last token (0 = not measured)
 
 
 class Trajectory(Event, tag="trajectory"):
@@ -135,6 +136,7 @@ class Trajectory(Event, tag="trajectory"):
     worker: str
     meta: dict[str, Any] = {}
     temperature: float = 1.0
+    generate_s: float = 0.0  # seconds from the worker starting the group to its completions (0 = not measured)
 
 
 class RoutingTrace(Event, tag="routing_trace"):
@@ -191,6 +193,13 @@ class WorkerStats(Event, tag="worker_stats"):
     policy_version: int
     groups_published: int
     idle_share: float = 0.0
+    # Engine counters since the worker started (deltas between two stats give the mean decode-step
+    # time and batch occupancy over the interval: what `reel simulate` calibrates on).
+    decode_steps: int = 0
+    decode_tokens: int = 0  # tokens sampled, one per running sequence per decode step
+    forward_tokens: int = 0  # tokens fed through the model: decode_tokens plus the prompts' prefill
+    busy_s: float = 0.0  # seconds the engine spent decoding
+    swap_s: list[float] = []  # weight swaps since the last stats: seconds from reading the event to live
 
 
 class RunFinished(Event, tag="run_finished"):

@@ -63,7 +63,7 @@ class _Sequence:
     """One sample of a request, from waiting to finished."""
 
     __slots__ = ("request", "seed", "uniforms", "slot", "pending", "position", "tokens", "logprobs",
-                 "routing", "spans", "finish_reason")
+                 "routing", "spans", "finish_reason", "admitted_at", "seconds")
 
     def __init__(self, request: _Request, index: int):
         self.request = request
@@ -77,6 +77,8 @@ class _Sequence:
         self.routing: list[np.ndarray] = []  # [n, L, K] per step, one row per token fed
         self.spans: list[tuple[int, int]] = []
         self.finish_reason = ""
+        self.admitted_at = 0.0  # monotonic time it got a KV slot
+        self.seconds = 0.0  # admission to last token
 
 
 class BuiltinEngine(Engine):
@@ -112,6 +114,8 @@ class BuiltinEngine(Engine):
         self._started_at = 0.0
         self._steps = 0
         self._generated = 0
+        self._busy_s = 0.0  # seconds in bursts
+        self._forward = 0  # tokens fed through the model
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
 
     # ---- Engine interface -------------------------------------------------------------------
@@ -158,7 +162,8 @@ class BuiltinEngine(Engine):
         rate = sum(n for _, n in self._recent) / window if self._recent and window > 0 else 0.0
         return EngineStats(version=self.version, tokens_per_s=rate, running=len(self._running),
                            waiting=len(self._waiting), kv_slots_used=self.max_batch - len(self._free_slots),
-                           kv_slots_total=self.max_batch, steps=self._steps, generated_tokens=self._generated)
+                           kv_slots_total=self.max_batch, steps=self._steps, generated_tokens=self._generated,
+                           busy_s=self._busy_s, forward_tokens=self._forward)
 
     async def close(self) -> None:
         self._closed = True
@@ -190,7 +195,9 @@ class BuiltinEngine(Engine):
                     self._wake.clear()
                     await self._wake.wait()
                     continue
+                started = time.monotonic()
                 finished = await loop.run_in_executor(self._executor, self._burst)
+                self._busy_s += time.monotonic() - started
                 self._finish(finished)
         except asyncio.CancelledError:
             raise
@@ -209,6 +216,7 @@ class BuiltinEngine(Engine):
             budget -= len(seq.pending)
             seq.slot = heapq.heappop(self._free_slots)
             seq.uniforms = Uniforms(seq.seed, self.device)
+            seq.admitted_at = time.monotonic()
             self._running.append(seq)
         self._running.sort(key=lambda s: s.slot)
 
@@ -229,7 +237,9 @@ class BuiltinEngine(Engine):
         self._running = kept
 
     def _finish(self, finished: list[_Sequence]) -> None:
+        now = time.monotonic()
         for seq in finished:
+            seq.seconds = now - seq.admitted_at
             heapq.heappush(self._free_slots, seq.slot)
             request = seq.request
             request.unfinished -= 1
@@ -280,6 +290,7 @@ class BuiltinEngine(Engine):
         room = min(min(p.max_tokens - n, self.max_seq_len - pos) for p, (n, pos) in zip(params, after))
         sample = Sampler(params, [s.uniforms for s in seqs], self.model.config.vocab_size, dev, draws=1 + room)
         tokens_B, logprobs_B, stopped = sample(out.logits[torch.tensor(last, device=dev)])
+        self._forward += len(ids) - len(seqs)  # the prompts' extra tokens; _count_step adds one per sequence
         self._count_step(len(seqs))
         tokens, logprobs, routing = [tokens_B], [logprobs_B], []
         slot_B = torch.tensor([s.slot for s in seqs], device=dev)
@@ -300,6 +311,7 @@ class BuiltinEngine(Engine):
     def _count_step(self, sampled: int) -> None:
         self._steps += 1
         self._generated += sampled
+        self._forward += sampled
         self._recent.append((time.monotonic(), sampled))
 
     def _record(self, seqs: list[_Sequence], first_routing_NLK: torch.Tensor, last: list[int],
@@ -336,4 +348,5 @@ class BuiltinEngine(Engine):
 
 def _completion(seq: _Sequence) -> Completion:
     return Completion(tokens=seq.tokens, logprobs=seq.logprobs, finish_reason=seq.finish_reason,
-                      routing=np.concatenate(seq.routing), spans=seq.spans, seed=seq.seed)
+                      routing=np.concatenate(seq.routing), spans=seq.spans, seed=seq.seed,
+                      seconds=seq.seconds)

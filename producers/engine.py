@@ -79,6 +79,7 @@ class Completion:
     routing: np.ndarray  # expert ids [P + C - 1, moe_layers, top_k], uint8 | uint16
     spans: list[tuple[int, int]] = field(default_factory=list)  # [(first token index, version)]
     seed: int = 0  # the seed of this sample's generator
+    seconds: float = 0.0  # from admission (a KV slot) to the last token; 0 when the engine does not measure it
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,6 +91,8 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     kv_slots_total: int
     steps: int  # decode steps run since start
     generated_tokens: int  # completion tokens sampled since start
+    busy_s: float = 0.0  # seconds spent running decode steps since start (0 when not measured)
+    forward_tokens: int = 0  # tokens fed through the model since start: prompts and sampled tokens
 
 
 def routing_dtype(num_experts: int) -> type[np.unsignedinteger[Any]]:

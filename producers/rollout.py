@@ -116,6 +116,7 @@ class RolloutWorker:
         self._idle_since: float | None = time.monotonic()  # no group in flight since then
         self._idle_s = 0.0  # idle seconds since the last WorkerStats
         self._stats_at = time.monotonic()
+        self._swaps: list[float] = []  # weight swap seconds since the last WorkerStats
 
     async def run(self, stop: asyncio.Event) -> None:
         redis = connect(self.url)
@@ -203,7 +204,9 @@ class RolloutWorker:
         prompt = self.env.sample(random.Random(seed))
         params = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
                                 stop_token_ids=(self.env.tokenizer.eos_id,), seed=seed)
+        started = time.monotonic()
         completions = await self.engine.generate(prompt.ids, params)
+        generate_s = time.monotonic() - started
         experts = [Tensor.from_numpy(c.routing) for c in completions]
         blob = None
         if sum(len(t.data) for t in experts) > ROUTING_INLINE_BYTES:
@@ -211,7 +214,7 @@ class RolloutWorker:
         trajectory = self.publisher.stamp(
             Trajectory, group_id=group_id, env=self.env.name,
             prompt=Tensor.from_numpy(np.asarray(prompt.ids, np.int32)), samples=[self._sample(prompt, c) for c in completions], worker=self.name, meta=prompt.meta,
-            temperature=r.temperature)
+            temperature=r.temperature, generate_s=generate_s)
         trace = (self.publisher.stamp(RoutingTrace, group_id=group_id, blob=blob) if blob is not None
                  else self.publisher.stamp(RoutingTrace, group_id=group_id, experts=experts))
         self._publishing.add(group_id)
@@ -225,7 +228,7 @@ class RolloutWorker:
         return Sample(tokens=Tensor.from_numpy(np.asarray(c.tokens, np.int32)),
                       logprobs=Tensor.from_numpy(np.asarray(c.logprobs, np.float32)),
                       reward=float(self.env.reward(prompt, c.tokens)), finish_reason=c.finish_reason, seed=c.seed,
-                      spans=list(c.spans))
+                      spans=list(c.spans), generate_s=c.seconds)
 
     async def _drain(self) -> None:
         if self.in_flight:
@@ -269,7 +272,8 @@ class RolloutWorker:
                     await self.engine.start()
                 started = time.monotonic()
                 await self.engine.update_weights(latest.weights, latest.version)
-                log.info("%s: policy version %d live (%.2f s)", self.name, latest.version, time.monotonic() - started)
+                self._swaps.append(time.monotonic() - started)
+                log.info("%s: policy version %d live (%.2f s)", self.name, latest.version, self._swaps[-1])
                 self._changed.set()
 
     async def _follow_steps(self) -> None:
@@ -293,9 +297,12 @@ class RolloutWorker:
             if self._idle_since is not None:
                 self._idle_since = now
             s = self.engine.stats()
+            swaps, self._swaps = self._swaps, []
             await self.publisher.publish([self.publisher.stamp(
                 WorkerStats, worker=self.name, tokens_per_s=s.tokens_per_s, running=s.running, waiting=s.waiting,
-                policy_version=s.version, groups_published=self.published, idle_share=share)])
+                policy_version=s.version, groups_published=self.published, idle_share=share,
+                decode_steps=s.steps, decode_tokens=s.generated_tokens, forward_tokens=s.forward_tokens,
+                busy_s=s.busy_s, swap_s=swaps)])
 
     async def _recover_seq(self, redis) -> int:
         on_bus = await recover_next_seq(redis, self.run_name, self.name)

@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from bus.errors import ReelError
 from replay import report as report_mod
 from replay.analysis import OnStep, Run, replay_range, replay_step
+from replay.console import print_view
 from runtime.reexecute import newest_checkpoint
 
 
@@ -34,7 +35,7 @@ def main_step(args: argparse.Namespace) -> int:
     if args.json:
         print(msgspec.json.encode(report).decode())
     else:
-        report_mod.print_view(report_mod.step_view(report))
+        print_view(report_mod.step_view(report))
     if args.plot:
         report_mod.plot_step(report, analysis, Path(args.plot))
     return 0 if report.bitwise else 1
@@ -51,7 +52,7 @@ def main_range(args: argparse.Namespace) -> int:
     if args.json:
         print(msgspec.json.encode({"first": first, "last": last, "steps": rows}).decode())
     else:
-        report_mod.print_view(report_mod.range_view(rows))
+        print_view(report_mod.range_view(rows))
     if args.plot:
         report_mod.plot_range(rows, Path(args.plot))
     return 0

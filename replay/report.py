@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console, Group
+from rich.console import Group
 from rich.table import Table
 
 from replay.analysis import KL, BatchAnalysis, RangeRow, StepReport
@@ -93,12 +93,6 @@ def range_view(rows: list[RangeRow]) -> Table:
                       _num(rc.router_agreement_mean, ".2%")]
         table.add_row(*cells)
     return table
-
-
-def print_view(renderable: object) -> None:
-    console = Console()
-    # Piped output has no width to fit: give wide tables room instead of rich's default 80 columns.
-    (console if console.is_terminal else Console(width=200)).print(renderable)
 
 
 def plot_step(r: StepReport, analysis: BatchAnalysis, path: Path) -> None:

@@ -80,6 +80,31 @@ def _parser() -> argparse.ArgumentParser:
     rng.add_argument("--recompute", action="store_true", help="recompute KL by re-executing each step")
     rng.set_defaults(handler="replay.cli:main_range")
 
+    sim = sub.add_parser("simulate", help="capacity planning: simulate the pipeline on a run's measured speeds")
+    sim.add_argument("--run", required=True, dest="run_dir", help="run directory whose log calibrates the model")
+    sim.add_argument("--rollout-workers", type=int, default=None)
+    sim.add_argument("--trainer-ranks", type=int, default=None,
+                     help="trainer compute divided by ranks x --rank-efficiency (FSDP modelled as scaling)")
+    sim.add_argument("--rank-efficiency", type=float, default=0.9)
+    sim.add_argument("--async-level", type=int, default=None)
+    sim.add_argument("--max-off-policy", type=int, default=None)
+    sim.add_argument("--speedup-rollout", type=float, default=1.0)
+    sim.add_argument("--speedup-trainer", type=float, default=1.0)
+    sim.add_argument("--redis-us-per-event", type=float, default=0.0,
+                     help="Redis CPU per event in µs, from `reel bench bus` (0 = not modelled)")
+    sim.add_argument("--dedicated", action="store_true",
+                     help="rollout and trainer on their own hardware: no slowdown fitted for shared cores")
+    sim.add_argument("--steps", type=int, default=None, help="trainer steps to simulate (default: the run's)")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the group resampling")
+    sim.add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2,...",
+                     help="one scenario per value (repeat for a grid); keys: rollout-workers, trainer-ranks, async-level, "
+                          "max-off-policy, speedup-rollout, speedup-trainer")
+    sim.add_argument("--against", default=None, metavar="DIR",
+                     help="simulate DIR's configuration and compare with what DIR measured")
+    sim.add_argument("--json", action="store_true")
+    sim.add_argument("--plot", default=None, metavar="FILE.png")
+    sim.set_defaults(handler="replay.simulate_cli:main")
+
     top = sub.add_parser("top", help="live terminal view of a run")
     top.add_argument("--run", dest="run_dir", default=None, help="run directory")
     top.add_argument("--bus", default=None, help="Redis URL (with --name)")

@@ -122,6 +122,21 @@ async def test_a_seeded_sample_does_not_depend_on_its_batch(model: MoEModel) -> 
     assert alone.tokens == together.tokens
 
 
+async def test_stats_count_what_reel_simulate_calibrates_on(model: MoEModel) -> None:
+    async with BuiltinEngine(model, max_batch=4, max_seq_len=32) as engine:
+        completions = await asyncio.gather(
+            engine.generate([1, 2, 3], SamplingParams(n=2, max_tokens=5, seed=1)),
+            engine.generate([4, 5], SamplingParams(n=3, max_tokens=7, seed=2)))
+        stats = engine.stats()
+    samples = [c for group in completions for c in group]
+    generated = sum(len(c.tokens) for c in samples)
+    assert stats.generated_tokens == generated
+    # Every sampled token was fed once except each sample's last; every prompt token was fed once.
+    assert stats.forward_tokens == generated + 2 * (3 - 1) + 3 * (2 - 1)
+    assert 0 < stats.busy_s and stats.steps >= 7
+    assert all(0 < c.seconds <= stats.busy_s + 1.0 for c in samples)
+
+
 async def test_stop_token_ends_a_sample_and_is_kept(model: MoEModel) -> None:
     prompt = [1, 5, 9]
     reference = greedy_reference(model, prompt, 8)

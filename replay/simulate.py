@@ -1,0 +1,347 @@
+"""A discrete-event simulation of a Reel pipeline, driven by a workload measured on a real run.
+
+    rollout worker  an engine with continuous batching: at most `max_batch` sequences decode one
+                    token per step, a step with B of them taking step_s(B, X) / speedup_rollout,
+                    X the prompt tokens of sequences joining in it (they join between steps). The async gate of producers/rollout.py decides
+                    when a group may start: round r(g) = c0 + g // R may start while r(g) - c <= a,
+                    c = the newest version both committed and live in this worker's engine.
+    weight swap     after a commit each worker loads the new weights at its next step boundary;
+                    decoding pauses for swap_s. Tokens carry the version that sampled them.
+    Redis           one thread: a finished group's two events (Trajectory, RoutingTrace) occupy it
+                    2 x redis_s_per_event (`reel bench bus` measures that cost) before the trainer sees them.
+    trainer         takes arrived groups in order, drops those with a token older than
+                    max_off_policy versions (consumers/trainer.py), computes once batch_groups are
+                    in, then publishes. Compute = (base + per_token · tokens) / speedup_trainer,
+                    divided by ranks x rank_efficiency when trainer_ranks > 1: the FSDP trainer is
+                    modelled as compute scaling with a stated efficiency, not simulated collective by
+                    collective.
+    shared cores    unless `dedicated`, a decode step that starts while the trainer computes, and a
+                    trainer step that starts while workers decode, are slowed by the factors fitted
+                    on the log (replay/workload.py): what a machine shared by both roles costs.
+
+Figures are those of `reel bench async`: wall time and idle shares over steps 2..N.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from bus.errors import ReelError
+from replay.workload import Pipeline, Workload
+
+__all__ = ["Scenario", "SimResult", "SimulationError", "simulate", "GROUP_EVENTS"]
+
+GROUP_EVENTS = 2  # a finished group is one Trajectory and one RoutingTrace on the bus
+
+
+class SimulationError(ReelError):
+    """A scenario that cannot run (e.g. a gate that can never open); the message names the setting."""
+
+
+class Scenario(msgspec.Struct, kw_only=True):
+    pipeline: Pipeline
+    speedup_rollout: float = 1.0  # decode steps this many times faster than measured
+    speedup_trainer: float = 1.0  # trainer compute this many times faster than measured
+    rank_efficiency: float = 0.9  # trainer compute scales as ranks x this (ranks > 1)
+    redis_s_per_event: float = 0.0  # Redis CPU seconds per event (`reel bench bus`)
+    dedicated: bool = False  # rollout and trainer on their own hardware: no shared-core slowdown
+    seed: int = 0  # of the group resampling
+
+
+class SimResult(msgspec.Struct, kw_only=True):
+    steps: int
+    wall_s: float  # steps 2..N
+    steps_per_hour: float
+    trainer_idle: float  # share of the wall time the trainer waited for groups
+    rollout_idle: float  # mean share of the wall time a worker had no group in flight
+    staleness: dict[int, int]  # versions behind -> tokens, over every step
+    dropped_share: float  # groups dropped as too stale / groups that reached the trainer
+    redis_busy: float  # share of the wall time the Redis thread spent on group events
+    bottleneck: str  # "redis" | "latency" (both sides wait on each other) | "trainer" | "rollout"
+
+
+@dataclass
+class _Group:
+    samples: int  # unfinished samples
+    tokens: dict[int, int] = field(default_factory=dict)  # version -> tokens sampled under it
+    oldest: int = 1 << 30
+
+    def sampled(self, version: int, count: int) -> None:
+        self.tokens[version] = self.tokens.get(version, 0) + count
+        self.oldest = min(self.oldest, version)
+
+
+@dataclass
+class _Sequence:
+    group: _Group
+    left: int  # tokens still to sample
+    prefill: int  # prompt tokens fed with its first step beyond the one sampled from
+
+
+@dataclass
+class _Worker:
+    index: int
+    running: list[_Sequence] = field(default_factory=list)
+    waiting: collections.deque[_Sequence] = field(default_factory=collections.deque)
+    in_flight: int = 0
+    started: int = 0
+    version: int = 0  # live in the engine
+    committed: int = 0  # newest commit seen
+    busy: bool = False  # a decode step or a swap is under way
+    idle_since: float | None = 0.0
+    idle: list[tuple[float, float]] = field(default_factory=list)  # [start, end) without a group in flight
+
+
+class _Simulation:
+    # Fixed at construction.
+    workload: Workload
+    scenario: Scenario
+    pipeline: Pipeline
+    round_size: int  # R of the async gate
+    rng: np.random.Generator
+    # The clock and the pending events: (time, order of scheduling, kind, worker index, payload).
+    now: float
+    events: list[tuple[float, int, str, int, object]]
+    workers: list[_Worker]
+    # Trainer.
+    version: int  # committed steps
+    queue: collections.deque[_Group]  # arrived, not yet offered
+    batch: list[_Group]
+    computing: bool  # computing or publishing
+    step_started: float
+    commits: list[tuple[float, float]]  # (time of the commit, seconds its step waited)
+    staleness: dict[int, int]
+    used: int
+    dropped: int
+    # Redis.
+    redis_free: float  # when the Redis thread is next free
+    redis_busy: list[tuple[float, float]]
+
+    def __init__(self, workload: Workload, scenario: Scenario):
+        self.workload = workload
+        self.scenario = scenario
+        self.pipeline = p = scenario.pipeline
+        self.round_size = min(p.concurrency, -(-p.batch_groups // p.rollout_workers))
+        self.rng = np.random.default_rng(scenario.seed)
+        self.now = 0.0
+        self.events = []
+        self._order = itertools.count()
+        self.workers = [_Worker(i) for i in range(p.rollout_workers)]
+        self.version = 0
+        self.queue = collections.deque()
+        self.batch = []
+        self.computing = False
+        self.step_started = 0.0
+        self.commits = []
+        self.staleness = {}
+        self.used = self.dropped = 0
+        self.redis_free = 0.0
+        self.redis_busy = []
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        for worker in self.workers:
+            self._fill(worker)
+        while self.version < self.pipeline.steps:
+            if not self.events:
+                raise SimulationError(self._stuck())
+            self.now, _, kind, index, payload = heapq.heappop(self.events)
+            match kind:
+                case "step":
+                    self._step_done(self.workers[index])
+                case "swap":
+                    self._swap_done(self.workers[index], version=int(payload))
+                case "arrive":
+                    self.queue.append(payload)
+                    self._collect()
+                case "computed":
+                    self._at(self.workload.trainer.publish_s, "commit")
+                case "commit":
+                    self._commit()
+        return self._result()
+
+    def _at(self, delay: float, kind: str, index: int = 0, payload: object = None) -> None:
+        heapq.heappush(self.events, (self.now + delay, next(self._order), kind, index, payload))
+
+    # ---- rollout --------------------------------------------------------------------------------
+
+    def _may_start(self, worker: _Worker) -> bool:
+        round_ = worker.started // self.round_size  # c0 = 0: every worker starts with version 0 live
+        gate = min(worker.committed, worker.version)
+        return worker.in_flight < self.pipeline.concurrency and round_ - gate <= self.pipeline.async_level
+
+    def _fill(self, worker: _Worker) -> None:
+        """Start every group the gate allows, then keep the engine going."""
+        while self._may_start(worker):
+            shape = self.workload.groups[int(self.rng.integers(len(self.workload.groups)))]
+            group = _Group(len(shape.completions))
+            worker.waiting.extend(_Sequence(group, max(1, n), max(0, shape.prompt - 1)) for n in shape.completions)
+            worker.started += 1
+            worker.in_flight += 1
+            if worker.idle_since is not None:
+                worker.idle.append((worker.idle_since, self.now))
+                worker.idle_since = None
+        self._kick(worker)
+
+    def _kick(self, worker: _Worker) -> None:
+        """Between two steps: swap in newer weights first, else admit and start a decode step."""
+        if worker.busy:
+            return
+        if worker.version < self.version:
+            worker.busy = True
+            self._at(self.workload.swap_s, "swap", worker.index, self.version)
+            return
+        prefill = 0
+        while worker.waiting and len(worker.running) < self.pipeline.max_batch:
+            seq = worker.waiting.popleft()
+            prefill += seq.prefill
+            worker.running.append(seq)
+        if not worker.running:
+            return
+        d = self.workload.decode
+        seconds = (d.base_s + d.per_seq_s * len(worker.running) + d.per_prefill_token_s * prefill)
+        seconds /= self.scenario.speedup_rollout
+        if self.computing and not self.scenario.dedicated:
+            seconds *= 1.0 + d.shared_slowdown
+        worker.busy = True
+        self._at(seconds, "step", worker.index)
+
+    def _step_done(self, worker: _Worker) -> None:
+        worker.busy = False
+        still = []
+        for seq in worker.running:
+            seq.group.sampled(worker.version, 1)
+            seq.left -= 1
+            if seq.left > 0:
+                still.append(seq)
+                continue
+            seq.group.samples -= 1
+            if seq.group.samples == 0:
+                self._group_done(worker, seq.group)
+        worker.running = still
+        self._fill(worker)
+
+    def _swap_done(self, worker: _Worker, version: int) -> None:
+        worker.busy = False
+        worker.version = version
+        self._fill(worker)
+
+    def _group_done(self, worker: _Worker, group: _Group) -> None:
+        worker.in_flight -= 1
+        if worker.in_flight == 0:
+            worker.idle_since = self.now
+        cost = GROUP_EVENTS * self.scenario.redis_s_per_event
+        start = max(self.now, self.redis_free)
+        self.redis_free = start + cost
+        if cost:
+            self.redis_busy.append((start, self.redis_free))
+        self._at(self.redis_free - self.now, "arrive", payload=group)
+
+    # ---- trainer --------------------------------------------------------------------------------
+
+    def _collect(self) -> None:
+        """Offer arrived groups in order until the batch is full (consumers/trainer.py `_collect`)."""
+        if self.computing or self.version >= self.pipeline.steps:
+            return
+        while self.queue and len(self.batch) < self.pipeline.batch_groups:
+            group = self.queue.popleft()
+            if self.version - group.oldest > self.pipeline.max_off_policy:
+                self.dropped += 1
+            else:
+                self.batch.append(group)
+        if len(self.batch) < self.pipeline.batch_groups:
+            return
+        self.computing = True
+        self.commits.append((0.0, self.now - self.step_started))  # the commit time is set by _commit
+        t = self.workload.trainer
+        tokens = sum(sum(g.tokens.values()) for g in self.batch)
+        seconds = (t.base_s + t.per_token_s * tokens) / self.scenario.speedup_trainer
+        if self.pipeline.trainer_ranks > 1:
+            seconds /= self.pipeline.trainer_ranks * self.scenario.rank_efficiency
+        if not self.scenario.dedicated:
+            decoding = sum(1 for w in self.workers if w.running) / len(self.workers)
+            seconds *= 1.0 + t.shared_slowdown * decoding
+        self._at(seconds, "computed")
+
+    def _commit(self) -> None:
+        for group in self.batch:
+            for version, tokens in group.tokens.items():
+                behind = self.version - version
+                self.staleness[behind] = self.staleness.get(behind, 0) + tokens
+        self.used += len(self.batch)
+        self.batch = []
+        self.version += 1
+        self.computing = False
+        self.commits[-1] = (self.now, self.commits[-1][1])
+        self.step_started = self.now
+        for worker in self.workers:
+            worker.committed = self.version
+            self._fill(worker)
+        self._collect()
+
+    # ---- results --------------------------------------------------------------------------------
+
+    def _result(self) -> SimResult:
+        first, end = self.commits[0][0], self.commits[-1][0]
+        wall = end - first
+        waited = sum(w for _, w in self.commits[1:])
+        idle = []
+        for worker in self.workers:
+            spans = worker.idle + ([(worker.idle_since, end)] if worker.idle_since is not None else [])
+            idle.append(sum(_clip(a, b, first, end) for a, b in spans) / wall if wall else 0.0)
+        redis = sum(_clip(a, b, first, end) for a, b in self.redis_busy) / wall if wall else 0.0
+        trainer_idle = waited / wall if wall else 0.0
+        rollout_idle = float(np.mean(idle))
+        bottleneck = _bottleneck(trainer_idle, rollout_idle, redis)
+        offered = self.used + self.dropped
+        return SimResult(steps=len(self.commits), wall_s=wall,
+                         steps_per_hour=3600 * (len(self.commits) - 1) / wall if wall else 0.0,
+                         trainer_idle=trainer_idle, rollout_idle=rollout_idle,
+                         staleness=dict(sorted(self.staleness.items())),
+                         dropped_share=self.dropped / offered if offered else 0.0, redis_busy=redis,
+                         bottleneck=bottleneck)
+
+    def _stuck(self) -> str:
+        p = self.pipeline
+        return (f"the simulated pipeline stalls before step {self.version + 1}: {p.rollout_workers} workers x "
+                f"{self.round_size} groups per round cannot fill trainer.batch_groups = {p.batch_groups} at "
+                f"async_level = {p.async_level}; raise rollout.concurrency or the number of workers")
+
+
+def simulate(workload: Workload, scenario: Scenario) -> SimResult:
+    """Run the scenario to `pipeline.steps` commits; needs at least 3 steps for steps 2..N figures."""
+    p = scenario.pipeline
+    if p.steps < 3:
+        raise SimulationError(f"--steps = {p.steps}: simulate at least 3 steps (figures cover steps 2..N)")
+    for name, value in (("rollout workers", p.rollout_workers), ("trainer ranks", p.trainer_ranks),
+                        ("--speedup-rollout", scenario.speedup_rollout),
+                        ("--speedup-trainer", scenario.speedup_trainer)):
+        if value <= 0:
+            raise SimulationError(f"{name} = {value} must be positive")
+    if p.async_level < 0 or p.max_off_policy < 0:
+        raise SimulationError("async level and max off-policy steps must be 0 or more")
+    if not 0 < scenario.rank_efficiency <= 1:
+        raise SimulationError(f"--rank-efficiency = {scenario.rank_efficiency} must be in (0, 1]")
+    return _Simulation(workload, scenario).run()
+
+
+def _bottleneck(trainer_idle: float, rollout_idle: float, redis_busy: float) -> str:
+    """What sets the pace. "latency": trainer and workers both wait a fifth of the time or more, so
+    neither is saturated; a step waits for its round's slowest group while the async gate holds the
+    workers (raise async_level, or shorten the tail)."""
+    if redis_busy > 0.8:
+        return "redis"
+    if min(trainer_idle, rollout_idle) >= 0.2:
+        return "latency"
+    return "trainer" if trainer_idle <= rollout_idle else "rollout"
+
+
+def _clip(a: float, b: float, lo: float, hi: float) -> float:
+    return max(0.0, min(b, hi) - max(a, lo))

@@ -1,0 +1,318 @@
+"""What `reel simulate` learns from a run's log: the workload, the measured speeds, the measured result.
+
+From the log alone (entry ids carry the Redis server's millisecond clock, so every event has a time):
+
+- group shapes: the prompt length and the completion length of every sample of every group
+  (Trajectory), kept per group, so a long-tail prompt stays long for all of its samples when the
+  simulation resamples it;
+- decode speed: between two WorkerStats of a worker, Δbusy_s / Δdecode_steps is the mean decode-step
+  time, Δdecode_tokens / Δdecode_steps the mean batch occupancy B and (Δforward_tokens -
+  Δdecode_tokens) / Δdecode_steps the mean prefill X (prompt tokens beyond the one sampled from);
+  least squares gives step_s = base_s + per_seq_s · B + per_prefill_token_s · X;
+- shared cores: a worker is active from a group's start to its publication (Trajectory.generate_s
+  and the entry's time), the trainer computes over the span its StepCommitted timing gives; the
+  share of each interval where both ran gives the slowdown of either while they share cores, fitted
+  with the speeds above (0 when they never overlapped, as in a synchronous run);
+- trainer speed: compute_s = base_s + per_token_s · tokens over the StepCommitted timings of steps
+  2..N; publish_s is the mean publish time;
+- weight swaps: the mean of WorkerStats.swap_s;
+- the figures the run measured, defined as `reel bench async` defines them: wall time of steps
+  2..N (step 1 also waits for the processes to start), trainer idle = wait / wall, rollout idle =
+  mean WorkerStats.idle_share between the first and the last commit; plus the staleness histogram and the share
+  of groups dropped as too stale.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TypeVar
+
+import msgspec
+import numpy as np
+
+from bus.errors import ReelError
+from bus.events import StepCommitted, Trajectory, WorkerStats
+from bus.log import LogError, RunLog
+from runtime.config import Config, ConfigError, load
+
+__all__ = ["WorkloadError", "Pipeline", "GroupShape", "StepModel", "TrainerModel", "Measured", "Workload", "extract",
+           "pipeline_of", "measured_of"]
+
+T = TypeVar("T")
+
+# Slowdown factors are fitted on this grid (0 = none, 3 = four times slower while shared).
+_SLOWDOWN_GRID = np.linspace(0.0, 3.0, 301)
+
+
+class WorkloadError(ReelError):
+    """A run directory whose log cannot calibrate a simulation; the message says what is missing."""
+
+
+class Pipeline(msgspec.Struct, kw_only=True):
+    """The configuration the simulation models (from the run's config.toml; scenarios override it)."""
+
+    rollout_workers: int
+    concurrency: int  # groups in flight per worker
+    group_size: int
+    max_batch: int  # engine KV slots: sequences decoded together
+    async_level: int
+    batch_groups: int
+    max_off_policy: int
+    steps: int
+    trainer_ranks: int = 1
+
+
+class GroupShape(msgspec.Struct, array_like=True):
+    prompt: int  # prompt tokens (prefilled once per sample: the engine shares no prefix)
+    completions: list[int]  # completion tokens of each sample
+
+
+class StepModel(msgspec.Struct, kw_only=True):
+    """Seconds of one decode step over B sequences, X of whose prompt tokens are prefilled in it:
+    (base_s + per_seq_s · B + per_prefill_token_s · X) · (1 + shared)."""
+
+    base_s: float
+    per_seq_s: float
+    per_prefill_token_s: float
+    shared_slowdown: float  # extra share of a step's time while the trainer computes on the same machine
+    intervals: int  # WorkerStats intervals fitted
+
+
+class TrainerModel(msgspec.Struct, kw_only=True):
+    """Seconds of one trainer step's compute: (base_s + per_token_s · tokens) · (1 + shared)."""
+
+    base_s: float
+    per_token_s: float
+    shared_slowdown: float  # extra share while a rollout worker decodes on the same machine
+    publish_s: float  # writing the weights and committing, per step
+
+
+class Measured(msgspec.Struct, kw_only=True):
+    """What the run itself measured (steps 2..N for times)."""
+
+    steps: int
+    wall_s: float
+    steps_per_hour: float
+    trainer_idle: float
+    rollout_idle: float | None  # None: no WorkerStats after the first commit
+    staleness: dict[int, int]  # versions behind -> tokens, over every step
+    dropped_share: float
+
+
+class Workload(msgspec.Struct, kw_only=True):
+    run_dir: str
+    pipeline: Pipeline
+    groups: list[GroupShape]
+    decode: StepModel
+    trainer: TrainerModel
+    swap_s: float  # mean seconds from a worker reading WeightsPublished to the weights being live
+    measured: Measured
+
+
+def extract(run_dir: Path) -> Workload:
+    """Calibrate a workload on the log of `run_dir`; WorkloadError names what the log lacks."""
+    run_dir = Path(run_dir)
+    config = _config(run_dir)
+    try:
+        with RunLog(run_dir, readonly=True) as run_log:
+            commits = _timed(run_log, "steps", StepCommitted)
+            stats = _timed(run_log, "control", WorkerStats)
+            trajectories = _timed(run_log, "trajectories", Trajectory)
+    except LogError as exc:
+        raise WorkloadError(f"cannot read the log of {run_dir}: {exc}") from exc
+    if len(commits) < 3:
+        raise WorkloadError(f"the log of {run_dir} has {len(commits)} committed steps; a simulation needs at "
+                            "least 3 (step 1 includes process start-up)")
+    if not trajectories:
+        raise WorkloadError(f"the log of {run_dir} has no Trajectory events to take group shapes from")
+    groups = [GroupShape(int(e.prompt.shape[0]), [int(s.tokens.shape[0]) for s in e.samples])
+              for _, e in trajectories]
+    computing = _compute_intervals(commits)
+    active = _active_intervals(trajectories)
+    # Calibrate on the steady state, as the measured figures do: before the first commit the
+    # engine also compiles kernels and warms caches.
+    stats = [(ms, e) for ms, e in stats if commits[0][0] < ms <= commits[-1][0]]
+    return Workload(run_dir=str(run_dir), pipeline=pipeline_of(config), groups=groups,
+                    decode=_fit_decode(run_dir, stats, computing, active), trainer=_fit_trainer(commits, active),
+                    swap_s=_mean([s for _, e in stats for s in e.swap_s]), measured=measured_of(commits, stats))
+
+
+def pipeline_of(config: Config) -> Pipeline:
+    r, t = config.rollout, config.trainer
+    return Pipeline(rollout_workers=r.workers, concurrency=r.concurrency, group_size=r.group_size,
+                    max_batch=config.engine.max_batch, async_level=r.async_level, batch_groups=t.batch_groups,
+                    max_off_policy=t.max_off_policy_steps, steps=config.run.steps)
+
+
+def measured_of(commits: list[tuple[int, StepCommitted]], stats: list[tuple[int, WorkerStats]]) -> Measured:
+    timed = [e for _, e in commits[1:]]
+    wall = sum(_step_s(e) for e in timed)
+    # Workers keep reporting after the last commit until the run stops them: those are not the RL loop.
+    first_ms, last_ms = commits[0][0], commits[-1][0]
+    idle = [e.idle_share for ms, e in stats if first_ms < ms <= last_ms]
+    staleness: dict[int, int] = {}
+    for _, e in commits:
+        for behind, tokens in e.staleness.items():
+            staleness[behind] = staleness.get(behind, 0) + tokens
+    used = sum(len(e.groups) for _, e in commits)
+    dropped = sum(len(e.dropped) for _, e in commits)
+    return Measured(steps=len(commits), wall_s=wall, steps_per_hour=3600 * len(timed) / wall if wall else 0.0,
+                    trainer_idle=sum(e.timing.wait for e in timed) / wall if wall else 0.0,
+                    rollout_idle=_mean(idle) if idle else None, staleness=dict(sorted(staleness.items())),
+                    dropped_share=dropped / (used + dropped) if used + dropped else 0.0)
+
+
+# ---- fitting ------------------------------------------------------------------------------------
+
+def _fit_decode(run_dir: Path, stats: list[tuple[int, WorkerStats]], computing: np.ndarray,
+                active: dict[str, np.ndarray]) -> StepModel:
+    """Least squares of the mean step time on mean batch and prefill over WorkerStats intervals."""
+    rows = []  # (steps, mean batch, mean prefill, mean step seconds, share of active time the trainer computed)
+    last: dict[str, tuple[int, WorkerStats]] = {}
+    for ms, e in stats:
+        prev = last.get(e.worker)
+        last[e.worker] = (ms, e)
+        if prev is None or e.decode_steps <= prev[1].decode_steps:
+            continue
+        p = prev[1]
+        steps = e.decode_steps - p.decode_steps
+        tokens = e.decode_tokens - p.decode_tokens
+        mine = _clip(active.get(e.worker, _NONE), prev[0], ms)
+        busy = _length(mine)
+        rows.append((steps, tokens / steps, (e.forward_tokens - p.forward_tokens - tokens) / steps,
+                     (e.busy_s - p.busy_s) / steps, _intersection(mine, computing) / busy if busy else 0.0))
+    if len(rows) < 3:
+        raise WorkloadError(f"the log of {run_dir} has {len(rows)} WorkerStats intervals with decode timings after "
+                            "step 1; it needs at least 3 (logs written before Reel recorded "
+                            "WorkerStats.decode_steps cannot calibrate a simulation: re-run the config)")
+    w, b, x, s, o = (np.array(c, dtype=float) for c in zip(*rows))
+    (base, per_seq, per_prefill), shared = _fit_with_slowdown(w, np.stack([np.ones_like(b), b, x], axis=1), s, o)
+    return StepModel(base_s=base, per_seq_s=per_seq, per_prefill_token_s=per_prefill, shared_slowdown=shared,
+                     intervals=len(rows))
+
+
+def _fit_trainer(commits: list[tuple[int, StepCommitted]], active: dict[str, np.ndarray]) -> TrainerModel:
+    """Least squares of compute seconds on batch tokens; steps 2..N (step 1 pays one-off warm-ups)."""
+    rows = []
+    for ms, e in commits[1:]:
+        end = ms - 1000 * e.timing.publish
+        span = np.array([[end - 1000 * e.timing.compute, end]])
+        decoding = [_intersection(a, span) / max(1.0, 1000 * e.timing.compute) for a in active.values()]
+        rows.append((e.metrics.get("tokens", 0.0), e.timing.compute, _mean(decoding)))
+    tokens, seconds, shared = (np.array(c, dtype=float) for c in zip(*rows))
+    (base, per_token), slowdown = _fit_with_slowdown(np.ones_like(tokens), np.stack([np.ones_like(tokens), tokens],
+                                                                                      axis=1), seconds, shared)
+    return TrainerModel(base_s=base, per_token_s=per_token, shared_slowdown=slowdown,
+                        publish_s=_mean([e.timing.publish for _, e in commits[1:]]))
+
+
+def _fit_with_slowdown(weight: np.ndarray, x: np.ndarray, y: np.ndarray,
+                       shared: np.ndarray) -> tuple[list[float], float]:
+    """y ≈ (x · coef)(1 + k · shared), coef >= 0: weighted least squares at each k of a grid, best k.
+
+    When `shared` does not vary (a synchronous run never overlaps) every k fits alike and the
+    smallest, 0, is kept: such a log cannot tell what sharing costs."""
+    best: tuple[float, list[float], float] = (math.inf, [0.0] * x.shape[1], 0.0)
+    for k in _SLOWDOWN_GRID:
+        factor = 1.0 + k * shared
+        coef = _non_negative_lstsq(x * factor[:, None], y, weight)
+        residual = float(np.sum(weight * (y - (x @ coef) * factor) ** 2))
+        if residual < best[0] * (1 - 1e-12) - 1e-15:
+            best = (residual, [float(c) for c in coef], float(k))
+    return best[1], best[2]
+
+
+def _non_negative_lstsq(x: np.ndarray, y: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """Weighted least squares; a column whose coefficient comes out negative (noise, or a feature
+    that does not vary) is left out and the rest refitted: times are sums of non-negative costs."""
+    keep = [j for j in range(x.shape[1]) if np.any(x[:, j])]
+    root = np.sqrt(weight)[:, None]
+    while True:
+        coef = np.zeros(x.shape[1])
+        if keep:
+            coef[keep] = np.linalg.lstsq(x[:, keep] * root, y * root[:, 0], rcond=None)[0]
+        negative = [j for j in keep if coef[j] < 0]
+        if not negative:
+            return coef
+        keep.remove(min(negative, key=lambda j: coef[j]))
+
+
+# ---- intervals (milliseconds, as [n, 2] arrays of sorted disjoint [start, end]) ------------------
+
+_NONE = np.zeros((0, 2))
+
+
+def _compute_intervals(commits: list[tuple[int, StepCommitted]]) -> np.ndarray:
+    """When the trainer computed (a commit's entry id is stamped after its publish)."""
+    out = []
+    for ms, e in commits:
+        end = ms - 1000 * e.timing.publish
+        out.append((end - 1000 * e.timing.compute, end))
+    return _union(np.array(out, dtype=float).reshape(-1, 2))
+
+
+def _active_intervals(trajectories: list[tuple[int, Trajectory]]) -> dict[str, np.ndarray]:
+    """Per worker, when it had a group in flight: from each group's start to its publication."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for ms, e in trajectories:
+        spans.setdefault(e.worker, []).append((ms - 1000 * e.generate_s, ms))
+    return {worker: _union(np.array(s, dtype=float)) for worker, s in spans.items()}
+
+
+def _union(intervals: np.ndarray) -> np.ndarray:
+    out: list[list[float]] = []
+    for start, end in intervals[np.argsort(intervals[:, 0])]:
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return np.array(out, dtype=float).reshape(-1, 2)
+
+
+def _clip(intervals: np.ndarray, start: float, end: float) -> np.ndarray:
+    clipped = np.clip(intervals, start, end)
+    return clipped[clipped[:, 1] > clipped[:, 0]]
+
+
+def _length(intervals: np.ndarray) -> float:
+    return float(np.sum(intervals[:, 1] - intervals[:, 0]))
+
+
+def _intersection(a: np.ndarray, b: np.ndarray) -> float:
+    """Length of the intersection of two unions of intervals."""
+    total = 0.0
+    for start, end in a:
+        total += float(np.clip(np.minimum(b[:, 1], end) - np.maximum(b[:, 0], start), 0, None).sum())
+    return total
+
+
+# ---- small helpers ------------------------------------------------------------------------------
+
+def _config(run_dir: Path) -> Config:
+    path = run_dir / "config.toml"
+    if not path.is_file():
+        raise WorkloadError(f"{run_dir} is not a run directory (no config.toml); pass the directory `reel run` wrote")
+    try:
+        return load(path)
+    except ConfigError as exc:
+        raise WorkloadError(f"{path}: {exc}") from exc
+
+
+def _timed(run_log: RunLog, stream: str, kind: type[T]) -> list[tuple[int, T]]:
+    """(entry time in ms, event) of one kind; none when the stream was never logged."""
+    if stream not in run_log.names():
+        return []
+    return [(_ms(i), e) for i, e in run_log.events(stream) if isinstance(e, kind)]
+
+
+def _step_s(e: StepCommitted) -> float:
+    return e.timing.wait + e.timing.compute + e.timing.publish
+
+
+def _ms(entry_id: str) -> int:
+    return int(entry_id.split("-")[0])
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

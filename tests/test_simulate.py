@@ -1,0 +1,228 @@
+"""`reel simulate`: calibration on a log, the discrete-event simulation against closed forms, the CLI.
+
+A synthetic log with constant times (every sample L tokens, decode step a + b·B, trainer compute
+c0 + c1·tokens) has closed-form answers: synchronous, a step is swap + rollout + compute + publish;
+asynchronous, the period tends to the larger of rollout and trainer time. The end-to-end check of
+the model against a real run is in test_simulate_real.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from bus.events import Sample, StepCommitted, StepTiming, Tensor, Trajectory, WorkerStats, encode
+from bus.log import RunLog
+from replay.simulate import Scenario, SimulationError, simulate
+from replay.simulate_report import tv_distance
+from replay.workload import WorkloadError, extract
+from runtime import config as config_mod
+from runtime.cli import main as reel
+
+L, N, G, P = 6, 4, 4, 3  # tokens per sample, samples per group, groups per step, prompt tokens
+A, B, X = 0.010, 0.0005, 0.0002  # decode step seconds: A + B · running sequences + X · prefill tokens
+C0, C1 = 0.05, 0.001  # trainer compute seconds: C0 + C1 · tokens
+PUBLISH, SWAP = 0.02, 0.004
+
+
+def _write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: float = 0.0) -> Path:
+    """A run directory whose log holds exactly the constants above (and `slowdown` while overlapping)."""
+    raw = {"run": {"name": "synthetic", "steps": steps},
+           "rollout": {"workers": 1, "concurrency": G, "group_size": N, "async_level": async_level, "max_tokens": L},
+           "trainer": {"batch_groups": G, "max_off_policy_steps": 8}, "engine": {"max_batch": 64}}
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text(config_mod.to_toml(config_mod.from_dict(raw, source="test")))
+    meta = {"run": "synthetic", "producer": "test"}
+    with RunLog(run_dir) as log:
+        sample = Sample(tokens=Tensor.from_numpy(np.zeros(L, np.int32)),
+                        logprobs=Tensor.from_numpy(np.zeros(L, np.float32)), reward=0.0, finish_reason="length",
+                        seed=0, spans=[(0, 0)])
+        # The worker always has a group in flight: one published every 100 ms, started 100 ms before.
+        log.stream("trajectories").append_batch([
+            (f"{1100 + 100 * i}-0", encode(Trajectory(
+                **meta, seq=i, group_id=f"g{i}", env="reverse_text", prompt=Tensor.from_numpy(np.zeros(P, np.int32)),
+                samples=[sample] * N, worker="rollout:0", generate_s=0.1))) for i in range(90)])
+        # Steps of varying size, 1 s apart, computing in the first half of each second.
+        commits, now_ms = [], 1000
+        for step in range(1, 9):
+            tokens = 20 * step
+            compute = C0 + C1 * tokens
+            now_ms += 1000
+            commits.append((f"{now_ms}-0", encode(StepCommitted(
+                **meta, seq=step, step=step, version=step, groups=[], dropped=[], loss=0.0, grad_norm=0.0,
+                weights_sha256="", timing=StepTiming(wait=1.0 - compute - PUBLISH, compute=compute, publish=PUBLISH),
+                metrics={"tokens": float(tokens)}))))
+        log.stream("steps").append_batch(commits)
+        # WorkerStats every 700 ms (so intervals overlap compute by varying shares), batch sizes varying.
+        stats, steps_done, tokens_done, forward, busy = [], 0, 0, 0, 0.0
+        for i in range(12):
+            ms = 1500 + 700 * i
+            if i:
+                batch = 4 + 3 * (i % 5)
+                share = _overlap_share(ms - 700, ms)
+                count, prefill = 10 + i, 5 * (i % 3)
+                steps_done += count
+                tokens_done += count * batch
+                forward += count * (batch + prefill)
+                busy += count * (A + B * batch + X * prefill) * (1 + slowdown * share)
+            stats.append((f"{ms}-0", encode(WorkerStats(
+                **meta, seq=100 + i, worker="rollout:0", tokens_per_s=0.0, running=0, waiting=0, policy_version=0,
+                groups_published=0, decode_steps=steps_done, decode_tokens=tokens_done, forward_tokens=forward, busy_s=busy,
+                swap_s=[SWAP]))))
+        log.stream("control").append_batch(stats)
+    return run_dir
+
+
+def _overlap_share(start_ms: float, end_ms: float) -> float:
+    """Share of [start, end] inside the synthetic trainer's compute intervals."""
+    covered = 0.0
+    for step in range(1, 9):
+        end = 2000 + 1000 * (step - 1) - 1000 * PUBLISH
+        begin = end - 1000 * (C0 + C1 * 20 * step)
+        covered += max(0.0, min(end, end_ms) - max(begin, start_ms))
+    return covered / (end_ms - start_ms)
+
+
+def test_calibration_recovers_the_constants(tmp_path: Path) -> None:
+    w = extract(_write_run(tmp_path / "run", async_level=0))
+    d = w.decode
+    assert (d.base_s, d.per_seq_s, d.per_prefill_token_s, d.shared_slowdown) == pytest.approx((A, B, X, 0.0), abs=1e-9)
+    assert (w.trainer.base_s, w.trainer.per_token_s) == pytest.approx((C0, C1), abs=1e-9)
+    assert w.trainer.publish_s == pytest.approx(PUBLISH)
+    assert w.swap_s == pytest.approx(SWAP)
+    assert {(g.prompt, tuple(g.completions)) for g in w.groups} == {(P, (L,) * N)}
+    assert (w.pipeline.async_level, w.pipeline.batch_groups, w.pipeline.group_size) == (0, G, N)
+    assert w.measured.wall_s == pytest.approx(7.0)
+
+
+def test_calibration_finds_the_shared_core_slowdown(tmp_path: Path) -> None:
+    w = extract(_write_run(tmp_path / "run", async_level=2, slowdown=0.8))
+    assert w.decode.shared_slowdown == pytest.approx(0.8, abs=0.011)
+    assert w.decode.base_s == pytest.approx(A, rel=0.02)
+
+
+def _rollout_s(speedup: float = 1.0) -> float:
+    return (L * (A + B * G * N) + X * G * N * (P - 1)) / speedup  # the round's prompts join in its first step
+
+
+def _train_s(speedup: float = 1.0, ranks: int = 1, efficiency: float = 0.9) -> float:
+    compute = (C0 + C1 * G * N * L) / speedup
+    return (compute / (ranks * efficiency) if ranks > 1 else compute) + PUBLISH
+
+
+def test_synchronous_wall_is_the_sum_of_rollout_and_training(tmp_path: Path) -> None:
+    w = extract(_write_run(tmp_path / "run", async_level=0, steps=10))
+    r = simulate(w, Scenario(pipeline=w.pipeline))
+    step = SWAP + _rollout_s() + _train_s()
+    assert r.wall_s == pytest.approx(9 * step, rel=1e-9)
+    assert r.trainer_idle == pytest.approx((SWAP + _rollout_s()) / step, rel=1e-9)
+    assert r.rollout_idle == pytest.approx((_train_s() + SWAP) / step, rel=1e-9)  # no group in flight while swapping
+    assert r.staleness == {0: 10 * G * N * L}
+    assert r.dropped_share == 0.0
+
+
+@pytest.mark.parametrize("speedup_rollout", [1.0, 0.25])
+def test_asynchronous_period_is_the_slower_side(tmp_path: Path, speedup_rollout: float) -> None:
+    w = extract(_write_run(tmp_path / "run", async_level=1, steps=30))
+    r = simulate(w, Scenario(pipeline=w.pipeline, speedup_rollout=speedup_rollout))
+    rollout, train = _rollout_s(speedup_rollout), _train_s()
+    # Trainer-bound (rollout + swap 0.118 s < train 0.166 s): the trainer never waits after step 1.
+    # Rollout-bound (rollout 0.458 s): rounds run back to back, each paused once by a weight swap.
+    period = train if rollout < train else rollout + SWAP
+    assert r.wall_s / 29 == pytest.approx(period, rel=1e-6)
+    assert r.trainer_idle == pytest.approx(1 - train / period, abs=1e-6)
+    assert sum(r.staleness.values()) == 30 * G * N * L
+    assert max(r.staleness) == 1  # a round overlaps one commit at most
+
+
+def test_speedups_and_trainer_ranks_scale_the_closed_form(tmp_path: Path) -> None:
+    w = extract(_write_run(tmp_path / "run", async_level=0, steps=6))
+    pipeline = msgspec.structs.replace(w.pipeline, trainer_ranks=4)
+    r = simulate(w, Scenario(pipeline=pipeline, speedup_rollout=2.0, speedup_trainer=3.0, rank_efficiency=0.8))
+    assert r.wall_s == pytest.approx(5 * (SWAP + _rollout_s(2.0) + _train_s(3.0, 4, 0.8)), rel=1e-9)
+
+
+def test_redis_thread_saturates_with_many_workers(tmp_path: Path) -> None:
+    w = extract(_write_run(tmp_path / "run", async_level=2, steps=20))
+    pipeline = msgspec.structs.replace(w.pipeline, rollout_workers=8, batch_groups=8 * G)
+    r = simulate(w, Scenario(pipeline=pipeline, speedup_trainer=100.0, redis_s_per_event=0.02, dedicated=True))
+    assert r.redis_busy > 0.8 and r.bottleneck == "redis"
+
+
+def test_tight_off_policy_limit_drops_groups(tmp_path: Path) -> None:
+    w = extract(_write_run(tmp_path / "run", async_level=3, steps=20))
+    pipeline = msgspec.structs.replace(w.pipeline, max_off_policy=0, concurrency=3 * G)
+    r = simulate(w, Scenario(pipeline=pipeline, speedup_rollout=4.0))
+    assert 0.0 < r.dropped_share < 1.0
+    assert set(r.staleness) == {0}
+
+
+def test_a_gate_that_cannot_fill_a_batch_is_an_error(tmp_path: Path) -> None:
+    w = extract(_write_run(tmp_path / "run", async_level=0))
+    pipeline = msgspec.structs.replace(w.pipeline, concurrency=1)
+    with pytest.raises(SimulationError, match="raise rollout.concurrency"):
+        simulate(w, Scenario(pipeline=pipeline))
+
+
+def test_tv_distance() -> None:
+    assert tv_distance({0: 10}, {0: 3}) == 0.0
+    assert tv_distance({0: 1}, {1: 5}) == 1.0
+    assert tv_distance({0: 3, 1: 1}, {0: 1, 1: 1}) == pytest.approx(0.25)
+
+
+def test_cli_sweep_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _write_run(tmp_path / "run", async_level=1)
+    png = tmp_path / "sweep.png"
+    assert reel(["simulate", "--run", str(run), "--sweep", "rollout-workers=1,2,4", "--json", "--plot", str(png)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rates = [row["result"]["steps_per_hour"] for row in out["rows"]]
+    assert [row["label"] for row in out["rows"]] == ["rollout-workers=1", "rollout-workers=2", "rollout-workers=4"]
+    assert rates[0] <= rates[1] <= rates[2]
+    assert png.stat().st_size > 10_000
+
+
+def test_cli_sweeps_make_a_grid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _write_run(tmp_path / "run", async_level=1)
+    assert reel(["simulate", "--run", str(run), "--sweep", "rollout-workers=1,2", "--sweep", "trainer-ranks=1,4",
+                 "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [row["label"] for row in rows] == ["rollout-workers=1 trainer-ranks=1", "rollout-workers=1 trainer-ranks=4",
+                                              "rollout-workers=2 trainer-ranks=1", "rollout-workers=2 trainer-ranks=4"]
+    assert rows[1]["scenario"]["pipeline"]["trainer_ranks"] == 4 and rows[2]["scenario"]["pipeline"]["rollout_workers"] == 2
+
+
+def test_cli_as_logged_shows_the_measured_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _write_run(tmp_path / "run", async_level=0)
+    assert reel(["simulate", "--run", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "as logged" in out and "measured" in out and "TV" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sweep", "workers=1,2"], "KEY=V1,V2"),
+    (["--sweep", "rollout-workers=1,x"], "must be an integer"),
+    (["--rollout-workers", "0"], "rollout workers = 0 must be positive"),
+])
+def test_cli_bad_input_is_one_sentence(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
+                                       message: str) -> None:
+    run = _write_run(tmp_path / "run", async_level=0)
+    assert reel(["simulate", "--run", str(run), *argv]) == 1
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_not_a_run_directory(tmp_path: Path) -> None:
+    with pytest.raises(WorkloadError, match="no config.toml"):
+        extract(tmp_path)
+
+
+def test_a_log_without_decode_timings_says_so(tmp_path: Path) -> None:
+    run = _write_run(tmp_path / "run", async_level=0)
+    shutil.rmtree(run / "log" / "control")  # as if no worker had reported its engine counters
+    with pytest.raises(WorkloadError, match="0 WorkerStats intervals with decode timings.*re-run the config"):
+        extract(run)
