@@ -304,45 +304,29 @@ class ReelWorkerExtension:
         except ImportError:  # older vLLM: unquantised models load in place directly
             model.load_weights(weights=iter(tensors.items()))
             return
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            # vLLM's layerwise reload prepacks the CPU experts' weights a second time (measured: every
-            # other tensor reloads bit-exact, the experts do not), so they are rebuilt here instead.
-            experts = {name: tensors.pop(name) for name in [n for n in tensors if _EXPERT in n]}
-            _load_cpu_experts(model, experts)
         # Quantised (fp8) layers re-run their post-load processing after the raw weights are in.
         initialize_layerwise_reload(model)
         model.load_weights(weights=iter(tensors.items()))
         finalize_layerwise_reload(model, runner.model_config)
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() and any(".mlp.experts." in name for name in tensors):
+            _repack_cpu_experts(model)  # a blob always holds every expert: each is packed exactly once
 
 
-_EXPERT = ".mlp.experts."  # Hub names: model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight
+def _repack_cpu_experts(model: Any) -> None:
+    """Prepack the CPU experts' new weights into the grouped-GEMM layout their kernel reads.
 
-
-def _load_cpu_experts(model: Any, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Put Hub-layout expert weights into vLLM's fused-MoE layers the way its first load does.
-
-    A fused-MoE layer holds w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] until its
-    quant method processes them (pads, prepacks for the CPU kernel, builds the kernel); so the raw
-    stacks go back in and that processing runs again, once.
+    vLLM's unquantised MoE method runs that prepack on the first load only: on a weight update it
+    copies the raw weights into the packed storage and skips it (`_setup_kernel`, vLLM 0.32), so the
+    CPU kernel would read unpacked weights as packed (measured: logprobs 1e-2 off Reel's forward,
+    every other tensor bit-exact). Padding is a no-op for Reel's models (intermediate sizes are
+    multiples of the kernel's 32).
     """
-    import torch
-
-    by_layer: dict[str, dict[str, torch.Tensor]] = collections.defaultdict(dict)
-    for name, tensor in tensors.items():
-        module, _, rest = name.partition(_EXPERT)
-        by_layer[module + _EXPERT.rstrip(".")][rest] = tensor
-    for module_name, weights in by_layer.items():
-        layer = model.get_submodule(module_name)
-        n = len({key.split(".")[0] for key in weights})
-        gate_up = torch.stack([torch.cat([weights[f"{e}.gate_proj.weight"], weights[f"{e}.up_proj.weight"]])
-                               for e in range(n)])
-        down = torch.stack([weights[f"{e}.down_proj.weight"] for e in range(n)])
-        dtype = layer.w13_weight.dtype
-        layer.w13_weight = torch.nn.Parameter(gate_up.to(dtype), requires_grad=False)
-        layer.w2_weight = torch.nn.Parameter(down.to(dtype), requires_grad=False)
-        layer.quant_method.process_weights_after_loading(layer)
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None and hasattr(module, "w13_weight"):
+            kernel.fused_experts.process_weights_after_loading(module)
 
 
 def known_spans(spans: list[tuple[int, int | None]], started: int) -> list[tuple[int, int]]:

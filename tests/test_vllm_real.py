@@ -196,6 +196,7 @@ async def test_http_follower_waits_for_the_version_worker_0_pushes(models, serve
         await follower.close()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU captures routed experts: test_vllm_http's gpu test")
 def test_router_replay_is_refused_on_a_cpu_vllm(models, tmp_path) -> None:
     """Routed-expert capture needs Model Runner V2 (GPU): refused with the key to change, never a crash."""
     with pytest.raises(EngineError, match="trainer.router_replay"):

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Reel's GPU checks in one script, for a CUDA machine that has torch but no package registry:
-# the `gpu` tests (engine and fp8 numerics on CUDA against the CPU, DeepGEMM and vLLM where
-# installed), then the bus and engine benchmarks on that machine's cores. The dependencies it
+# the `gpu` tests (engine and fp8 numerics on CUDA against the CPU, DeepGEMM where installed),
+# then, where vLLM is installed, the checks that stay GPU-only on CPU CI: a real `vllm serve`
+# returning routed experts (Model Runner V2) cut to the MoE layers, and the `vllm` tests (logprobs
+# against Reel's forward, in-flight weight pushes, spans) on CUDA; then the bus, engine and swap
+# benchmarks on that machine's cores. The dependencies it
 # lacks travel as wheels in .whl/, fetched on a machine with a registry, e.g. for Python 3.12:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
@@ -17,6 +20,13 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name())"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -o "filterwarnings=ignore::DeprecationWarning" \
     -m gpu tests/test_cuda.py tests/test_fp8.py 2>&1 | tee "$OUT/gpu_tests.log"
+if python3 -c "import vllm" 2>/dev/null; then
+    timeout 500 python3 -m pytest -q -p no:cacheprovider -o "filterwarnings=ignore::DeprecationWarning" \
+        -m "gpu or vllm" tests/test_vllm_http.py tests/test_vllm_real.py 2>&1 | tee "$OUT/vllm_tests.log"
+else
+    echo "vLLM is not installed here: routed-expert capture and the vllm tests not run" | tee "$OUT/vllm_tests.log"
+fi
 echo "cores: $(nproc)"
 timeout 120 python3 -m runtime.cli bench bus 2>&1 | tee "$OUT/bench_bus.json"
 timeout 150 python3 -m runtime.cli bench engine 2>&1 | tee "$OUT/bench_engine.json"
+timeout 200 python3 -m runtime.cli bench swap 2>&1 | tee "$OUT/bench_swap.json"
