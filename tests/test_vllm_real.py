@@ -105,15 +105,15 @@ async def test_http_greedy_and_sampled_logprobs_match_reels_forward(models, serv
     try:
         await engine.start()
         assert await engine._server_version(server) == -1  # a fresh server says "default": no Reel version
-        await _push(engine, models[1], blobs, 0)  # not the weights it started with: the load must really happen
+        await _push(engine, models[2], blobs, 0)  # not the weights it started with: the load must really happen
         assert await engine._server_version(server) == 0
         greedy, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=24))
-        assert greedy.tokens == _greedy_tokens(models[1], PROMPT, 24)
+        assert greedy.tokens == _greedy_tokens(models[2], PROMPT, 24)
         assert greedy.spans == [(0, 0)] and greedy.finish_reason == "length"
         assert greedy.routing.shape == (0, len(TINY.moe_layers), TINY.num_experts_per_tok)
         sampled = await engine.generate(PROMPT, SamplingParams(n=3, temperature=0.8, max_tokens=32, seed=7))
         for sample in sampled:
-            want = _reel_logprobs(models[1], PROMPT, sample.tokens, temperature=0.8)
+            want = _reel_logprobs(models[2], PROMPT, sample.tokens, temperature=0.8)
             torch.testing.assert_close(torch.tensor(sample.logprobs), want, atol=1e-4, rtol=0)
     finally:
         await engine.close()
@@ -123,7 +123,7 @@ async def test_http_seeded_samples_reproduce(models, server, tmp_path) -> None:
     blobs = BlobStore(tmp_path / "blobs")
     engine = _engine(models, server, blobs)
     try:
-        await _push(engine, models[0], blobs, 3)
+        await _push(engine, models[1], blobs, 3)
         params = SamplingParams(n=4, temperature=1.0, max_tokens=20, seed=1234)
         first = await engine.generate(PROMPT, params)
         again = await engine.generate(PROMPT, params)
@@ -138,7 +138,7 @@ async def test_http_seeded_samples_reproduce(models, server, tmp_path) -> None:
 async def test_http_weight_push_mid_generation_changes_outputs_and_spans_say_where(models, server, tmp_path) -> None:
     blobs = BlobStore(tmp_path / "blobs")
     engine = _engine(models, server, blobs)
-    old, new = models[0], models[1]
+    old, new = models[1], models[2]
     try:
         await _push(engine, old, blobs, 10)
         params = SamplingParams(temperature=0.0, max_tokens=240)
@@ -165,7 +165,7 @@ async def test_http_cancelled_request_is_aborted_on_the_server(models, server, t
     blobs = BlobStore(tmp_path / "blobs")
     engine = _engine(models, server, blobs)
     try:
-        await _push(engine, models[0], blobs, 20)
+        await _push(engine, models[1], blobs, 20)
         running = asyncio.create_task(engine.generate(PROMPT, SamplingParams(n=4, temperature=1.0, max_tokens=240)))
         await _until(lambda: engine._running == 4)
         await _until_metric(server, lambda v: v > 0)
@@ -181,8 +181,8 @@ async def test_http_follower_waits_for_the_version_worker_0_pushes(models, serve
     blobs = BlobStore(tmp_path / "blobs")
     pusher, follower = _engine(models, server, blobs), _engine(models, server, blobs, push_weights=False)
     try:
-        await _push(pusher, models[0], blobs, 30)
-        ref = blobs.put(state_dict_bytes(models[1]))
+        await _push(pusher, models[1], blobs, 30)
+        ref = blobs.put(state_dict_bytes(models[2]))
         waiting = asyncio.create_task(follower.update_weights(ref, 31))
         await asyncio.sleep(2.0)
         assert not waiting.done() and follower.version == -1
@@ -212,12 +212,12 @@ async def test_inprocess_asyncllm_matches_reels_forward_and_names_versions(model
     engine = VLLMEngine(models[0], max_batch=8, precision="fp32", blobs=blobs, version=-1, routed_experts=False)
     try:
         await engine.start()
-        await _push(engine, models[1], blobs, 0)
+        await _push(engine, models[2], blobs, 0)
         greedy, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
-        assert greedy.tokens == _greedy_tokens(models[1], PROMPT, 16)
+        assert greedy.tokens == _greedy_tokens(models[2], PROMPT, 16)
         assert greedy.spans == [(0, 0)]  # a Reel version, not vLLM's "default"
         sampled, = await engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=16, seed=3))
-        torch.testing.assert_close(torch.tensor(sampled.logprobs), _reel_logprobs(models[1], PROMPT, sampled.tokens),
+        torch.testing.assert_close(torch.tensor(sampled.logprobs), _reel_logprobs(models[2], PROMPT, sampled.tokens),
                                    atol=1e-4, rtol=0)
     finally:
         await engine.close()
