@@ -184,8 +184,8 @@ class RoleProcess:
     def __init__(self, name: str, argv: list[str], log_path: Path, threads: int, env: dict[str, str] | None = None):
         self.name = name
         self.log_path = log_path
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-                   REEL_TORCH_THREADS=str(threads), PYTHONUNBUFFERED="1", **(env or {}))
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+               "REEL_TORCH_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(log_path, "ab") as log:
             self.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                           start_new_session=True)

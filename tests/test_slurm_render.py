@@ -88,6 +88,17 @@ def test_dry_run_prints_a_valid_script_and_writes_nothing(tmp_path: Path, capsys
     assert "requirepass" not in script.replace("requirepass %s", "")  # the password is made in the job
 
 
+def test_fp8_serving_quantises_online_only_an_unquantised_checkpoint(tmp_path: Path) -> None:
+    plain, fp8 = tmp_path / "bf16", tmp_path / "fp8"
+    for directory, extra in ((plain, {}), (fp8, {"quantization_config": {"quant_method": "fp8",
+                                                                           "weight_block_size": [128, 128]}})):
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", **extra}))
+    assert vllm_args.precision_args("fp8", plain) == ["--dtype", "bfloat16", "--quantization", "fp8_per_block"]
+    assert vllm_args.precision_args("fp8", fp8) == ["--dtype", "bfloat16"]  # the checkpoint's own block scales
+    assert vllm_args.precision_args("bf16", plain) == ["--dtype", "bfloat16"]
+
+
 def test_wide_ep_pd_vllm_command_lines(tmp_path: Path) -> None:
     script = render(WIDE_EP_PD, tmp_path, gpus_per_node=8, trainer_nodes=2)
     bash_ok(script)
@@ -103,7 +114,9 @@ def test_wide_ep_pd_vllm_command_lines(tmp_path: Path) -> None:
             assert flag(serve, "--data-parallel-start-rank") == str(8 * node)
             assert ("--headless" in serve) == (node > 0)
             assert flag(serve, "--all2all-backend") == backend
-            assert flag(serve, "--quantization") == "fp8"
+            # /models/moe-fp8 is not readable here: an unquantised checkpoint, quantised online in 128x128 blocks
+            assert flag(serve, "--quantization") == "fp8_per_block"
+            assert "--enable-scale-out" in serve  # the token-ids generate route
             assert "--enable-return-routed-experts" not in serve
             assert serve[-2:] == ["--gpu-memory-utilization", "0.9"]
             kv = json.loads(flag(serve, "--kv-transfer-config"))
@@ -204,7 +217,6 @@ REFUSED = [
     (VLLM + "eplb = true\n", ["engine.eplb", "engine.expert_parallel"]),
     (VLLM + "data_parallel_size = 0\n", ["engine.data_parallel_size"]),
     (VLLM + "serve_args = \"--x 'unclosed\"\n", ["engine.serve_args"]),
-    ('[engine]\nkind = "vllm"\n', ["model.path"]),
     ("[engine]\ntensor_parallel_size = 2\n", ["engine.tensor_parallel_size", 'engine.kind = "vllm"']),
 ]
 
@@ -220,6 +232,7 @@ def test_bad_engine_combinations_name_their_keys(text: str, keys: list[str]) -> 
 LAUNCH_REFUSED = [
     ("", ["--rollout-nodes", "2"], "--rollout-nodes 2 exceeds rollout.workers"),
     (VLLM, [], "--gpus-per-node"),
+    ('[engine]\nkind = "vllm"\n', ["--gpus-per-node", "8"], "needs model.path"),
     (VLLM + "data_parallel_size = 3\n", ["--gpus-per-node", "4", "--rollout-nodes", "2"],
      "engine.data_parallel_size = 3 must be a multiple"),
     (VLLM + "data_parallel_size = 8\ntensor_parallel_size = 2\n", ["--gpus-per-node", "8"], "--gpus-per-node is 8"),

@@ -101,9 +101,7 @@ async def _push(engine, model: MoEModel, blobs: BlobStore, version: int) -> None
 
 async def test_http_greedy_and_sampled_logprobs_match_reels_forward(models, server, tmp_path) -> None:
     blobs = BlobStore(tmp_path / "blobs")
-    engine = _engine(models, server, blobs)
-    try:
-        await engine.start()
+    async with _engine(models, server, blobs) as engine:
         assert await engine._server_version(server) == -1  # a fresh server says "default": no Reel version
         await _push(engine, models[2], blobs, 0)  # not the weights it started with: the load must really happen
         assert await engine._server_version(server) == 0
@@ -115,14 +113,11 @@ async def test_http_greedy_and_sampled_logprobs_match_reels_forward(models, serv
         for sample in sampled:
             want = _reel_logprobs(models[2], PROMPT, sample.tokens, temperature=0.8)
             torch.testing.assert_close(torch.tensor(sample.logprobs), want, atol=1e-4, rtol=0)
-    finally:
-        await engine.close()
 
 
 async def test_http_seeded_samples_reproduce(models, server, tmp_path) -> None:
     blobs = BlobStore(tmp_path / "blobs")
-    engine = _engine(models, server, blobs)
-    try:
+    async with _engine(models, server, blobs) as engine:
         await _push(engine, models[1], blobs, 3)
         params = SamplingParams(n=4, temperature=1.0, max_tokens=20, seed=1234)
         first = await engine.generate(PROMPT, params)
@@ -131,15 +126,12 @@ async def test_http_seeded_samples_reproduce(models, server, tmp_path) -> None:
         assert [c.logprobs for c in first] == [c.logprobs for c in again]
         assert len({tuple(c.tokens) for c in first}) > 1  # sample i has its own seed (seed + i)
         assert [c.seed for c in first] == [1234, 1235, 1236, 1237]
-    finally:
-        await engine.close()
 
 
 async def test_http_weight_push_mid_generation_changes_outputs_and_spans_say_where(models, server, tmp_path) -> None:
     blobs = BlobStore(tmp_path / "blobs")
-    engine = _engine(models, server, blobs)
     old, new = models[1], models[2]
-    try:
+    async with _engine(models, server, blobs) as engine:
         await _push(engine, old, blobs, 10)
         params = SamplingParams(temperature=0.0, max_tokens=240)
         running = asyncio.create_task(engine.generate(PROMPT, params))
@@ -157,14 +149,11 @@ async def test_http_weight_push_mid_generation_changes_outputs_and_spans_say_whe
         assert (after - torch.tensor(completion.logprobs[swap:])).abs().max() > 1e-2
         fresh, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
         assert fresh.spans == [(0, 11)] and fresh.tokens == _greedy_tokens(new, PROMPT, 16)
-    finally:
-        await engine.close()
 
 
 async def test_http_cancelled_request_is_aborted_on_the_server(models, server, tmp_path) -> None:
     blobs = BlobStore(tmp_path / "blobs")
-    engine = _engine(models, server, blobs)
-    try:
+    async with _engine(models, server, blobs) as engine:
         await _push(engine, models[1], blobs, 20)
         running = asyncio.create_task(engine.generate(PROMPT, SamplingParams(n=4, temperature=1.0, max_tokens=240)))
         await _until(lambda: engine._running == 4)
@@ -173,14 +162,11 @@ async def test_http_cancelled_request_is_aborted_on_the_server(models, server, t
         with pytest.raises(asyncio.CancelledError):
             await running
         await _until_metric(server, lambda v: v == 0)  # the server stopped decoding them
-    finally:
-        await engine.close()
 
 
 async def test_http_follower_waits_for_the_version_worker_0_pushes(models, server, tmp_path) -> None:
     blobs = BlobStore(tmp_path / "blobs")
-    pusher, follower = _engine(models, server, blobs), _engine(models, server, blobs, push_weights=False)
-    try:
+    async with _engine(models, server, blobs) as pusher, _engine(models, server, blobs, push_weights=False) as follower:
         await _push(pusher, models[1], blobs, 30)
         ref = blobs.put(state_dict_bytes(models[2]))
         waiting = asyncio.create_task(follower.update_weights(ref, 31))
@@ -191,9 +177,6 @@ async def test_http_follower_waits_for_the_version_worker_0_pushes(models, serve
         assert follower.version == 31
         sample, = await follower.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8))
         assert sample.spans == [(0, 31)]
-    finally:
-        await pusher.close()
-        await follower.close()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU captures routed experts: test_vllm_http's gpu test")
@@ -209,9 +192,8 @@ def test_router_replay_is_refused_on_a_cpu_vllm(models, tmp_path) -> None:
 
 async def test_inprocess_asyncllm_matches_reels_forward_and_names_versions(models, tmp_path) -> None:
     blobs = BlobStore(tmp_path / "blobs")
-    engine = VLLMEngine(models[0], max_batch=8, precision="fp32", blobs=blobs, version=-1, routed_experts=False)
-    try:
-        await engine.start()
+    async with VLLMEngine(models[0], max_batch=8, precision="fp32", blobs=blobs, version=-1,
+                          routed_experts=False) as engine:
         await _push(engine, models[2], blobs, 0)
         greedy, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
         assert greedy.tokens == _greedy_tokens(models[2], PROMPT, 16)
@@ -219,8 +201,6 @@ async def test_inprocess_asyncllm_matches_reels_forward_and_names_versions(model
         sampled, = await engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=16, seed=3))
         torch.testing.assert_close(torch.tensor(sampled.logprobs), _reel_logprobs(models[2], PROMPT, sampled.tokens),
                                    atol=1e-4, rtol=0)
-    finally:
-        await engine.close()
 
 
 async def _until(condition, timeout_s: float = 60.0) -> None:
@@ -242,3 +222,30 @@ async def _until_metric(server: str, condition, timeout_s: float = 60.0) -> None
                 return
             assert time.monotonic() < deadline, f"vllm:num_requests_running = {values}"
             await asyncio.sleep(0.1)
+
+
+def test_the_vllm_example_learns_and_every_step_replays_bitwise(tmp_path, capsys) -> None:
+    """examples/reverse_text_vllm.toml as a user runs it: `reel run` starts and stops its `vllm serve`."""
+    import json
+
+    from bus.events import StepCommitted, Trajectory
+    from bus.log import RunLog
+    from runtime.cli import main
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "reverse_text_vllm.toml"
+    run_dir = tmp_path / "run"
+    assert main(["run", str(example), "--out", str(run_dir), "--no-live"]) == 0
+    steps = config_mod.load(example).run.steps
+    with RunLog(run_dir, readonly=True) as log:
+        commits = [e for _, e in log.events("steps") if isinstance(e, StepCommitted)]
+        spans = [s.spans for _, e in log.events("trajectories") if isinstance(e, Trajectory) for s in e.samples]
+    assert [c.step for c in commits] == list(range(1, steps + 1))
+    rewards = [c.metrics["reward_mean"] for c in commits]
+    assert sum(rewards[-5:]) / 5 >= 0.9, rewards
+    assert all(v >= 0 for sample in spans for _, v in sample)  # vLLM's labels were Reel versions throughout
+    assert "vLLM server" in (run_dir / "roles" / "rollout-0.log").read_text()  # sampled through the HTTP engine
+    assert "Application startup complete" in (run_dir / "roles" / "vllm.log").read_text()
+    capsys.readouterr()
+    assert main(["replay", "range", f"1..{steps}", "--run", str(run_dir), "--recompute", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["steps"]
+    assert [row["recomputed"]["bitwise"] for row in rows] == [True] * steps
