@@ -391,6 +391,7 @@ def main(run_dir: Path, bus_url: str, worker: int) -> int:
     """`reel role rollout`: run worker `worker` of the run in `run_dir` until SIGTERM/SIGINT."""
     config = load(Path(run_dir) / "config.toml")
     logging.basicConfig(level=config.log.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # else a line per vLLM request
     import torch
 
     torch.set_num_threads(int(os.environ.get("REEL_TORCH_THREADS", "1")))
