@@ -1,14 +1,15 @@
 """`reel replay step N` and `reel replay range A..B`: parse, run replay/analysis.py, print, plot.
 
-`step` exits 1 when the step did not reproduce bitwise (the report says why); errors that stop the
-replay (a step not in the log, a damaged record, a catch-up step that does not reproduce) are
-ReelErrors, one line on stderr.
+`step` (and `range --recompute`) exit 1 when a step did not reproduce bitwise, with the reason on
+stderr; errors that stop the replay (a step not in the log, a damaged record, a catch-up step that
+does not reproduce) are ReelErrors, one line on stderr and exit 2 (runtime/cli.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,7 +39,10 @@ def main_step(args: argparse.Namespace) -> int:
         print_view(report_mod.step_view(report))
     if args.plot:
         report_mod.plot_step(report, analysis, Path(args.plot))
-    return 0 if report.bitwise else 1
+    if not report.bitwise:
+        print(f"reel: step {report.step} did not reproduce: {report.mismatch}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main_range(args: argparse.Namespace) -> int:
@@ -55,7 +59,10 @@ def main_range(args: argparse.Namespace) -> int:
         print_view(report_mod.range_view(rows))
     if args.plot:
         report_mod.plot_range(rows, Path(args.plot))
-    return 0
+    failed = [row for row in rows if row.recomputed is not None and not row.recomputed.bitwise]
+    for row in failed:
+        print(f"reel: step {row.step} did not reproduce: {row.recomputed.mismatch}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def parse_range(text: str) -> tuple[int, int]:
