@@ -21,7 +21,6 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import msgspec
-import orjson
 import redis.asyncio as aioredis
 from prometheus_client import start_http_server
 from prometheus_client.registry import CollectorRegistry
@@ -30,6 +29,7 @@ from rich.live import Live
 
 from bus.errors import ReelError
 from bus.events import AnyEvent, RunFinished, stream_key
+from bus.jsonout import json_line
 from bus.log import RunLog
 from bus.streams import DEAD, BusError, connect
 from bus.tail import Tail
@@ -235,7 +235,7 @@ def export_jsonl(run_dir: Path, out: Path) -> int:
             for event in log_events(run_dir, ["trajectories", "steps"]):
                 row = aggregates.apply(event)
                 if row is not None:
-                    f.write(orjson.dumps(_export_row(row), option=orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE))
+                    f.write(json_line(_export_row(row)))
                     lines += 1
     except OSError as exc:
         raise MetricsError(f"cannot write {out}: {exc.strerror}") from exc

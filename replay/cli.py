@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import msgspec
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bus.errors import ReelError
+from bus.jsonout import print_json
 from replay import report as report_mod
 from replay.analysis import OnStep, Run, replay_range, replay_step
 from replay.console import print_view
@@ -34,7 +34,7 @@ def main_step(args: argparse.Namespace) -> int:
     with _progress(run, first=args.step, last=args.step) as on_step:
         report, analysis = replay_step(run, args.step, on_step)
     if args.json:
-        print(msgspec.json.encode(report).decode())
+        print_json(report)
     else:
         print_view(report_mod.step_view(report))
     if args.plot:
@@ -54,7 +54,7 @@ def main_range(args: argparse.Namespace) -> int:
     else:
         rows = replay_range(run, first, last, recompute=False)
     if args.json:
-        print(msgspec.json.encode({"first": first, "last": last, "steps": rows}).decode())
+        print_json({"first": first, "last": last, "steps": rows})
     else:
         print_view(report_mod.range_view(rows))
     if args.plot:
