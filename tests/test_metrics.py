@@ -17,7 +17,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from bus.events import (
     STREAM_OF, STREAMS, BlobRef, DroppedGroup, RunFinished, Sample, StepCommitted, StepTiming, Tensor,
-    Trajectory, WeightsPublished, WorkerStats, encode, stream_key,
+    Trajectory, WeightsPublished, WorkerStats, decode, encode, stream_key,
 )
 from bus.log import RunLog
 from bus.streams import DEAD, GroupConsumer, Publisher, connect
@@ -25,6 +25,7 @@ from consumers.aggregates import RunAggregates
 from consumers.metric_views import SnapshotCollector
 from consumers.metrics import MetricsError, RunSource, Watcher, locate, read_log, serve
 from runtime import cli
+from runtime.launch import announce_finished
 
 _seq = itertools.count()
 
@@ -321,3 +322,29 @@ def test_dashboard_queries_only_exported_metrics():
     queried = {name for p in dashboard["panels"] for t in p.get("targets", [])
                for name in re.findall(r"\breel_[a-z0-9_]+", t["expr"])}
     assert len(queried) >= 20 and queried <= served, queried - served
+
+
+def test_run_finished_carries_the_dead_letters(redis_url: str, run_name: str, tmp_path: Path):
+    """The launcher counts the dead letters into RunFinished, so a finished run's log knows them."""
+    async def dead_letter_twice() -> None:
+        client = connect(redis_url)
+        try:
+            for i in range(2):
+                await client.xadd(stream_key(run_name, DEAD), {"stream": "trajectories", "reason": f"test {i}"})
+        finally:
+            await client.aclose()
+
+    asyncio.run(dead_letter_twice())
+    announce_finished(redis_url, run_name, "done")
+
+    async def read_control() -> list:
+        client = connect(redis_url)
+        try:
+            return [decode(fields[b"e"]) for _, fields in await client.xrange(stream_key(run_name, "control"))]
+        finally:
+            await client.aclose()
+
+    finished = [e for e in asyncio.run(read_control()) if isinstance(e, RunFinished)]
+    assert [(e.reason, e.dead_letters) for e in finished] == [("done", 2)]
+    _write_run_dir(tmp_path / "run", run_name, finished)
+    assert read_log(asyncio.run(locate(str(tmp_path / "run"), None, None))).dead_letters == 2
