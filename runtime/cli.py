@@ -47,7 +47,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _command(sub, name: str, help: str, *examples: str) -> argparse.ArgumentParser:
     """A subcommand whose help starts with `help` and ends with its examples."""
-    epilog = "examples:\n" + "\n".join(f"  {e}" for e in examples) if examples else None
+    epilog = "examples:\n" + "\n".join(f"  {e}" for e in examples)
     return sub.add_parser(name, help=help, description=help, epilog=epilog)
 
 
