@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import subprocess
@@ -35,6 +34,7 @@ import redis.asyncio
 import uvloop
 
 from bus.events import STREAMS, Sample, Tensor, Trajectory, encode, stream_key
+from bus.jsonout import print_json
 from bus.log import StreamLog
 from bus.server import EmbeddedRedis
 from bus.streams import GroupConsumer, Publisher, connect
@@ -76,13 +76,13 @@ def bench_bus(args: argparse.Namespace) -> int:
             done, publish = _reel_pipeline(server.url, Path(tmp) / f"run{r}", f"bench{r}", event, n)
             reel.append(done)
             published.append(publish)
-    print(json.dumps({
+    print_json({
         "bench": "bus", "events": n, "event_bytes": len(encode(event)), "rounds": rounds, "cpus": os.cpu_count(),
         "raw_events_per_s": round(max(raw)), "reel_events_per_s": round(max(reel)),
         # how fast the Reel publisher got its events out, while the two readers ran beside it
         "reel_publish_events_per_s": round(published[reel.index(max(reel))]),
         "ratio": round(max(reel) / max(raw), 3),
-    }))
+    })
     return 0
 
 
@@ -192,11 +192,11 @@ def bench_log(args: argparse.Namespace) -> int:
             raw.append(_raw_write(Path(tmp) / f"raw{r}", data, per_batch, batches))
             logged.append(_log_append(Path(tmp) / f"log{r}", data, per_batch, batches))
     total = len(data) * per_batch * batches
-    print(json.dumps({
+    print_json({
         "bench": "log", "bytes_per_round": total, "record_bytes": len(data), "records_per_fdatasync": per_batch,
         "rounds": rounds, "raw_mb_per_s": round(max(raw) / 1e6, 1), "log_mb_per_s": round(max(logged) / 1e6, 1),
         "ratio": round(max(logged) / max(raw), 3),
-    }))
+    })
     return 0
 
 

@@ -34,7 +34,7 @@ from bus.events import (STREAM_OF, STREAMS, AnyEvent, Event, MalformedEvent, dec
                         stream_key)
 
 __all__ = ["BusError", "connect", "Publisher", "recover_next_seq", "Delivery", "GroupConsumer", "safe_trim",
-           "DEAD", "FIELD"]
+           "DEAD", "FIELD", "dead_letters_added"]
 
 log = logging.getLogger(__name__)
 E = TypeVar("E", bound=Event)
@@ -168,6 +168,17 @@ class _Stamp(msgspec.Struct):
 
 
 _stamp_decoder = msgspec.msgpack.Decoder(_Stamp)
+
+
+async def dead_letters_added(redis: redis.asyncio.Redis, run: str) -> int:
+    """Entries ever added to the run's dead-letter stream: XINFO's entries-added (Redis 7), which
+    trimming does not lower, else XLEN (Reel never trims the dead-letter stream)."""
+    key = stream_key(run, DEAD)
+    with boundary(redis, f"XINFO STREAM on {key}"):
+        if not await redis.exists(key):
+            return 0
+        info = await redis.xinfo_stream(key)
+        return int(info.get("entries-added", info["length"]))
 
 
 async def recover_next_seq(redis: redis.asyncio.Redis, run: str, producer: str) -> int:

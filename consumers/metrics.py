@@ -21,7 +21,6 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import msgspec
-import orjson
 import redis.asyncio as aioredis
 from prometheus_client import start_http_server
 from prometheus_client.registry import CollectorRegistry
@@ -29,9 +28,10 @@ from rich.console import Console
 from rich.live import Live
 
 from bus.errors import ReelError
-from bus.events import AnyEvent, RunFinished, stream_key
+from bus.events import AnyEvent, RunFinished
+from bus.jsonout import json_line
 from bus.log import RunLog
-from bus.streams import DEAD, BusError, connect
+from bus.streams import BusError, connect, dead_letters_added
 from bus.tail import Tail
 from consumers.aggregates import MISMATCH_KEYS, RunAggregates, Snapshot, StepRow
 from consumers.metric_views import SnapshotCollector, render
@@ -145,11 +145,7 @@ class Watcher:
         batch = await self._tail.read(count=count, block_ms=block_ms)
         for _stream, _entry_id, event in batch:
             self.aggregates.apply(event)
-        try:
-            dead = await self._redis.xlen(stream_key(self.run, DEAD))
-        except (aioredis.RedisError, OSError) as exc:
-            raise BusError(f"cannot read the dead-letter stream {stream_key(self.run, DEAD)}: {exc}") from exc
-        self.aggregates.set_dead_letters(dead)
+        self.aggregates.set_dead_letters(await dead_letters_added(self._redis, self.run))
         self.snapshot = self.aggregates.snapshot()
         return len(batch)
 
@@ -198,6 +194,8 @@ async def serve(source: RunSource, port: int, stop: asyncio.Event, *, addr: str 
     last snapshot stays on the endpoint."""
     final = None if source.bus_url else read_log(source)
     watcher = Watcher(source.bus_url, source.run) if source.bus_url else None
+    if watcher is not None:
+        await watcher.catch_up()  # the first scrape sees the run's counters, not zeros that then jump
     server = _start_exporter(port, addr, lambda: watcher.snapshot if watcher else final)
     try:
         if watcher is not None:
@@ -235,7 +233,7 @@ def export_jsonl(run_dir: Path, out: Path) -> int:
             for event in log_events(run_dir, ["trajectories", "steps"]):
                 row = aggregates.apply(event)
                 if row is not None:
-                    f.write(orjson.dumps(_export_row(row), option=orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE))
+                    f.write(json_line(_export_row(row)))
                     lines += 1
     except OSError as exc:
         raise MetricsError(f"cannot write {out}: {exc.strerror}") from exc

@@ -6,14 +6,16 @@ expected, e.g. "trainer.batch_groups = 64 exceeds ...; lower it or raise rollout
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args, get_origin
 
 import msgspec
+import tomli_w
 
 from bus.errors import ReelError
 
@@ -138,7 +140,7 @@ class TrainerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class LogSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     segment_bytes: int = 64 * 1024 * 1024
-    level: str = "INFO"
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"  # Python logging level of each role
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -167,7 +169,10 @@ def from_dict(raw: dict, source: str = "config") -> Config:
         config = msgspec.convert(raw, Config, strict=True)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{source}: {_name_key(str(exc))}") from exc
-    validate(config)
+    try:
+        validate(config)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None  # cross-key errors name the file too
     return config
 
 
@@ -184,13 +189,47 @@ def _name_key(message: str) -> str:
     """Turn msgspec's `... - at `$.trainer.lr`` into a message that starts with the key."""
     match = re.search(r"- at `\$\.([^`]+)`", message)
     what = message.split(" - at ")[0]
+    where = match.group(1) if match else ""
     if "Object contains unknown field" in message:
         field = re.search(r"unknown field `([^`]+)`", message)
-        where = match.group(1) + "." if match else ""
-        return f"unknown key {where}{field.group(1) if field else '?'}; remove it or check its spelling"
+        unknown = field.group(1) if field else "?"
+        key = f"{where}.{unknown}" if where else unknown
+        return f"unknown key {key}; {_suggest(where, unknown)}"
     if match:
-        return f"{match.group(1)}: {what[0].lower()}{what[1:]}"
+        kind = _field_type(where)
+        if get_origin(kind) is Literal:
+            choices = get_args(kind)
+            return f"{where}: {what[0].lower()}{what[1:]}; use one of {', '.join(map(repr, choices))}"
+        return f"{where}: {what[0].lower()}{what[1:]}"
     return what
+
+
+def _keys(struct: type) -> dict[str, object]:
+    """TOML key -> type of a config Struct's fields."""
+    return {f.encode_name: f.type for f in msgspec.structs.fields(struct)}
+
+
+def _field_type(dotted: str) -> object:
+    """The type of a config key such as `trainer.precision` (None if there is no such key)."""
+    kind: object = Config
+    for part in dotted.split("."):
+        if not (isinstance(kind, type) and issubclass(kind, msgspec.Struct)):
+            return None
+        kind = _keys(kind).get(part)
+    return kind
+
+
+def _suggest(section: str, unknown: str) -> str:
+    """"did you mean trainer.lr?" from the keys of the same section, else the same key in another."""
+    kind = _field_type(section) if section else Config
+    close = difflib.get_close_matches(unknown, list(_keys(kind)), n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {section + '.' if section else ''}{close[0]}?"
+    if section:
+        elsewhere = [f"{name}.{unknown}" for name, sub in _keys(Config).items() if unknown in _keys(sub)]
+        if elsewhere:
+            return f"did you mean {elsewhere[0]}?"
+    return "remove it or check its spelling"
 
 
 def _require(ok: bool, message: str) -> None:
@@ -252,23 +291,8 @@ def validate(c: Config) -> None:
 
 
 def to_toml(c: Config) -> str:
-    """The resolved config (defaults filled in) as TOML text."""
-    lines: list[str] = []
-    for section, value in msgspec.structs.asdict(c).items():
-        lines.append(f"[{section}]")
-        for key, v in msgspec.to_builtins(value).items():
-            name = "from" if key == "from_dir" else key
-            lines.append(f"{name} = {_toml_value(v)}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml_value(v: object) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return repr(v)
+    """The resolved config (defaults filled in) as TOML text that `loads` reads back to `c`."""
+    return tomli_w.dumps(msgspec.to_builtins(c))
 
 
 def config_hash(c: Config) -> str:

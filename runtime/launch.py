@@ -146,14 +146,15 @@ def announce_finished(url: str, run: str, reason: str) -> None:
     import asyncio
 
     from bus.events import RunFinished
-    from bus.streams import Publisher, connect, recover_next_seq
+    from bus.streams import Publisher, connect, dead_letters_added, recover_next_seq
 
     async def publish() -> None:
         redis = connect(url)
         try:
             producer = "launcher:0"
             publisher = Publisher(redis, run, producer, await recover_next_seq(redis, run, producer))
-            await publisher.publish([publisher.stamp(RunFinished, reason=reason)])
+            dead = await dead_letters_added(redis, run)
+            await publisher.publish([publisher.stamp(RunFinished, reason=reason, dead_letters=dead)])
         finally:
             await redis.aclose()
 

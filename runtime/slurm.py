@@ -7,7 +7,7 @@ submits it (with --dry-run it prints the script and touches nothing). One het gr
     1.. rollout  built-in engine: the rollout workers; vLLM: one pool (`rollout`) or two
                  (`prefill`, `decode`) of `vllm serve` nodes (runtime/vllm_args.py)
     last trainer torchrun over its nodes, `reel role trainer`
-The job id goes to RUN_DIR/slurm_job_id; `reel launch status|cancel RUN_DIR` wrap squeue/scancel.
+The job id goes to RUN_DIR/slurm_job_id; `reel launch status|cancel --run RUN_DIR` wrap squeue/scancel.
 
 Errors: a config or flag combination that cannot run is a ConfigError (exit 2) naming the key or
 flag; a Slurm command that is missing or fails is a SlurmError (exit 1).
@@ -83,7 +83,7 @@ def main_submit(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir)  # made by this call and holds nothing else: let a fixed retry reuse it
         raise
     print(f"reel: submitted Slurm job {job}; run directory {run_dir}\n"
-          f"reel: follow it with `reel launch status {run_dir}`; its output is {run_dir}/slurm/job-{job}.out")
+          f"reel: follow it with `reel launch status --run {run_dir}`; its output is {run_dir}/slurm/job-{job}.out")
     return 0
 
 

@@ -269,7 +269,7 @@ def test_without_slurm_submit_fails_clearly_and_leaves_no_run_dir(
 
 @pytest.mark.parametrize("verb", ["status", "cancel"])
 def test_status_and_cancel_need_a_submitted_run(tmp_path: Path, capsys: pytest.CaptureFixture[str], verb: str) -> None:
-    assert main(["launch", verb, str(tmp_path)]) == 1
+    assert main(["launch", verb, "--run", str(tmp_path)]) == 1
     assert "no slurm_job_id" in capsys.readouterr().err
 
 
