@@ -141,7 +141,8 @@ class RolloutWorker:
             await self._stop_groups()  # none are left unless run() failed
             for task in self._background:
                 task.cancel()
-            await asyncio.gather(*self._background, return_exceptions=True)
+            # Bounded: a watcher blocked in a read must not keep the worker from stopping.
+            await asyncio.wait(self._background, timeout=DRAIN_TIMEOUT_S)
             if self.engine is not None:
                 await self.engine.close()
             await asyncio.shield(redis.aclose())
@@ -196,6 +197,7 @@ class RolloutWorker:
         if not self.in_flight:
             self._idle_since = time.monotonic()
         if not task.cancelled() and task.exception() is not None:
+            log.error("%s: group %s failed: %r", self.name, group_id, task.exception())  # now, not at the end
             self._failures.append(task.exception())
         self._changed.set()
 
@@ -252,7 +254,8 @@ class RolloutWorker:
         generating = [g for g in self.in_flight if g not in self._publishing]
         for group_id in generating:
             self.in_flight[group_id].cancel()
-        await asyncio.gather(*self.in_flight.values(), return_exceptions=True)
+        if self.in_flight:
+            await asyncio.wait(list(self.in_flight.values()), timeout=DRAIN_TIMEOUT_S)
         return generating
 
     # ---- background ---------------------------------------------------------------------------
