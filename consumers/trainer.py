@@ -32,6 +32,7 @@ from bus.events import (
     stream_key,
 )
 from bus.log import LogCorrupted, LogError, RunLog
+from bus.partitions import lane_key, lanes
 from bus.streams import Delivery, GroupConsumer, Publisher, connect, recover_next_seq
 from runtime import checkpoint
 from runtime.batch import Group, build_batch, decode_routing
@@ -95,7 +96,7 @@ class Trainer:
         self.consumer = GroupConsumer(
             self.url, self.run, "trainer", "trainer-0", ["trajectories", "routing"],
             block_ms=self.config.bus.block_ms, claim_idle_ms=NEVER_RECLAIM_MS,
-            max_deliveries=self.config.bus.max_deliveries,
+            max_deliveries=self.config.bus.max_deliveries, partitions=self.config.bus.partitions,
         )
         try:
             self.publisher = Publisher(self.redis, self.run, PRODUCER, await recover_next_seq(self.redis, self.run, PRODUCER))
@@ -250,8 +251,9 @@ class Trainer:
         lookup = GroupLookup(self.blobs)
         for stream in ("trajectories", "routing"):
             lookup.add(logged_events(self.run_dir, stream))
-            entries = await self.redis.xrange(stream_key(self.run, stream))
-            lookup.add(decode(fields[b"e"]) for _, fields in entries)
+            for lane in lanes([stream], self.config.bus.partitions):
+                entries = await self.redis.xrange(lane_key(self.run, lane))
+                lookup.add(decode(fields[b"e"]) for _, fields in entries)
         return lookup
 
     @staticmethod

@@ -50,6 +50,7 @@ import numpy as np
 from bus.blobs import BlobStore
 from bus.events import RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished, WorkerStats
 from bus.log import LogError, RunLog
+from bus.partitions import worker_partition
 from bus.streams import Publisher, connect, recover_next_seq
 from bus.tail import Tail
 from producers.engine import Completion, Engine, EngineError, SamplingParams
@@ -122,7 +123,8 @@ class RolloutWorker:
         redis = connect(self.url)
         try:
             self.seq_base = await self._recover_seq(redis)
-            self.publisher = Publisher(redis, self.run_name, self.name, self.seq_base)
+            self.publisher = Publisher(redis, self.run_name, self.name, self.seq_base,
+                                       worker_partition(self.index, self.config.bus.partitions))
             self._background = [asyncio.create_task(self._follow_weights(), name="follow-weights"),
                                 asyncio.create_task(self._follow_steps(), name="follow-steps"),
                                 asyncio.create_task(self._report_stats(), name="worker-stats")]
@@ -305,7 +307,7 @@ class RolloutWorker:
                 busy_s=s.busy_s, swap_s=swaps)])
 
     async def _recover_seq(self, redis) -> int:
-        on_bus = await recover_next_seq(redis, self.run_name, self.name)
+        on_bus = await recover_next_seq(redis, self.run_name, self.name, self.config.bus.partitions)
         # Entries the archiver made durable may be trimmed from the bus; the log still has them.
         in_log = await asyncio.to_thread(next_seq_in_log, self.run_dir, self.name)
         return max(on_bus, in_log)

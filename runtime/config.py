@@ -39,6 +39,8 @@ class BusSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     block_ms: int = 1000  # XREADGROUP BLOCK time
     claim_idle_ms: int = 30_000  # pending entries idle this long are reclaimed (XAUTOCLAIM)
     max_deliveries: int = 5  # deliveries before an entry goes to the dead-letter stream
+    partitions: int = 1  # trajectory and routing streams split over this many hash tags (bus/partitions.py)
+    cluster: bool = False  # bus.url names a node of a Redis Cluster (also REEL_BUS_CLUSTER=1 for roles)
 
 
 class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -285,6 +287,10 @@ def validate(c: Config) -> None:
         _require(m.num_experts <= 65535, "model.num_experts must fit in uint16 (<= 65535)")
     _require(c.bus.url == "" or c.bus.url.split("://")[0] in ("redis", "rediss", "unix"),
              f"bus.url = {c.bus.url!r} must start with redis://, rediss:// or unix:// (or be empty)")
+    _require(c.bus.partitions >= 1, f"bus.partitions = {c.bus.partitions} must be at least 1")
+    _require(not c.bus.cluster or c.bus.url.split("://")[0] in ("redis", "rediss"),
+             "bus.cluster = true needs bus.url = redis://HOST:PORT naming a node of the cluster "
+             "(the embedded Redis is not a cluster)")
     from runtime.vllm_args import validate_engine  # here: vllm_args imports this module
 
     validate_engine(c)

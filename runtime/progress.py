@@ -44,7 +44,10 @@ class Progress:
         self._started = time.monotonic()
 
     def __enter__(self) -> Progress:
-        self._client = redis.Redis.from_url(self.url, socket_timeout=5.0)
+        from bus.cluster import cluster_from_env  # bus.cluster = true: the launcher set REEL_BUS_CLUSTER
+
+        client_class = redis.RedisCluster if cluster_from_env() else redis.Redis
+        self._client = client_class.from_url(self.url, socket_timeout=5.0)
         if self.live:
             self._live = Live(self._table(), console=self._console, refresh_per_second=2, transient=False)
             self._live.__enter__()
