@@ -104,6 +104,8 @@ def _parser() -> argparse.ArgumentParser:
                      "reel bench bus", "reel bench engine --quick")
     bench.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
     bench.add_argument("--quick", action="store_true", help="smaller workload (smoke test)")
+    bench.add_argument("--partitions", type=int, default=0, metavar="P",
+                       help="bus only: the pipeline on a local 3-master Redis Cluster with 1 and P partitions")
     bench.set_defaults(handler="runtime.cli:run_bench")
 
     replay = _command(sub, "replay", "re-execute and analyse logged training steps",

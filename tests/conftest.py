@@ -57,8 +57,8 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory):
-    """A real three-master Redis Cluster (tests/redis_cluster.py), created once per test session."""
-    from redis_cluster import LocalCluster
+    """A real three-master Redis Cluster (bus/local_cluster.py), created once per test session."""
+    from bus.local_cluster import LocalCluster
 
     with LocalCluster(tmp_path_factory.mktemp("cluster"), _redis_binary()) as cluster:
         yield cluster

@@ -1,8 +1,10 @@
-"""A real three-master Redis Cluster on free ports, for the test session (see conftest.redis_cluster).
+"""A local Redis Cluster of N masters on free ports: for `reel bench bus --partitions` and the tests.
 
-Each master has its own directory (nodes.conf, append-only file with appendfsync always, so a
-killed master restarts with everything it acknowledged); `redis-cli --cluster create` assigns the
-slots. `kill(i)` / `start(i)` take one master down and bring it back from its directory.
+Each master has its own directory under `root` (nodes.conf, redis.log, an append-only file with
+appendfsync always, so a killed master restarts with everything it acknowledged); `redis-cli
+--cluster create` assigns the slots. `kill(i)` / `start(i)` take one master down and bring it back
+from its directory; `owner(key)` says which master serves a key. Needs redis-server and redis-cli
+(Debian: redis-server, redis-tools).
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ import time
 from pathlib import Path
 
 import redis
+
+from bus.errors import ReelError
+
+__all__ = ["LocalCluster"]
 
 START_TIMEOUT_S = 20.0
 
@@ -33,9 +39,12 @@ def free_port() -> int:
 
 
 class LocalCluster:
-    def __init__(self, root: Path, binary: str, masters: int = 3):
+    """Context manager: the cluster is up (every slot served) inside the with block."""
+
+    def __init__(self, root: Path, binary: str, masters: int = 3, *, appendfsync: str = "always"):
         self.root = root
         self.binary = binary
+        self.appendfsync = appendfsync  # "always" (tests: a killed master loses nothing) or "everysec"
         self.ports = [free_port() for _ in range(masters)]
         self.procs: list[subprocess.Popen | None] = [None] * masters
         self.url = f"redis://127.0.0.1:{self.ports[0]}"
@@ -45,10 +54,13 @@ class LocalCluster:
             for i in range(len(self.ports)):
                 self.start(i)
             cli = shutil.which("redis-cli")
-            assert cli, "redis-cli is not on PATH (ops/install.sh installs redis-tools)"
+            if cli is None:
+                raise ReelError("redis-cli is not on PATH: install Redis's tools (Debian: apt-get install redis-tools)")
             nodes = [f"127.0.0.1:{port}" for port in self.ports]
-            subprocess.run([cli, "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
-                           check=True, capture_output=True, timeout=60)
+            made = subprocess.run([cli, "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
+                                  capture_output=True, text=True, timeout=60)
+            if made.returncode:
+                raise ReelError(f"redis-cli --cluster create failed: {made.stdout[-500:]}{made.stderr[-500:]}")
             self.wait_ok()
         except BaseException:
             self.__exit__()
@@ -62,11 +74,11 @@ class LocalCluster:
     def start(self, i: int) -> None:
         """Start master i from its directory (a restart reloads nodes.conf and the append-only file)."""
         workdir = self.root / f"m{i}"
-        workdir.mkdir(exist_ok=True)
+        workdir.mkdir(parents=True, exist_ok=True)
         self.procs[i] = subprocess.Popen(
             [self.binary, "--port", str(self.ports[i]), "--bind", "127.0.0.1", "--dir", str(workdir),
              "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
-             "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--logfile", "redis.log"],
+             "--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "", "--logfile", "redis.log"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -78,7 +90,7 @@ class LocalCluster:
                 pass
             except (redis.ConnectionError, OSError):
                 if self.procs[i].poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"cluster master {i} did not start: see {workdir / 'redis.log'}") from None
+                    raise ReelError(f"cluster master {i} did not start: see {workdir / 'redis.log'}") from None
             time.sleep(0.05)
 
     def kill(self, i: int) -> None:
@@ -105,7 +117,7 @@ class LocalCluster:
             if all(state == "ok" for state in states):
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the test cluster did not become ok: {states}")
+                raise ReelError(f"the local Redis Cluster did not become ok (cluster_state per master: {states})")
             time.sleep(0.1)
 
     def owner(self, key: str) -> int:
@@ -115,4 +127,4 @@ class LocalCluster:
             for start, end, master, *_ in client.execute_command("CLUSTER SLOTS"):
                 if start <= slot <= end:
                     return self.ports.index(int(master[1]))
-        raise AssertionError(f"no master serves slot {slot}")
+        raise ReelError(f"no master serves slot {slot} of {key}")
