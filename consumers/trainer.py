@@ -26,7 +26,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 import torch
 
-from bus.blobs import BlobStore
+from bus.blob_backends.file import BlobStore
 from bus.events import (
     AnyEvent, DroppedGroup, RoutingTrace, RunStarted, StepCommitted, StepTiming, Trajectory, WeightsPublished, decode,
     stream_key,

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from safetensors.torch import save as st_save
 
-from bus.blobs import BlobStore
+from bus.blob_backends.file import BlobStore
 from bus.events import BlobRef
 from producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
 from producers.sampling import Sampler, Uniforms

@@ -47,7 +47,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from bus.blobs import BlobStore
+from bus.blob_backends.file import BlobStore
 from bus.events import RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished, WorkerStats
 from bus.log import LogError, RunLog
 from bus.partitions import worker_partition

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bus.blobs import BlobStore
+from bus.blob_backends.file import BlobStore
 from bus.errors import ReelError
 from bus.events import StepCommitted
 from runtime import checkpoint

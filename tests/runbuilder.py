@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bus.blobs import BlobStore
+from bus.blob_backends.file import BlobStore
 from bus.events import (
     AnyEvent, RoutingTrace, RunStarted, Sample, StepCommitted, StepTiming, Tensor, Trajectory, WeightsPublished,
     encode,
