@@ -9,6 +9,8 @@ pending. Each round:
     skip    entries at or before their stream's last logged entry id: logged by a predecessor that
             died before acking them
     dead    entries that are not Reel events -> the dead-letter stream (acked there, not logged)
+    blobs   with a blob store other than the run's blobs/ (Mooncake), copy every blob the round's
+            events name into blobs/ first: replay never depends on a live store
     log     append per stream: one write + one fdatasync per stream per round (group commit)
     ack     XACK only now: a crash before this re-delivers the entries, and `skip` drops the repeats
     trim    every trim_every_s, safe_trim (never past what any group has not acknowledged)
@@ -44,7 +46,10 @@ import redis.asyncio
 from redis.exceptions import RedisError, ResponseError
 
 from bus.cluster import SlotReader, is_cluster
-from bus.events import STREAMS, MalformedEvent, RunFinished, decode
+from bus.blob_backends.file import BlobStore
+from bus.blobs import BlobBackend
+from bus.events import STREAMS, AnyEvent, BlobRef, MalformedEvent, RoutingTrace, RunFinished, StepCommitted, \
+    WeightsPublished, decode
 from bus.log import RunLog
 from bus.logformat import entry_order
 from bus.partitions import lane_key, lanes, slot_key, stream_of
@@ -67,13 +72,15 @@ class _Round(msgspec.Struct):
     records: dict[str, list[tuple[str, bytes]]] = {}  # log stream -> (log entry id, event bytes) to log
     dead: list[tuple[str, str, bytes, str]] = []  # (lane, entry id, raw, reason)
     finished: bool = False  # a RunFinished is among the records
+    blobs: list[BlobRef] = []  # named by the records' events, to copy into the run's blobs/
 
 
 class Archiver:
     """Group `archiver` on all of a run's event streams (every lane of each) -> RunLog(run_dir)."""
 
     def __init__(self, run_dir: Path, bus_url: str, run: str, *, batch: int = 256, block_ms: int = 500,
-                 trim_every_s: float = 10.0, segment_bytes: int = 64 << 20, partitions: int = 1):
+                 trim_every_s: float = 10.0, segment_bytes: int = 64 << 20, partitions: int = 1,
+                 blobs: BlobBackend | None = None):
         # what to archive, and where
         self.run_dir = Path(run_dir)
         self.bus_url = bus_url
@@ -84,6 +91,8 @@ class Archiver:
         self.block_ms = block_ms
         self.trim_every_s = trim_every_s
         self.segment_bytes = segment_bytes
+        self.blobs = blobs  # the run's store when it is not the run dir's blobs/ (whose copy we keep)
+        self.files = BlobStore(self.run_dir / "blobs")
         # set by run()
         self.redis: redis.asyncio.Redis | None = None
         self.log: RunLog | None = None
@@ -124,7 +133,7 @@ class Archiver:
                 if entries:
                     written = self._prepare(entries)
                     await self._dead_letter(written.dead)
-                    writing = asyncio.get_running_loop().run_in_executor(disk, self._append, written.records)
+                    writing = asyncio.get_running_loop().run_in_executor(disk, self._append, written)
                 elif self.finished and blocking:
                     log.info("run %s finished and every stream is drained: %d events logged, %d repeats "
                              "skipped", self.run_name, self.archived, self.repeats)
@@ -212,6 +221,8 @@ class Archiver:
                 repeats += 1
                 continue
             round_.finished |= isinstance(event, RunFinished)
+            if self.blobs is not None:
+                round_.blobs += blob_refs(event)
             round_.records.setdefault(stream, []).append((entry_id, data))
         for stream in self._split & round_.records.keys():
             round_.records[stream] = self._log_ids(stream, round_.records[stream])
@@ -239,8 +250,11 @@ class Archiver:
         self.finished |= round_.finished
         await self._ack(round_.entries)
 
-    def _append(self, records: dict[str, list[tuple[str, bytes]]]) -> None:
-        for stream, batch in records.items():
+    def _append(self, round_: _Round) -> None:
+        for ref in round_.blobs:
+            if not self.files.path(ref).is_file():
+                self.files.put(self.blobs.get(ref))  # get checks the sha256 the event names
+        for stream, batch in round_.records.items():
             self.log.stream(stream).append_batch(batch)
 
     async def _ack(self, entries: list[Entry]) -> None:
@@ -278,9 +292,27 @@ class Archiver:
                            f"({type(exc).__name__}: {exc})") from exc
 
 
+def blob_refs(event: AnyEvent) -> list[BlobRef]:
+    """The blobs an event names (what a replay of the run reads)."""
+    match event:
+        case WeightsPublished():
+            return [event.weights]
+        case RoutingTrace(blob=BlobRef() as ref) | StepCommitted(checkpoint=BlobRef() as ref):
+            return [ref]
+    return []
+
+
 def main(run_dir: Path, bus_url: str, run: str, partitions: int | str = 1, stop: asyncio.Event | None = None) -> int:
     """`reel role archiver`: archive until SIGTERM/SIGINT (or `stop`), or the run finishes."""
     import uvloop
+
+    from runtime.blob_store import run_blobs
+    from runtime.config import load
+
+    path = Path(run_dir) / "config.toml"
+    config = load(path) if path.is_file() else None  # None: `reel bench bus`'s archiver
+    # Blobs in another store (Mooncake) get a copy in the run's blobs/; file blobs are there already.
+    blobs = run_blobs(Path(run_dir), config) if config and config.blobs.backend != "file" else None
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -289,7 +321,7 @@ def main(run_dir: Path, bus_url: str, run: str, partitions: int | str = 1, stop:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, done.set)
-        await Archiver(run_dir, bus_url, run, partitions=int(partitions)).run(done)
+        await Archiver(run_dir, bus_url, run, partitions=int(partitions), blobs=blobs).run(done)
 
     uvloop.run(archive())
     return 0

@@ -26,7 +26,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 import torch
 
-from bus.blob_backends.file import BlobStore
+from bus.blobs import BlobBackend
 from bus.events import (
     AnyEvent, DroppedGroup, RoutingTrace, RunStarted, StepCommitted, StepTiming, Trajectory, WeightsPublished, decode,
     stream_key,
@@ -36,6 +36,7 @@ from bus.partitions import lane_key, lanes
 from bus.streams import Delivery, GroupConsumer, Publisher, connect, recover_next_seq
 from runtime import checkpoint
 from runtime.batch import Group, build_batch, decode_routing
+from runtime.blob_store import run_blobs
 from runtime.config import Config, config_hash
 from runtime.config import load as load_config
 from runtime.groups import GroupLookup
@@ -71,7 +72,7 @@ class Trainer:
     run_dir: Path
     url: str
     run: str
-    blobs: BlobStore
+    blobs: BlobBackend
     redis: aioredis.Redis
     consumer: GroupConsumer
     publisher: Publisher
@@ -84,7 +85,7 @@ class Trainer:
         self.run_dir = run_dir
         self.url = url
         self.run = config.run.name
-        self.blobs = BlobStore(run_dir / "blobs")
+        self.blobs = run_blobs(run_dir, config)
         self.committed_groups = set()
         self.pending = {}
 

@@ -47,7 +47,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from bus.blob_backends.file import BlobStore
+from bus.blobs import BlobBackend
 from bus.events import RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished, WorkerStats
 from bus.log import LogError, RunLog
 from bus.partitions import worker_partition
@@ -55,6 +55,7 @@ from bus.streams import Publisher, connect, recover_next_seq
 from bus.tail import Tail
 from producers.engine import Completion, Engine, EngineError, SamplingParams
 from producers.envs import Env, Prompt, make_env
+from runtime.blob_store import run_blobs
 from runtime.config import Config, load
 from runtime.initial_policy import init_dir
 
@@ -75,7 +76,7 @@ class RolloutWorker:
     run_name: str
     name: str  # producer "rollout:<index>"
     env: Env
-    blobs: BlobStore
+    blobs: BlobBackend
     round_size: int  # R of the async gate (module docstring)
     # Set when run() starts.
     publisher: Publisher | None
@@ -97,7 +98,7 @@ class RolloutWorker:
         self.run_name = config.run.name
         self.name = f"rollout:{index}"
         self.env = make_env(config.env, config.rollout.max_tokens)
-        self.blobs = BlobStore(self.run_dir / "blobs")
+        self.blobs = run_blobs(self.run_dir, config)
         r = config.rollout
         self.round_size = min(r.concurrency, math.ceil(config.trainer.batch_groups / r.workers))
         self.publisher = None
@@ -355,7 +356,7 @@ def group_seed(run_seed: int, worker: int, seq_base: int, counter: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 2
 
 
-def make_engine(config: Config, model_dir: Path, blobs: BlobStore, worker: int = 0) -> Engine:
+def make_engine(config: Config, model_dir: Path, blobs: BlobBackend, worker: int = 0) -> Engine:
     """The configured engine for the model in `model_dir` (HF layout); version -1 until weights arrive.
 
     vLLM runs as `vllm serve` servers reached over HTTP when REEL_VLLM_URL is set (the Slurm job's

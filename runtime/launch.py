@@ -38,6 +38,7 @@ from pathlib import Path
 from bus.errors import ReelError
 from runtime import config as config_mod
 from runtime import vllm_args
+from runtime.blob_store import mooncake_for
 from runtime.config import Config
 from runtime.progress import Progress
 
@@ -63,7 +64,7 @@ def main_run(args: argparse.Namespace) -> int:
     text = Path(args.config).read_text()
     run_dir = Path(args.out) if args.out else Path(config.run.out_dir) / config.run.name
     prepare_run_dir(run_dir, text, config, resume=args.resume)
-    with bus_for(run_dir, config) as url:
+    with bus_for(run_dir, config) as url, mooncake_for(run_dir, config):
         return Supervisor(run_dir, url, config, live=not args.no_live and sys.stdout.isatty()).run()
 
 
