@@ -57,7 +57,7 @@ class MooncakeBlobs(BlobBackend):
         def fetch(store) -> bool:
             data = store.get(ref.sha256)
             got[:] = [data]
-            return len(data) == ref.nbytes
+            return len(data) > 0 or ref.nbytes == 0  # b"": not served now; other sizes: get() says corrupted
 
         try:
             self._until_ok(fetch, f"get of blob {ref.sha256}")
