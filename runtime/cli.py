@@ -20,6 +20,7 @@ from bus.events import STREAMS
 BENCHES = {
     "bus": "bus.bench:bench_bus",
     "log": "bus.bench:bench_log",
+    "blobs": "bus.blob_backends.bench:bench_blobs",
     "r3": "runtime.model.bench:bench_r3",
     "fp8": "runtime.model.bench:bench_fp8",
     "engine": "producers.bench:bench_engine",
