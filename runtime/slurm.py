@@ -220,7 +220,6 @@ def _blob_store_lines(c: Config) -> list[str]:
     b = c.blobs
     if b.backend != "mooncake" or b.mooncake_master:
         return []
-    host = Expand("$BLOB_HOST")
     device = [f"--device_names={b.mooncake_device}"] if b.mooncake_device else []
     return ["# the run's Mooncake blob store: its master, and the holder that owns the memory blobs live in",
             "BLOB_HOST=$(group_addr 0 0) BLOB_MASTER_PORT=$((PORT_BASE + 5)) BLOB_META_PORT=$((PORT_BASE + 6))",

@@ -17,41 +17,15 @@ from bus.cluster import CLUSTER_ENV
 from bus.events import StepCommitted, Trajectory, stream_key
 from bus.log import RunLog
 from bus.partitions import lane_key
-from runbuilder import TINY_MODEL_TOML
+from runbuilder import e2e_config
 from runtime.cli import main
 
 pytestmark = pytest.mark.slow
 
-CONFIG = """
-[run]
-name = "{name}"
-steps = {steps}
-{model}[init]
-warmup_steps = 30
-[bus]
-url = "{url}"
-cluster = true
-partitions = 3
-[env]
-min_len = 2
-max_len = 4
-[rollout]
-workers = 3
-concurrency = 2
-group_size = 4
-async_level = 1
-max_tokens = 6
-[trainer]
-batch_groups = 4
-checkpoint_every = 2
-max_off_policy_steps = 2
-"""
-
-
 def _config(tmp_path: Path, name: str, url: str, steps: int) -> Path:
-    path = tmp_path / f"{name}.toml"
-    path.write_text(CONFIG.format(name=name, steps=steps, url=url, model=TINY_MODEL_TOML))
-    return path
+    """Three workers, one per partition, on the cluster at `url`."""
+    return e2e_config(tmp_path / f"{name}.toml", name, steps, {
+        "bus": {"url": url, "cluster": True, "partitions": 3}, "rollout": {"workers": 3, "concurrency": 2}})
 
 
 def _commits(run_dir: Path) -> list[StepCommitted]:

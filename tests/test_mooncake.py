@@ -17,7 +17,7 @@ from bus.blob_backends.mooncake_service import MooncakeService
 from bus.blobs import BlobError
 from bus.events import BlobRef, WeightsPublished
 from bus.log import RunLog
-from runbuilder import TINY_MODEL_TOML
+from runbuilder import e2e_config
 from runtime.cli import main
 
 
@@ -94,33 +94,10 @@ def test_holder_restart_loses_the_store_not_the_run_dir_copy(tmp_path: Path, tmp
             blobs.close()
 
 
-RUN = """
-[run]
-name = "mooncake"
-steps = 3
-{model}[init]
-warmup_steps = 30
-[blobs]
-backend = "mooncake"
-mooncake_segment_bytes = 268435456
-[env]
-min_len = 2
-max_len = 4
-[rollout]
-concurrency = 4
-group_size = 4
-max_tokens = 6
-[trainer]
-batch_groups = 4
-checkpoint_every = 2
-max_off_policy_steps = 2
-"""
-
-
 @pytest.mark.slow
 def test_a_run_with_weights_over_mooncake_replays_bitwise(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    config = tmp_path / "mooncake.toml"
-    config.write_text(RUN.format(model=TINY_MODEL_TOML))
+    config = e2e_config(tmp_path / "mooncake.toml", "mooncake", 3,
+                        {"blobs": {"backend": "mooncake", "mooncake_segment_bytes": 256 << 20}})
     run_dir = tmp_path / "run"
     assert main(["run", str(config), "--out", str(run_dir), "--no-live"]) == 0
     with RunLog(run_dir, readonly=True) as log:
