@@ -88,8 +88,14 @@ def test_holder_restart_loses_the_store_not_the_run_dir_copy(tmp_path: Path, tmp
             assert blobs.get(kept) == b"archived weights"  # from the run dir
             with pytest.raises(BlobError, match=f"Mooncake store at {service.address.master}.*not found in"):
                 blobs.get(lost)
-            fresh = blobs.put(b"after the restart")  # the new holder takes writes
-            assert blobs.get(fresh) == b"after the restart"
+            # The new holder takes writes once the master has dropped the old segment (client TTL):
+            # a put retries across that window.
+            writer = MooncakeBlobs(service.address)
+            try:
+                fresh = writer.put(b"after the restart")
+                assert writer.get(fresh) == b"after the restart"
+            finally:
+                writer.close()
         finally:
             blobs.close()
 
