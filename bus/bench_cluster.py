@@ -13,7 +13,6 @@ readers and the publishers compete for the same cores, so expect little there.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 from bus.bench import reel_pipeline, trajectory
 from bus.cluster import CLUSTER_ENV
 from bus.errors import ReelError
+from bus.jsonout import print_json
 from bus.events import encode
 from bus.local_cluster import LocalCluster
 from bus.partitions import lane_key
@@ -49,7 +49,7 @@ def bench_bus_partitions(args: argparse.Namespace) -> int:
         else:
             os.environ[CLUSTER_ENV] = previous
     best = {p: max(rates[p]) for p in counts}
-    print(json.dumps({
+    print_json({
         "bench": "bus", "partitions": args.partitions, "masters": MASTERS, "events": n,
         "event_bytes": len(encode(event)), "rounds": rounds,
         "cpus": os.cpu_count(),
@@ -57,7 +57,7 @@ def bench_bus_partitions(args: argparse.Namespace) -> int:
         "redis_cpu_us_per_event": {str(p): round(min(cpu[p]) * 1e6, 1) for p in counts},
         "masters_used": {str(p): masters_used[p] for p in counts},
         "ratio": round(best[counts[-1]] / best[1], 3),
-    }))
+    })
     return 0
 
 

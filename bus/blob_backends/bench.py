@@ -11,7 +11,6 @@ Mooncake is there for nodes that share no filesystem (and RDMA between them).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -21,6 +20,7 @@ from bus.blob_backends.file import BlobStore
 from bus.blob_backends.mooncake import MooncakeBlobs
 from bus.blob_backends.mooncake_service import MooncakeService
 from bus.blobs import BlobBackend
+from bus.jsonout import print_json
 
 __all__ = ["bench_blobs"]
 
@@ -35,12 +35,12 @@ def bench_blobs(args: argparse.Namespace) -> int:
                 mooncake = _rates(store, nbytes, rounds)
             finally:
                 store.close()
-    print(json.dumps({
+    print_json({
         "bench": "blobs", "blob_bytes": nbytes, "rounds": rounds, "protocol": "tcp",
         "file_put_mb_per_s": files[0], "file_get_mb_per_s": files[1],
         "mooncake_put_mb_per_s": mooncake[0], "mooncake_get_mb_per_s": mooncake[1],
         "ratio": round(mooncake[1] / files[1], 3),
-    }))
+    })
     return 0
 
 
