@@ -51,6 +51,7 @@ class RunSource(msgspec.Struct, frozen=True):
     run: str
     bus_url: str | None  # None: read the log
     run_dir: Path | None
+    partitions: int = 1  # bus.partitions of the run
 
     def describe(self) -> str:
         """Where the figures come from, without the URL's password."""
@@ -92,11 +93,12 @@ async def locate(run_dir: str | None, bus: str | None, name: str | None) -> RunS
     config_file = directory / "config.toml"
     if not config_file.is_file():
         raise MetricsError(f"{config_file} does not exist; is {directory} a run directory?")
-    run = name or run_config.load(config_file).run.name
+    config = run_config.load(config_file)
+    run = name or config.run.name
     url_file = directory / "bus_url"
     url = bus or (url_file.read_text().strip() if url_file.is_file() else None)
     if url and not _log_finished(directory) and await _reachable(url):
-        return RunSource(run, url, directory)
+        return RunSource(run, url, directory, config.bus.partitions)
     if not (directory / "log").is_dir():
         raise MetricsError(f"{directory} has no log/ and no reachable bus (bus_url or --bus); "
                            "is the run started?")
@@ -133,19 +135,20 @@ class Watcher:
     HTTP server) always sees a consistent one.
     """
 
-    def __init__(self, url: str, run: str, *, start: str = "0", window_groups: int = 64):
+    def __init__(self, url: str, run: str, *, start: str = "0", window_groups: int = 64, partitions: int = 1):
         self.run = run
         self.aggregates = RunAggregates(run, window_groups=window_groups)
         self.snapshot = self.aggregates.snapshot()
-        self._tail = Tail(url, run, WATCH_STREAMS, start)
+        self._tail = Tail(url, run, WATCH_STREAMS, start, partitions=partitions)
         self._redis = connect(url)
+        self._partitions = partitions  # one dead-letter stream per slot
 
     async def poll(self, block_ms: int = 1000, count: int = 500) -> int:
         """Read and fold in one batch (waiting up to `block_ms`); returns how many events came."""
         batch = await self._tail.read(count=count, block_ms=block_ms)
         for _stream, _entry_id, event in batch:
             self.aggregates.apply(event)
-        self.aggregates.set_dead_letters(await dead_letters_added(self._redis, self.run))
+        self.aggregates.set_dead_letters(await dead_letters_added(self._redis, self.run, self._partitions))
         self.snapshot = self.aggregates.snapshot()
         return len(batch)
 
@@ -193,7 +196,7 @@ async def serve(source: RunSource, port: int, stop: asyncio.Event, *, addr: str 
     Once the run has finished the figures are final: the bus is let go (its Redis may stop) and the
     last snapshot stays on the endpoint."""
     final = None if source.bus_url else read_log(source)
-    watcher = Watcher(source.bus_url, source.run) if source.bus_url else None
+    watcher = Watcher(source.bus_url, source.run, partitions=source.partitions) if source.bus_url else None
     if watcher is not None:
         await watcher.catch_up()  # the first scrape sees the run's counters, not zeros that then jump
     server = _start_exporter(port, addr, lambda: watcher.snapshot if watcher else final)
@@ -249,7 +252,7 @@ async def _top(args: argparse.Namespace) -> int:
     if source.bus_url is None:
         console.print(render(read_log(source), source.describe()))
         return 0
-    watcher = Watcher(source.bus_url, source.run)
+    watcher = Watcher(source.bus_url, source.run, partitions=source.partitions)
     try:
         await watcher.catch_up()
         if args.once or watcher.snapshot.finished is not None:

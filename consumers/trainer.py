@@ -26,15 +26,17 @@ from pathlib import Path
 import redis.asyncio as aioredis
 import torch
 
-from bus.blobs import BlobStore
+from bus.blobs import BlobBackend
 from bus.events import (
     AnyEvent, DroppedGroup, RoutingTrace, RunStarted, StepCommitted, StepTiming, Trajectory, WeightsPublished, decode,
     stream_key,
 )
 from bus.log import LogCorrupted, LogError, RunLog
+from bus.partitions import lane_key, lanes
 from bus.streams import Delivery, GroupConsumer, Publisher, connect, recover_next_seq
 from runtime import checkpoint
 from runtime.batch import Group, build_batch, decode_routing
+from runtime.blob_store import run_blobs
 from runtime.config import Config, config_hash
 from runtime.config import load as load_config
 from runtime.groups import GroupLookup
@@ -70,7 +72,7 @@ class Trainer:
     run_dir: Path
     url: str
     run: str
-    blobs: BlobStore
+    blobs: BlobBackend
     redis: aioredis.Redis
     consumer: GroupConsumer
     publisher: Publisher
@@ -83,7 +85,7 @@ class Trainer:
         self.run_dir = run_dir
         self.url = url
         self.run = config.run.name
-        self.blobs = BlobStore(run_dir / "blobs")
+        self.blobs = run_blobs(run_dir, config)
         self.committed_groups = set()
         self.pending = {}
 
@@ -95,7 +97,7 @@ class Trainer:
         self.consumer = GroupConsumer(
             self.url, self.run, "trainer", "trainer-0", ["trajectories", "routing"],
             block_ms=self.config.bus.block_ms, claim_idle_ms=NEVER_RECLAIM_MS,
-            max_deliveries=self.config.bus.max_deliveries,
+            max_deliveries=self.config.bus.max_deliveries, partitions=self.config.bus.partitions,
         )
         try:
             self.publisher = Publisher(self.redis, self.run, PRODUCER, await recover_next_seq(self.redis, self.run, PRODUCER))
@@ -250,8 +252,9 @@ class Trainer:
         lookup = GroupLookup(self.blobs)
         for stream in ("trajectories", "routing"):
             lookup.add(logged_events(self.run_dir, stream))
-            entries = await self.redis.xrange(stream_key(self.run, stream))
-            lookup.add(decode(fields[b"e"]) for _, fields in entries)
+            for lane in lanes([stream], self.config.bus.partitions):
+                entries = await self.redis.xrange(lane_key(self.run, lane))
+                lookup.add(decode(fields[b"e"]) for _, fields in entries)
         return lookup
 
     @staticmethod

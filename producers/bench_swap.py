@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from bus.blobs import BlobStore
+from bus.blob_backends.file import BlobStore
 from bus.events import BlobRef
 from bus.jsonout import print_json
 from producers.builtin_engine import BuiltinEngine

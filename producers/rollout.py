@@ -47,13 +47,15 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from bus.blobs import BlobStore
+from bus.blobs import BlobBackend
 from bus.events import RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished, WorkerStats
 from bus.log import LogError, RunLog
+from bus.partitions import worker_partition
 from bus.streams import Publisher, connect, recover_next_seq
 from bus.tail import Tail
 from producers.engine import Completion, Engine, EngineError, SamplingParams
 from producers.envs import Env, Prompt, make_env
+from runtime.blob_store import run_blobs
 from runtime.config import Config, load
 from runtime.initial_policy import init_dir
 
@@ -74,7 +76,7 @@ class RolloutWorker:
     run_name: str
     name: str  # producer "rollout:<index>"
     env: Env
-    blobs: BlobStore
+    blobs: BlobBackend
     round_size: int  # R of the async gate (module docstring)
     # Set when run() starts.
     publisher: Publisher | None
@@ -96,7 +98,7 @@ class RolloutWorker:
         self.run_name = config.run.name
         self.name = f"rollout:{index}"
         self.env = make_env(config.env, config.rollout.max_tokens)
-        self.blobs = BlobStore(self.run_dir / "blobs")
+        self.blobs = run_blobs(self.run_dir, config)
         r = config.rollout
         self.round_size = min(r.concurrency, math.ceil(config.trainer.batch_groups / r.workers))
         self.publisher = None
@@ -122,7 +124,8 @@ class RolloutWorker:
         redis = connect(self.url)
         try:
             self.seq_base = await self._recover_seq(redis)
-            self.publisher = Publisher(redis, self.run_name, self.name, self.seq_base)
+            self.publisher = Publisher(redis, self.run_name, self.name, self.seq_base,
+                                       worker_partition(self.index, self.config.bus.partitions))
             self._background = [asyncio.create_task(self._follow_weights(), name="follow-weights"),
                                 asyncio.create_task(self._follow_steps(), name="follow-steps"),
                                 asyncio.create_task(self._report_stats(), name="worker-stats")]
@@ -308,7 +311,7 @@ class RolloutWorker:
                 busy_s=s.busy_s, swap_s=swaps)])
 
     async def _recover_seq(self, redis) -> int:
-        on_bus = await recover_next_seq(redis, self.run_name, self.name)
+        on_bus = await recover_next_seq(redis, self.run_name, self.name, self.config.bus.partitions)
         # Entries the archiver made durable may be trimmed from the bus; the log still has them.
         in_log = await asyncio.to_thread(next_seq_in_log, self.run_dir, self.name)
         return max(on_bus, in_log)
@@ -356,7 +359,7 @@ def group_seed(run_seed: int, worker: int, seq_base: int, counter: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 2
 
 
-def make_engine(config: Config, model_dir: Path, blobs: BlobStore, worker: int = 0) -> Engine:
+def make_engine(config: Config, model_dir: Path, blobs: BlobBackend, worker: int = 0) -> Engine:
     """The configured engine for the model in `model_dir` (HF layout); version -1 until weights arrive.
 
     vLLM runs as `vllm serve` servers reached over HTTP when REEL_VLLM_URL is set (the Slurm job's

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgspec
 import numpy as np
 
-from bus.blobs import BlobStore
+from bus.blob_backends.file import BlobStore
 from bus.events import BlobRef
 from producers.engine import Completion, EngineClosed, EngineError, SamplingParams
 from producers.vllm import LOAD_WEIGHTS, VLLMEngineBase, cache_salt, policy_version, sampling_options

@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 import torch
 
-from bus.blobs import BlobStore
+from bus.blob_backends.file import BlobStore
 from bus.errors import ReelError
 from bus.events import StepCommitted
 from bus.log import RunLog

@@ -20,6 +20,7 @@ from bus.events import STREAMS
 BENCHES = {
     "bus": "bus.bench:bench_bus",
     "log": "bus.bench:bench_log",
+    "blobs": "bus.blob_backends.bench:bench_blobs",
     "r3": "runtime.model.bench:bench_r3",
     "fp8": "runtime.model.bench:bench_fp8",
     "engine": "producers.bench:bench_engine",
@@ -104,6 +105,8 @@ def _parser() -> argparse.ArgumentParser:
                      "reel bench bus", "reel bench engine --quick")
     bench.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
     bench.add_argument("--quick", action="store_true", help="smaller workload (smoke test)")
+    bench.add_argument("--partitions", type=int, default=0, metavar="P",
+                       help="bus only: the pipeline on a local 3-master Redis Cluster with 1 and P partitions")
     bench.set_defaults(handler="runtime.cli:run_bench")
 
     replay = _command(sub, "replay", "re-execute and analyse logged training steps",

@@ -39,6 +39,8 @@ class BusSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     block_ms: int = 1000  # XREADGROUP BLOCK time
     claim_idle_ms: int = 30_000  # pending entries idle this long are reclaimed (XAUTOCLAIM)
     max_deliveries: int = 5  # deliveries before an entry goes to the dead-letter stream
+    partitions: int = 1  # trajectory and routing streams split over this many hash tags (bus/partitions.py)
+    cluster: bool = False  # bus.url names a node of a Redis Cluster (also REEL_BUS_CLUSTER=1 for roles)
 
 
 class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -138,6 +140,17 @@ class TrainerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     threads: int = 0  # torch threads of the trainer (part of bit-exactness); 0 = 1
 
 
+class BlobsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    backend: Literal["file", "mooncake"] = "file"  # where weights and big routing traces go (bus/blob_backends/)
+    # Mooncake (backend = "mooncake"); the run's blobs/ still gets a copy of every blob an event names.
+    mooncake_master: str = ""  # host:port of a running master; empty = `reel run` / the Slurm job start one
+    mooncake_metadata: str = ""  # its metadata server, http://host:port/metadata (with mooncake_master)
+    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
+    mooncake_device: str = ""  # RDMA device names (protocol = "rdma"), e.g. "mlx5_0"
+    mooncake_segment_bytes: int = 1 << 30  # memory of the holder process started with the master
+    mooncake_buffer_bytes: int = 64 << 20  # each client's local transfer buffer
+
+
 class LogSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     segment_bytes: int = 64 * 1024 * 1024
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"  # Python logging level of each role
@@ -152,6 +165,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     rollout: RolloutSection = msgspec.field(default_factory=RolloutSection)
     env: EnvSection = msgspec.field(default_factory=EnvSection)
     trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
+    blobs: BlobsSection = msgspec.field(default_factory=BlobsSection)
     log: LogSection = msgspec.field(default_factory=LogSection)
 
 
@@ -285,6 +299,18 @@ def validate(c: Config) -> None:
         _require(m.num_experts <= 65535, "model.num_experts must fit in uint16 (<= 65535)")
     _require(c.bus.url == "" or c.bus.url.split("://")[0] in ("redis", "rediss", "unix"),
              f"bus.url = {c.bus.url!r} must start with redis://, rediss:// or unix:// (or be empty)")
+    _require(c.bus.partitions >= 1, f"bus.partitions = {c.bus.partitions} must be at least 1")
+    _require(not c.bus.cluster or c.bus.url.split("://")[0] in ("redis", "rediss"),
+             "bus.cluster = true needs bus.url = redis://HOST:PORT naming a node of the cluster "
+             "(the embedded Redis is not a cluster)")
+    b = c.blobs
+    _require(bool(b.mooncake_master) == bool(b.mooncake_metadata),
+             "blobs.mooncake_master and blobs.mooncake_metadata name a running store together; set both or neither")
+    _require(b.backend == "file" or c.engine.kind == "builtin",
+             'blobs.backend = "mooncake" needs engine.kind = "builtin" (vLLM loads weights from files); '
+             'use blobs.backend = "file"')
+    _require(b.mooncake_segment_bytes > 0 and b.mooncake_buffer_bytes > 0,
+             "blobs.mooncake_segment_bytes and blobs.mooncake_buffer_bytes must be > 0")
     from runtime.vllm_args import validate_engine  # here: vllm_args imports this module
 
     validate_engine(c)
