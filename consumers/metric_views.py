@@ -44,6 +44,10 @@ _STEP_METRICS = {
     "kl_k1": ("reel_mismatch_kl_k1", "k1 estimator of the inference/trainer KL, latest step's sampled tokens."),
     "kl_k2": ("reel_mismatch_kl_k2", "k2 estimator of the inference/trainer KL, latest step's sampled tokens."),
     "kl_k3": ("reel_mismatch_kl_k3", "k3 estimator of the inference/trainer KL, latest step's sampled tokens."),
+    "numerics_k3": ("reel_mismatch_numerics_kl_k3",
+                    "k3 of KL(inference || trainer at the sampling version's weights): engine numerics only."),
+    "drift_k3": ("reel_mismatch_drift_kl_k3",
+                 "k3 of KL(sampling version || trainer before the step): policy drift from staleness."),
     "ratio_mean": ("reel_importance_ratio_mean", "Mean trainer/inference importance ratio."),
     "ratio_min": ("reel_importance_ratio_min", "Smallest trainer/inference importance ratio."),
     "ratio_max": ("reel_importance_ratio_max", "Largest trainer/inference importance ratio."),
@@ -148,10 +152,12 @@ def render(s: Snapshot, where: str) -> RenderableType:
         workers.add_row(w.worker, f"{w.tokens_per_s:.1f}", str(w.running), str(w.waiting), str(w.policy_version),
                         _fmt(w.version_lag), str(s.groups_published.get(w.worker, 0)), _fmt(w.idle_share, pct=True))
     steps = Table(title="recent steps", title_justify="left", title_style="bold", box=None)
-    for column in ("step", "loss", "reward", "kl_k3", "ratio max", "staleness", "idle", "dropped"):
+    for column in ("step", "loss", "reward", "kl_k3", "numerics", "drift", "ratio max", "staleness", "idle",
+                   "dropped"):
         steps.add_column(column, justify="right")
     for r in s.recent_steps[-8:]:
         steps.add_row(str(r.step), _fmt(r.loss), _fmt(r.reward), _fmt(r.metrics.get("kl_k3")),
+                      _fmt(r.metrics.get("numerics_k3")), _fmt(r.metrics.get("drift_k3")),
                       _fmt(r.metrics.get("ratio_max")), _fmt(r.staleness_mean), _fmt(r.idle_share, pct=True),
                       str(r.dropped))
     return Group(head, Columns([training, mismatch, staleness, dropped], padding=(1, 4)), workers, steps)

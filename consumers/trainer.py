@@ -41,6 +41,7 @@ from runtime.config import Config, config_hash
 from runtime.config import load as load_config
 from runtime.groups import GroupLookup
 from runtime.initial_policy import code_version, ensure_initial_policy, initial_reward
+from runtime.mismatch_split import WeightHistory
 from runtime.model.weights import state_dict_bytes
 from runtime.reexecute import catch_up, initial_state, restore_state
 from runtime.train_step import TrainState, train_step
@@ -79,6 +80,7 @@ class Trainer:
     state: TrainState
     committed_groups: set[str]
     pending: dict[str, PendingGroup]
+    weights: WeightHistory  # published versions, for the mismatch split of stale tokens
 
     def __init__(self, run_dir: Path, url: str, config: Config):
         self.config = config
@@ -88,6 +90,7 @@ class Trainer:
         self.blobs = run_blobs(run_dir, config)
         self.committed_groups = set()
         self.pending = {}
+        self.weights = WeightHistory(self.blobs, keep=config.trainer.max_off_policy_steps + 1)
 
     async def run_until_done(self, stop: asyncio.Event) -> None:
         self.redis = connect(self.url)
@@ -116,11 +119,12 @@ class Trainer:
             return
         waited = time.perf_counter() - started
         batch = build_batch([self._resolve(gid, part) for gid, part in collected.groups])
-        self.state, result = await asyncio.to_thread(train_step, self.state, batch, self.config)
+        self.state, result = await asyncio.to_thread(train_step, self.state, batch, self.config, self.weights.get)
         computed = time.perf_counter()
         step = self.state.step
         self._crash_point(step, "computed")
         weights = await asyncio.to_thread(self.blobs.put, state_dict_bytes(self.state.model))
+        self.weights.add(step, weights)
         self._crash_point(step, "weights_written")
         ckpt = None
         if step % self.config.trainer.checkpoint_every == 0 or step == self.config.run.steps:
@@ -143,9 +147,10 @@ class Trainer:
         self.committed_groups.update(d.group_id for d in dropped)
         await self.consumer.ack([d for _, part in collected.groups + collected.dropped for d in part.deliveries()])
         self._crash_point(step, "acked")
-        log.info("step %d committed: loss %.4f grad_norm %.3f reward %.3f kl_k3 %.2e dropped %d",
-                 step, result.loss, result.grad_norm, result.metrics.get("reward_mean", 0.0),
-                 result.metrics.get("kl_k3", 0.0), len(dropped))
+        m = result.metrics
+        log.info("step %d committed: loss %.4f grad_norm %.3f reward %.3f kl_k3 %.2e (numerics %.2e drift %.2e) "
+                 "dropped %d", step, result.loss, result.grad_norm, m.get("reward_mean", 0.0), m.get("kl_k3", 0.0),
+                 m.get("numerics_k3", 0.0), m.get("drift_k3", 0.0), len(dropped))
 
     async def _collect(self, stop: asyncio.Event) -> Collected:
         """Read until batch_groups fresh groups are complete; stale ones are set aside as dropped."""
@@ -199,6 +204,10 @@ class Trainer:
 
     async def _setup_or_resume(self) -> None:
         commits = await self._read_commits()
+        on_bus = [decode(fields[b"e"]) for _, fields in await self.redis.xrange(stream_key(self.run, "weights"))]
+        for event in logged_events(self.run_dir, "weights") + on_bus:
+            if isinstance(event, WeightsPublished):
+                self.weights.add(event.version, event.weights)
         await asyncio.to_thread(ensure_initial_policy, self.run_dir, self.config)
         if not commits:
             self.state = initial_state(self.run_dir, self.config)
@@ -222,6 +231,7 @@ class Trainer:
             return
         model = self.state.model
         weights = await asyncio.to_thread(self.blobs.put, state_dict_bytes(model))
+        self.weights.add(0, weights)
         events = [self.publisher.stamp(WeightsPublished, version=0, step=0, weights=weights)]
         if not await self._stream_has(RunStarted):
             config_text = (self.run_dir / "config.toml").read_text()

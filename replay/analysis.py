@@ -8,6 +8,8 @@ scored by the same weights the trainer had (π_old), three ways:
     run settings        the run's trainer.router_replay and trainer.precision (what the step used)
     own routing         no router replay: the trainer's own top-k (also gives router agreement)
     bf16                the run's routing setting in bf16 (only when the run trained in fp8)
+    sampling version    each token under the weights of the version that sampled it (the mismatch
+                        split of runtime/mismatch_split.py: numerics vs drift)
 
 Legend: B rows, T positions, L MoE layers, K experts per token, N completion tokens (flattened).
 """
@@ -32,9 +34,12 @@ from runtime.batch import Batch, build_batch
 from runtime.config import Config
 from runtime.groups import GroupLookup
 from runtime.launch import load_run_config
+from runtime.mismatch_split import WeightHistory, WeightsOf, sampler_logprobs, split_metrics
 from runtime.model.determinism import set_determinism
 from runtime.reexecute import ReplayMismatch, catch_up, check_reproduced, restore_state
-from runtime.train_step import StepResult, TrainState, completion_tokens, split, token_logprobs, train_step
+from runtime.train_step import (
+    StepResult, TrainState, completion_tokens, scored_tokens, split, token_logprobs, train_step,
+)
 
 OnStep = Callable[[int], None]
 
@@ -75,6 +80,8 @@ class BatchAnalysis(NamedTuple):
     router_agreement: list[float]  # per MoE layer; empty when the batch has no routing
     log_ratio_N: np.ndarray  # log π_old - log μ per completion token (run settings)
     tokens: int
+    kl_numerics: KL | None  # KL(μ ‖ π_v), π_v the sampling version; None without its weights
+    kl_drift: KL | None  # KL(π_v ‖ π_old)
 
 
 class StepReport(msgspec.Struct, kw_only=True):
@@ -100,6 +107,8 @@ class StepReport(msgspec.Struct, kw_only=True):
     restored_from: int  # the checkpoint's step (0 = the initial policy)
     router_replay: bool
     precision: str
+    kl_numerics: KL | None = None  # the split of `kl`: engine vs trainer at the sampling version's weights
+    kl_drift: KL | None = None  # ... and the sampling version vs π_old (staleness)
 
 
 class Recomputed(msgspec.Struct, kw_only=True):
@@ -109,6 +118,8 @@ class Recomputed(msgspec.Struct, kw_only=True):
     kl_without_router_replay: KL
     kl_without_fp8_alignment: KL | None
     router_agreement_mean: float | None
+    kl_numerics: KL | None = None
+    kl_drift: KL | None = None
 
 
 class RangeRow(msgspec.Struct, kw_only=True):
@@ -125,6 +136,8 @@ class RangeRow(msgspec.Struct, kw_only=True):
     tokens: int
     dropped: int
     recomputed: Recomputed | None = None
+    kl_numerics: KL | None = None  # logged split (runs whose trainer logged it)
+    kl_drift: KL | None = None
 
 
 class Run:
@@ -135,6 +148,7 @@ class Run:
     blobs: BlobStore
     commits: dict[int, StepCommitted]
     lookup: GroupLookup
+    weights: WeightHistory
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
@@ -143,6 +157,7 @@ class Run:
         with RunLog(run_dir, readonly=True) as run_log:
             self.commits = {e.step: e for _, e in run_log.events("steps") if isinstance(e, StepCommitted)}
             self.lookup = GroupLookup.from_log(run_log, self.blobs)
+            self.weights = WeightHistory.from_events((e for _, e in run_log.events("weights")), self.blobs)
 
     def require(self, first: int, last: int, *, why: str = "") -> None:
         """Every commit first..last is logged, else one sentence naming the available range."""
@@ -173,7 +188,7 @@ def replay_step(run: Run, step: int, on_step: OnStep | None = None) -> tuple[Ste
     run.prepare()
     commit = run.commits[step]
     state, restored_from = run.state_before(step, on_step)
-    analysis = analyse_batch(state, build_batch(run.lookup.groups_of(commit)), run.config)
+    analysis = analyse_batch(state, build_batch(run.lookup.groups_of(commit)), run.config, run.weights.get)
     state, result, seconds = _timed_step(state, commit, run)
     if on_step is not None:
         on_step(step)
@@ -189,6 +204,7 @@ def replay_step(run: Run, step: int, on_step: OnStep | None = None) -> tuple[Ste
         staleness=dict(result.staleness), router_agreement=analysis.router_agreement, tokens=analysis.tokens,
         replay_seconds=seconds, original_seconds=commit.timing.compute, restored_from=restored_from,
         router_replay=cfg.router_replay, precision=cfg.precision,
+        kl_numerics=analysis.kl_numerics, kl_drift=analysis.kl_drift,
     )
     return report, analysis
 
@@ -209,7 +225,7 @@ def replay_range(run: Run, first: int, last: int, *, recompute: bool,
     state, _ = run.state_before(first, on_step)
     for i, step in enumerate(range(first, last + 1)):
         commit = run.commits[step]
-        analysis = analyse_batch(state, build_batch(run.lookup.groups_of(commit)), run.config)
+        analysis = analyse_batch(state, build_batch(run.lookup.groups_of(commit)), run.config, run.weights.get)
         state, result, _ = _timed_step(state, commit, run)
         agreement = analysis.router_agreement
         mismatch = mismatch_reason(commit, result, run)
@@ -217,7 +233,8 @@ def replay_range(run: Run, first: int, last: int, *, recompute: bool,
             bitwise=mismatch is None, mismatch=mismatch, kl=analysis.kl,
             kl_without_router_replay=analysis.kl_without_router_replay,
             kl_without_fp8_alignment=analysis.kl_without_fp8_alignment,
-            router_agreement_mean=float(np.mean(agreement)) if agreement else None)
+            router_agreement_mean=float(np.mean(agreement)) if agreement else None,
+            kl_numerics=analysis.kl_numerics, kl_drift=analysis.kl_drift)
         if on_step is not None:
             on_step(step)
     return rows
@@ -251,8 +268,10 @@ def _timed_step(state: TrainState, commit: StepCommitted, run: Run) -> tuple[Tra
 
 
 @torch.no_grad()
-def analyse_batch(state: TrainState, batch: Batch, config: Config) -> BatchAnalysis:
-    """Score `batch` with the state's weights in the micro-batches train_step uses (same bits as its π_old)."""
+def analyse_batch(state: TrainState, batch: Batch, config: Config,
+                  weights_of: WeightsOf | None = None) -> BatchAnalysis:
+    """Score `batch` with the state's weights in the micro-batches train_step uses (same bits as its π_old);
+    with `weights_of`, also each token under its sampling version's weights (the numerics/drift split)."""
     cfg = config.trainer
     model = state.model
     model.train()  # the mode train_step scores π_old in
@@ -273,6 +292,13 @@ def analyse_batch(state: TrainState, batch: Batch, config: Config) -> BatchAnaly
         if replay:
             own_logp_N, own_routing_BTLK = score(cfg.precision, False, with_routing=True)
         bf16_logp_N = score("bf16", replay)[0] if cfg.precision == "fp8" else None
+        model.precision = cfg.precision
+        split_figures = None
+        if weights_of is not None:
+            versions_N = completion_tokens(parts, "versions_BT")
+            sampler_N, known_N = sampler_logprobs(model, lambda m: scored_tokens(m, parts, replay), logp_N,
+                                                  versions_N, state.step, weights_of)
+            split_figures = split_metrics(logp_N, sampler_N, logp_mu_N, known_N)
     finally:
         model.precision = cfg.precision
     run_settings = mismatch(logp_N, logp_mu_N)
@@ -282,7 +308,14 @@ def analyse_batch(state: TrainState, batch: Batch, config: Config) -> BatchAnaly
         kl_without_fp8_alignment=None if bf16_logp_N is None else mismatch(bf16_logp_N, logp_mu_N).kl,
         router_agreement=router_agreement(own_routing_BTLK, [sub for _, sub in parts]),
         log_ratio_N=(logp_N - logp_mu_N).numpy(), tokens=batch.tokens,
+        kl_numerics=_split_kl(split_figures, "numerics"), kl_drift=_split_kl(split_figures, "drift"),
     )
+
+
+def _split_kl(split: dict[str, float] | None, part: str) -> KL | None:
+    if split is None or not split["split_tokens"]:
+        return None
+    return KL(split[f"{part}_k1"], split[f"{part}_k2"], split[f"{part}_k3"])
 
 
 def mismatch(logp_N: torch.Tensor, logp_mu_N: torch.Tensor) -> Mismatch:
@@ -313,4 +346,6 @@ def _logged_row(commit: StepCommitted) -> RangeRow:
         staleness=dict(commit.staleness),
         staleness_mean=sum(k * v for k, v in commit.staleness.items()) / tokens if tokens else 0.0,
         tokens=int(m.get("tokens", tokens)), dropped=len(commit.dropped),
+        kl_numerics=_split_kl(m if "split_tokens" in m else None, "numerics"),
+        kl_drift=_split_kl(m if "split_tokens" in m else None, "drift"),
     )

@@ -110,22 +110,26 @@ class Progress:
 
     def _line(self, s: StepCommitted) -> str:
         idle = _idle_share(s)
+        m = s.metrics
+        nan = float("nan")
         return (
-            f"step {s.step}/{self.config.run.steps}  reward {s.metrics.get('reward_mean', float('nan')):.3f}  "
-            f"kl_k3 {s.metrics.get('kl_k3', float('nan')):.2e}  staleness {_mean_staleness(s):.2f}  "
+            f"step {s.step}/{self.config.run.steps}  reward {m.get('reward_mean', nan):.3f}  "
+            f"kl_k3 {m.get('kl_k3', nan):.2e} (numerics {m.get('numerics_k3', nan):.2e} "
+            f"drift {m.get('drift_k3', nan):.2e})  staleness {_mean_staleness(s):.2f}  "
             f"tokens/s {sum(self.tokens_per_s.values()):.0f}  trainer idle {idle:.0%}  "
             f"dropped {len(s.dropped)}"
         )
 
     def _table(self) -> Table:
         table = Table(title=f"reel run {self.config.run.name}", expand=False)
-        for column in ("step", "reward", "kl k3", "staleness", "tokens/s", "trainer idle", "dropped"):
+        for column in ("step", "reward", "kl k3", "numerics k3", "drift k3", "staleness", "tokens/s", "trainer idle", "dropped"):
             table.add_column(column, justify="right")
         for s in self.steps[-12:]:
             idle = _idle_share(s)
             table.add_row(
                 f"{s.step}/{self.config.run.steps}", f"{s.metrics.get('reward_mean', float('nan')):.3f}",
-                f"{s.metrics.get('kl_k3', float('nan')):.2e}", f"{_mean_staleness(s):.2f}",
+                *(f"{s.metrics.get(key, float('nan')):.2e}" for key in ("kl_k3", "numerics_k3", "drift_k3")),
+                f"{_mean_staleness(s):.2f}",
                 f"{sum(self.tokens_per_s.values()):.0f}", f"{idle:.0%}", str(len(s.dropped)),
             )
         return table

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from runtime import loss as loss_mod
 from runtime.batch import Batch, MicroBatch, micro_batches, take
 from runtime.config import Config, TrainerSection
+from runtime.mismatch_split import WeightsOf, sampler_logprobs, split_metrics
 from runtime.model.determinism import set_determinism
 from runtime.model.model import MoEModel
 from runtime.model.weights import state_dict_bytes
@@ -78,7 +79,17 @@ def completion_tokens(parts: list[tuple[MicroBatch, Batch]], field: str) -> torc
     return torch.cat([getattr(sub, field)[sub.loss_mask_BT] for _, sub in parts])
 
 
-def train_step(state: TrainState, batch: Batch, config: Config) -> tuple[TrainState, StepResult]:
+def scored_tokens(model: MoEModel, parts: list[tuple[MicroBatch, Batch]], router_replay: bool) -> torch.Tensor:
+    """log π(token) of every completion token, in micro-batch order, at the model's precision (no grad)."""
+    with torch.no_grad():
+        return torch.cat([token_logprobs(model, sub, router_replay=router_replay).logp_BT[sub.loss_mask_BT]
+                          for _, sub in parts])
+
+
+def train_step(state: TrainState, batch: Batch, config: Config,
+               weights_of: WeightsOf | None = None) -> tuple[TrainState, StepResult]:
+    """One RL step. `weights_of` (policy version -> weights blob) adds the mismatch split
+    (runtime/mismatch_split.py) to the metrics; it never changes the update."""
     cfg = config.trainer
     step = state.step + 1
     set_determinism(config.run.seed * 1_000_003 + step, threads=torch.get_num_threads())
@@ -119,11 +130,17 @@ def train_step(state: TrainState, batch: Batch, config: Config) -> tuple[TrainSt
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm, foreach=False))
         optimizer.step()
 
-    metrics = loss_mod.mismatch_metrics(logp_old_N, completion_tokens(parts, "logp_mu_BT"), None, entropy_N)
+    logp_mu_N = completion_tokens(parts, "logp_mu_BT")
+    metrics = loss_mod.mismatch_metrics(logp_old_N, logp_mu_N, None, entropy_N)
+    versions_N = completion_tokens(parts, "versions_BT")
+    if weights_of is not None:
+        logp_sampler_N, known_N = sampler_logprobs(model, lambda m: scored_tokens(m, parts, cfg.router_replay),
+                                                   logp_old_N, versions_N, state.step, weights_of)
+        metrics |= split_metrics(logp_old_N, logp_sampler_N, logp_mu_N, known_N)
     metrics["reward_mean"] = float(batch.rewards_B.mean())
     metrics["tokens"] = float(batch.tokens)
     # Staleness = versions between a token's sampler and the weights this step trains (0 = on-policy).
-    staleness = loss_mod.staleness_histogram(completion_tokens(parts, "versions_BT"), state.step)
+    staleness = loss_mod.staleness_histogram(versions_N, state.step)
     new_state = TrainState(model, optimizer, step)
     return new_state, StepResult(loss=loss_total, grad_norm=grad_norm, weights_sha256=weights_sha256(model),
                                  metrics=metrics, staleness=staleness)

@@ -36,6 +36,7 @@ from runtime import config as config_mod
 from runtime.batch import Group, build_batch
 from runtime.config import Config
 from runtime.initial_policy import code_version, ensure_initial_policy, load_initial_model
+from runtime.mismatch_split import WeightHistory
 from runtime.model.model import MoEModel
 from runtime.model.weights import state_dict_bytes
 from runtime.train_step import TrainState, make_optimizer, train_step
@@ -122,6 +123,7 @@ class _Writer:
         self.model = load_initial_model(run_dir)
         self.engine = load_initial_model(run_dir)
         self.versions: dict[int, dict[str, torch.Tensor]] = {}  # policy version -> weights
+        self.history = WeightHistory(self.blobs)  # the trainer's view of them: the mismatch split
         self.seq = 0
         self.entry = 0
 
@@ -144,7 +146,7 @@ class _Writer:
                       for g in range(config.trainer.batch_groups)]
             started = time.perf_counter()
             batch = build_batch(groups)
-            state, result = train_step(state, batch, config)
+            state, result = train_step(state, batch, config, self.history.get)
             compute = time.perf_counter() - started
             weights = self._publish_weights(state)
             ckpt = None
@@ -161,6 +163,7 @@ class _Writer:
     def _publish_weights(self, state: TrainState):
         self.versions[state.step] = {k: v.detach().clone() for k, v in state.model.state_dict().items()}
         ref = self.blobs.put(state_dict_bytes(state.model))
+        self.history.add(state.step, ref)
         self._append("weights", WeightsPublished, version=state.step, step=state.step, weights=ref)
         return ref
 
