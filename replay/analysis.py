@@ -82,6 +82,7 @@ class BatchAnalysis(NamedTuple):
     tokens: int
     kl_numerics: KL | None  # KL(μ ‖ π_v), π_v the sampling version; None without its weights
     kl_drift: KL | None  # KL(π_v ‖ π_old)
+    logp_old_N: torch.Tensor  # log π_old per completion token (run settings)
 
 
 class StepReport(msgspec.Struct, kw_only=True):
@@ -189,7 +190,7 @@ def replay_step(run: Run, step: int, on_step: OnStep | None = None) -> tuple[Ste
     commit = run.commits[step]
     state, restored_from = run.state_before(step, on_step)
     analysis = analyse_batch(state, build_batch(run.lookup.groups_of(commit)), run.config, run.weights.get)
-    state, result, seconds = _timed_step(state, commit, run)
+    state, result, seconds = timed_step(state, commit, run)
     if on_step is not None:
         on_step(step)
     weights_match = result.weights_sha256 == commit.weights_sha256
@@ -226,7 +227,7 @@ def replay_range(run: Run, first: int, last: int, *, recompute: bool,
     for i, step in enumerate(range(first, last + 1)):
         commit = run.commits[step]
         analysis = analyse_batch(state, build_batch(run.lookup.groups_of(commit)), run.config, run.weights.get)
-        state, result, _ = _timed_step(state, commit, run)
+        state, result, _ = timed_step(state, commit, run)
         agreement = analysis.router_agreement
         mismatch = mismatch_reason(commit, result, run)
         rows[i].recomputed = Recomputed(
@@ -257,7 +258,7 @@ def reproduces(commit: StepCommitted, result: StepResult) -> bool:
             and result.grad_norm == commit.grad_norm)
 
 
-def _timed_step(state: TrainState, commit: StepCommitted, run: Run) -> tuple[TrainState, StepResult, float]:
+def timed_step(state: TrainState, commit: StepCommitted, run: Run) -> tuple[TrainState, StepResult, float]:
     # Timed like the trainer's compute: its groups are in memory already (read from the log here,
     # untimed), then batch assembly and train_step.
     groups = run.lookup.groups_of(commit)
@@ -309,6 +310,7 @@ def analyse_batch(state: TrainState, batch: Batch, config: Config,
         router_agreement=router_agreement(own_routing_BTLK, [sub for _, sub in parts]),
         log_ratio_N=(logp_N - logp_mu_N).numpy(), tokens=batch.tokens,
         kl_numerics=_split_kl(split_figures, "numerics"), kl_drift=_split_kl(split_figures, "drift"),
+        logp_old_N=logp_N,
     )
 
 

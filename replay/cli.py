@@ -1,8 +1,9 @@
-"""`reel replay step N` and `reel replay range A..B`: parse, run replay/analysis.py, print, plot.
+"""`reel replay step N|range A..B|bisect` and `reel compare`: parse, run the analysis, print, plot.
 
 `step` (and `range --recompute`) exit 1 when a step did not reproduce bitwise, with the reason on
-stderr; errors that stop the replay (a step not in the log, a damaged record, a catch-up step that
-does not reproduce) are ReelErrors, one line on stderr and exit 2 (runtime/cli.py).
+stderr, and `bisect` when the metric never crosses the threshold (like grep finding nothing);
+errors that stop the replay (a step not in the log, a damaged record, a catch-up step that does
+not reproduce) are ReelErrors, one line on stderr and exit 2 (runtime/cli.py).
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from bus.errors import ReelError
 from bus.jsonout import print_json
+from replay import debug_views
 from replay import report as report_mod
 from replay.analysis import OnStep, Run, replay_range, replay_step
+from replay.bisect import bisect, locate
+from replay.compare import compare
 from replay.console import print_view
+from runtime.launch import load_run_config
 from runtime.reexecute import newest_checkpoint
 
 
@@ -63,6 +68,36 @@ def main_range(args: argparse.Namespace) -> int:
     for row in failed:
         print(f"reel: step {row.step} did not reproduce: {row.recomputed.mismatch}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def main_bisect(args: argparse.Namespace) -> int:
+    run = Run(Path(args.run_dir))
+    above = args.above is not None
+    threshold = args.above if above else args.below
+    found = locate(run, args.metric, threshold, above=above, before=args.before, after=args.after)
+    with _progress(run, first=found.first, last=found.last, analysed=found.last - found.first + 1) as on_step:
+        result = bisect(run, args.metric, threshold, above=above, before=args.before, after=args.after,
+                        on_step=on_step)
+    if args.json:
+        print_json(result)
+    else:
+        print_view(debug_views.bisect_view(result))
+    if args.plot:
+        debug_views.plot_bisect(result, Path(args.plot))
+    return 0 if result.first_crossing is not None else 1
+
+
+def main_compare(args: argparse.Namespace) -> int:
+    for run_dir in (args.run_a, args.run_b):
+        load_run_config(Path(run_dir))  # one sentence when it is not a run directory
+    result = compare(Path(args.run_a), Path(args.run_b))
+    if args.json:
+        print_json(result)
+    else:
+        print_view(debug_views.compare_view(result))
+    if args.plot:
+        debug_views.plot_compare(result, Path(args.plot))
+    return 0
 
 
 def parse_range(text: str) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from rich.table import Table
 from replay.analysis import KL, BatchAnalysis, RangeRow, StepReport
 
 
-def _num(x: float | None, fmt: str = ".3e") -> str:
+def num(x: float | None, fmt: str = ".3e") -> str:
     return "-" if x is None else format(x, fmt)
 
 
@@ -45,7 +45,7 @@ def step_view(r: StepReport) -> Group:
     for name, _ in variants:
         kl.add_column(name, justify="right")
     for key in ("k1", "k2", "k3"):
-        kl.add_row(key, *(_num(getattr(v, key)) if v is not None else "-" for _, v in variants))
+        kl.add_row(key, *(num(getattr(v, key)) if v is not None else "-" for _, v in variants))
 
     ratio = Table(title="importance ratio π_old/μ", title_justify="left")
     for column in ("mean", "min", "max", "outside [0.5, 2]"):
@@ -80,17 +80,17 @@ def range_view(rows: list[RangeRow]) -> Table:
         table.add_column(column, justify="right")
     for row in rows:
         kl, ratio = row.kl, row.ratio
-        cells = [str(row.step), f"{row.loss:.4f}", _num(row.reward_mean, ".3f"),
-                 *(_num(getattr(kl, k)) if kl else "-" for k in ("k1", "k2", "k3")),
-                 *(_num(getattr(ratio, k), ".4f") if ratio else "-" for k in ("mean", "min", "max")),
-                 _num(ratio.frac_outside, ".2%") if ratio else "-", f"{row.staleness_mean:.2f}"]
+        cells = [str(row.step), f"{row.loss:.4f}", num(row.reward_mean, ".3f"),
+                 *(num(getattr(kl, k)) if kl else "-" for k in ("k1", "k2", "k3")),
+                 *(num(getattr(ratio, k), ".4f") if ratio else "-" for k in ("mean", "min", "max")),
+                 num(ratio.frac_outside, ".2%") if ratio else "-", f"{row.staleness_mean:.2f}"]
         if recomputed:
             rc = row.recomputed
             assert rc is not None
             fp8 = rc.kl_without_fp8_alignment
-            cells += ["[green]yes[/]" if rc.bitwise else "[red]no[/]", _num(rc.kl.k3),
-                      _num(rc.kl_without_router_replay.k3), _num(fp8.k3) if fp8 else "-",
-                      _num(rc.router_agreement_mean, ".2%")]
+            cells += ["[green]yes[/]" if rc.bitwise else "[red]no[/]", num(rc.kl.k3),
+                      num(rc.kl_without_router_replay.k3), num(fp8.k3) if fp8 else "-",
+                      num(rc.router_agreement_mean, ".2%")]
         table.add_row(*cells)
     return table
 

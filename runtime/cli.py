@@ -132,6 +132,24 @@ def _parser() -> argparse.ArgumentParser:
     rng.add_argument("--plot", default=None, metavar="FILE.png", help="also save a figure (default: no figure)")
     rng.add_argument("--recompute", action="store_true", help="recompute KL by re-executing each step")
     rng.set_defaults(handler="replay.cli:main_range")
+    bis = replay_sub.add_parser("bisect", help="first step where a logged metric crosses a threshold, and why")
+    bis.add_argument("--run", required=True, dest="run_dir")
+    bis.add_argument("--metric", required=True, help="a StepCommitted metrics key, loss, grad_norm or staleness_mean")
+    side = bis.add_mutually_exclusive_group(required=True)
+    side.add_argument("--above", type=float, default=None, metavar="X", help="first step with metric > X")
+    side.add_argument("--below", type=float, default=None, metavar="X", help="first step with metric < X")
+    bis.add_argument("--before", type=int, default=3, help="steps before the crossing to re-execute (baseline)")
+    bis.add_argument("--after", type=int, default=1, help="steps after the crossing to re-execute")
+    bis.add_argument("--json", action="store_true")
+    bis.add_argument("--plot", default=None, metavar="FILE.png")
+    bis.set_defaults(handler="replay.cli:main_bisect")
+
+    cmp = sub.add_parser("compare", help="two runs side by side: reward, KL, grad norm, staleness, weights")
+    cmp.add_argument("run_a", metavar="RUN_A")
+    cmp.add_argument("run_b", metavar="RUN_B")
+    cmp.add_argument("--json", action="store_true")
+    cmp.add_argument("--plot", default=None, metavar="FILE.png")
+    cmp.set_defaults(handler="replay.cli:main_compare")
 
     sim = _command(sub, "simulate", "capacity planning: simulate the pipeline on a run's measured speeds",
                    "reel simulate --run runs/reverse_text --rollout-workers 4",

@@ -138,6 +138,10 @@ class TrainerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     precision: Precision = "fp32"
     checkpoint_every: int = 5
     threads: int = 0  # torch threads of the trainer (part of bit-exactness); 0 = 1
+    # Fault injection, to rehearse debugging (`reel replay bisect`): step lr_spike_step (0 = none)
+    # trains with lr x lr_spike_factor. Part of the config hash, so replay reproduces it.
+    lr_spike_step: int = 0
+    lr_spike_factor: float = 1.0
 
 
 class BlobsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -272,6 +276,8 @@ def validate(c: Config) -> None:
              f"trainer.batch_groups = {c.trainer.batch_groups} exceeds what rollout can produce per step "
              f"({producible} = workers x concurrency x (async_level + 1)); lower it or raise rollout.concurrency")
     _require(c.trainer.lr > 0, f"trainer.lr = {c.trainer.lr} must be > 0")
+    _require(c.trainer.lr_spike_step >= 0, f"trainer.lr_spike_step = {c.trainer.lr_spike_step} must be >= 0 (0 = none)")
+    _require(c.trainer.lr_spike_factor > 0, f"trainer.lr_spike_factor = {c.trainer.lr_spike_factor} must be > 0")
     _require(c.trainer.max_off_policy_steps >= 0,
              f"trainer.max_off_policy_steps = {c.trainer.max_off_policy_steps} must be >= 0")
     _require(c.trainer.max_off_policy_steps >= c.rollout.async_level,

@@ -122,7 +122,8 @@ class Progress:
 
     def _table(self) -> Table:
         table = Table(title=f"reel run {self.config.run.name}", expand=False)
-        for column in ("step", "reward", "kl k3", "numerics k3", "drift k3", "staleness", "tokens/s", "trainer idle", "dropped"):
+        for column in ("step", "reward", "kl k3", "numerics k3", "drift k3", "staleness", "tokens/s", "trainer idle",
+                       "dropped"):
             table.add_column(column, justify="right")
         for s in self.steps[-12:]:
             idle = _idle_share(s)

@@ -106,6 +106,8 @@ def train_step(state: TrainState, batch: Batch, config: Config,
     logp_old_N = torch.cat([o.logp_BT[sub.loss_mask_BT] for o, (_, sub) in zip(olds, parts)])
     entropy_N = torch.cat([o.entropy_BT[sub.loss_mask_BT] for o, (_, sub) in zip(olds, parts)])
 
+    for group in optimizer.param_groups:
+        group["lr"] = cfg.lr * (cfg.lr_spike_factor if step == cfg.lr_spike_step else 1.0)
     loss_total, grad_norm = 0.0, 0.0
     for _ in range(cfg.optimizer_steps):
         optimizer.zero_grad(set_to_none=True)

@@ -69,7 +69,8 @@ def test_every_step_replays_bitwise_and_matches_the_logged_metrics(runs):
         assert report.staleness == commit.staleness
         # The numerics/drift split too: the sampling versions' weights come from the log's blobs.
         assert report.kl_numerics is not None and report.kl_drift is not None
-        assert (report.kl_numerics.k3, report.kl_drift.k3) == (commit.metrics["numerics_k3"], commit.metrics["drift_k3"])
+        assert (report.kl_numerics.k3, report.kl_drift.k3) == (
+            commit.metrics["numerics_k3"], commit.metrics["drift_k3"])
         assert report.tokens == len(analysis.log_ratio_N) == sum(commit.staleness.values())
     assert any(behind > 0 for behind in run.commits[3].staleness)
 
