@@ -7,4 +7,4 @@ from rich.console import Console
 
 def print_view(renderable: object) -> None:
     console = Console()
-    (console if console.is_terminal else Console(width=200)).print(renderable)
+    (console if console.is_terminal else Console(width=260)).print(renderable)

@@ -41,7 +41,8 @@ def step_view(r: StepReport) -> Group:
     kl.add_column("KL(μ‖π_old)")
     variants: list[tuple[str, KL | None]] = [
         ("run settings", r.kl), ("without router replay", r.kl_without_router_replay),
-        ("without fp8 alignment (bf16)", r.kl_without_fp8_alignment)]
+        ("without fp8 alignment (bf16)", r.kl_without_fp8_alignment),
+        ("numerics: KL(μ‖π_v), v = sampling version", r.kl_numerics), ("drift: KL(π_v‖π_old)", r.kl_drift)]
     for name, _ in variants:
         kl.add_column(name, justify="right")
     for key in ("k1", "k2", "k3"):
@@ -72,7 +73,7 @@ def range_view(rows: list[RangeRow]) -> Table:
     recomputed = any(row.recomputed is not None for row in rows)
     table = Table(title=f"steps {rows[0].step}..{rows[-1].step} (logged{' and recomputed' if recomputed else ''})",
                   title_justify="left")
-    columns = ["step", "loss", "reward", "k1", "k2", "k3", "ratio mean", "ratio min", "ratio max", "outside",
+    columns = ["step", "loss", "reward", "k1", "k2", "k3", "numerics k3", "drift k3", "ratio mean", "ratio min", "ratio max", "outside",
                "staleness"]
     if recomputed:
         columns += ["bitwise", "k3 recomputed", "k3 w/o R3", "k3 w/o fp8", "router agr."]
@@ -82,6 +83,7 @@ def range_view(rows: list[RangeRow]) -> Table:
         kl, ratio = row.kl, row.ratio
         cells = [str(row.step), f"{row.loss:.4f}", num(row.reward_mean, ".3f"),
                  *(num(getattr(kl, k)) if kl else "-" for k in ("k1", "k2", "k3")),
+                 *(num(split.k3) if split else "-" for split in (row.kl_numerics, row.kl_drift)),
                  *(num(getattr(ratio, k), ".4f") if ratio else "-" for k in ("mean", "min", "max")),
                  num(ratio.frac_outside, ".2%") if ratio else "-", f"{row.staleness_mean:.2f}"]
         if recomputed:
@@ -119,36 +121,62 @@ def plot_step(r: StepReport, analysis: BatchAnalysis, path: Path) -> None:
 
 
 def plot_range(rows: list[RangeRow], path: Path) -> None:
+    """KL k2/k3 on a log axis of their own (they span 1e-13..1), the signed k1 on a linear one."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     steps = [row.step for row in rows]
-    fig = Figure(figsize=(12, 8))
-    (ax_kl, ax_ratio), (ax_stale, ax_reward) = fig.subplots(2, 2, sharex=True)
-    fig.suptitle(f"steps {steps[0]}..{steps[-1]}")
-    for key, color in (("k1", "tab:blue"), ("k2", "tab:orange"), ("k3", "tab:green")):
-        ax_kl.plot(steps, [getattr(r.kl, key) if r.kl else np.nan for r in rows], marker=".", color=color,
-                   label=f"{key} logged")
+    fig = Figure(figsize=(13, 11))
+    (ax_kl, ax_k1), (ax_ratio, ax_split), (ax_stale, ax_reward) = fig.subplots(3, 2, sharex=True)
+    fig.suptitle(f"steps {steps[0]}..{steps[-1]}: inference μ vs trainer π_old")
+
+    def positive(values: list[float | None]) -> list[float]:  # a log axis has no place for 0
+        return [v if v is not None and v > 0 else np.nan for v in values]
+
+    for key, color, marker in (("k2", "tab:orange", "s"), ("k3", "tab:green", "o")):
+        ax_kl.plot(steps, positive([getattr(r.kl, key) if r.kl else None for r in rows]), marker=marker,
+                   markersize=4, color=color, label=f"{key} logged")
     recomputed = [r for r in rows if r.recomputed is not None]
     if recomputed:
-        ax_kl.plot([r.step for r in recomputed], [r.recomputed.kl.k3 for r in recomputed], "x", color="black",
-                   label="k3 recomputed")
-        ax_kl.plot([r.step for r in recomputed], [r.recomputed.kl_without_router_replay.k3 for r in recomputed],
-                   "--", color="tab:red", label="k3 without router replay")
-    ax_kl.set_yscale("symlog", linthresh=1e-8)
-    ax_kl.set(title="KL(μ‖π_old)", ylabel="nats")
+        ax_kl.plot([r.step for r in recomputed], positive([r.recomputed.kl.k3 for r in recomputed]), "x",
+                   color="black", label="k3 recomputed")
+        ax_kl.plot([r.step for r in recomputed],
+                   positive([r.recomputed.kl_without_router_replay.k3 for r in recomputed]), "--",
+                   color="tab:red", label="k3 without router replay")
+    ax_kl.set_yscale("log")
+    ax_kl.set(title="KL(μ‖π_old), k2 and k3", ylabel="nats per token")
     ax_kl.legend(fontsize=8)
-    for key, style in (("mean", "-"), ("min", ":"), ("max", ":")):
-        ax_ratio.plot(steps, [getattr(r.ratio, key) if r.ratio else np.nan for r in rows], style, color="tab:blue",
-                      label=key)
+
+    ax_k1.plot(steps, [r.kl.k1 if r.kl else np.nan for r in rows], marker=".", color="tab:blue", label="k1 logged")
+    ax_k1.axhline(0.0, color="black", linewidth=0.8)
+    ax_k1.set(title="KL(μ‖π_old), k1 (unbiased, signed)", ylabel="nats per token")
+    ax_k1.legend(fontsize=8)
+
+    for key, style, marker in (("mean", "-", "o"), ("min", ":", "v"), ("max", "--", "^")):
+        ax_ratio.plot(steps, [getattr(r.ratio, key) if r.ratio else np.nan for r in rows], style, marker=marker,
+                      markersize=4, color="tab:blue", label=key)
     ax_ratio.axhline(1.0, color="black", linewidth=0.8)
-    ax_ratio.set(title="importance ratio π_old/μ")
+    ax_ratio.set_yscale("log")
+    ax_ratio.set(title="importance ratio π_old/μ over the step's tokens", ylabel="ratio (log scale)")
     ax_ratio.legend(fontsize=8)
+
+    split = [(r.step, r.kl_numerics, r.kl_drift) for r in rows if r.kl_numerics is not None]
+    if split:
+        ax_split.plot([s for s, _, _ in split], positive([n.k3 for _, n, _ in split]), marker="o", markersize=4,
+                      color="tab:blue", label="numerics: KL(μ‖π_v), sampling version's weights")
+        ax_split.plot([s for s, _, _ in split], positive([d.k3 if d else None for _, _, d in split]), "--",
+                      marker="^", markersize=4, color="tab:orange", label="drift: KL(π_v‖π_old), staleness")
+        ax_split.set_yscale("log")
+        ax_split.legend(fontsize=8)
+    else:
+        ax_split.text(0.5, 0.5, "no mismatch split logged", ha="center", va="center", transform=ax_split.transAxes)
+    ax_split.set(title="mismatch split, k3", ylabel="nats per token")
+
     ax_stale.plot(steps, [r.staleness_mean for r in rows], marker=".", color="tab:orange")
     ax_stale.set(title="mean staleness", xlabel="step", ylabel="versions behind")
     ax_reward.plot(steps, [r.reward_mean if r.reward_mean is not None else np.nan for r in rows], marker=".",
                    color="tab:green")
-    ax_reward.set(title="reward", xlabel="step")
-    ax_reward.xaxis.set_major_locator(MaxNLocator(integer=True))  # shared by all four
+    ax_reward.set(title="reward (mean of the step's batch)", xlabel="step", ylabel="reward")
+    ax_reward.xaxis.set_major_locator(MaxNLocator(integer=True))  # shared by all
     fig.tight_layout()
     fig.savefig(path, dpi=100)

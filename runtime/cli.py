@@ -107,6 +107,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="smaller workload (smoke test)")
     bench.add_argument("--partitions", type=int, default=0, metavar="P",
                        help="bus only: the pipeline on a local 3-master Redis Cluster with 1 and P partitions")
+    bench.add_argument("--from-run", default=None, metavar="DIR",
+                       help="r3, fp8: measure on a run's latest weights and prompts instead of random weights")
     bench.set_defaults(handler="runtime.cli:run_bench")
 
     replay = _command(sub, "replay", "re-execute and analyse logged training steps",

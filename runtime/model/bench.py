@@ -6,6 +6,9 @@ path. Mismatch is mean k3 = r - 1 - log r, r = pi_train / pi_inference, over sam
   r3   inference bf16, trainer fp32; ratio = KL without router replay / KL with it
   fp8  inference fp8, trainer replays routing; ratio = KL of a bf16 trainer / KL of an fp8 trainer
 
+`--from-run DIR` measures on a trained run instead: its latest weights and its own prompts
+(runtime/bench_from_run.py), completions scored up to their end-of-sequence token.
+
 Init: matrices ~ N(0, 0.1). At HF's default 0.02 a random model of this width is a near-uniform
 policy (entropy close to log V) whose expert outputs barely move the logits, unlike a trained
 one; r3 also reports the ratio at 0.02 so the choice is visible.
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import torch
@@ -75,56 +80,88 @@ def score(model: MoEModel, tokens_BT: torch.Tensor, new_tokens: int, replay_BTLK
     return logp_BTV.gather(2, tokens_BT[:, -new_tokens:, None]).squeeze(2), out.routing
 
 
-def k3(train_logp: torch.Tensor, infer_logp: torch.Tensor) -> float:
+# A KL below this is reported as this in ratios (fp32 round-off is ~1e-13): an aligned trainer that
+# reproduces the sampler's numbers exactly would otherwise make the ratio infinite.
+KL_FLOOR = 1e-12
+
+
+def k3(train_logp: torch.Tensor, infer_logp: torch.Tensor, mask: torch.Tensor | None = None) -> float:
     log_r = train_logp.double() - infer_logp.double()
-    return float((log_r.exp() - 1 - log_r).mean())
+    k3_all = log_r.exp() - 1 - log_r
+    return float(k3_all.mean() if mask is None else k3_all[mask].mean())
 
 
-def _setup(args: argparse.Namespace, inference_precision: str, init_std: float):
+class Sampled(NamedTuple):
+    model: MoEModel
+    tokens_BT: torch.Tensor
+    infer_logp_BG: torch.Tensor
+    routing_BTLK: torch.Tensor
+    entropy: float
+    mask_BG: torch.Tensor | None  # the completion tokens that count (None = all)
+    weights: dict  # what the weights are, for the JSON line
+
+    @property
+    def new_tokens(self) -> int:
+        return self.infer_logp_BG.shape[1]
+
+
+def _sample(args: argparse.Namespace, inference_precision: str, init_std: float) -> Sampled:
+    """Random weights (init_std) and prompts, or with --from-run the run's latest weights and prompts."""
     set_determinism(0)
-    model = MoEModel(msgspec.structs.replace(BENCH_CONFIG, initializer_range=init_std), precision=inference_precision)
     B, P, G = (8, 16, 32) if args.quick else (32, 32, 128)
+    if getattr(args, "from_run", None):
+        from runtime.bench_from_run import completion_mask, load_trained_run
+
+        # Completions of a trained policy are short (it stops): more prompts for as many tokens.
+        run = load_trained_run(Path(args.from_run), prompts=8 * B)
+        run.model.precision = inference_precision
+        tokens_BT, logp_BG, routing_BTLK, entropy = sample(run.model, run.prompts_BP, run.new_tokens, seed=1)
+        return Sampled(run.model, tokens_BT, logp_BG, routing_BTLK, entropy,
+                       completion_mask(tokens_BT, run.new_tokens, run.eos),
+                       {"from_run": args.from_run, "version": run.version})
+    model = MoEModel(msgspec.structs.replace(BENCH_CONFIG, initializer_range=init_std), precision=inference_precision)
     prompts_BP = torch.randint(0, BENCH_CONFIG.vocab_size, (B, P))
-    return model, G, sample(model, prompts_BP, G, seed=1)
+    return Sampled(model, *sample(model, prompts_BP, G, seed=1), None, {"init_std": init_std})
 
 
 def _r3(args: argparse.Namespace, init_std: float) -> dict:
-    model, G, (tokens_BT, infer_logp, routing_BTLK, entropy) = _setup(args, "bf16", init_std)
-    model.precision = "fp32"
-    free_logp, own_BTLK = score(model, tokens_BT, G)
-    replay_logp, _ = score(model, tokens_BT, G, routing_BTLK)
-    fed = slice(0, tokens_BT.shape[1] - 1)  # the last token was never fed at inference
-    same = (own_BTLK[:, fed].sort(-1).values == routing_BTLK[:, fed].sort(-1).values).all(-1)
-    kl_free, kl_replay = k3(free_logp, infer_logp), k3(replay_logp, infer_logp)
-    return {"tokens": infer_logp.numel(), "entropy": round(entropy, 3), "kl_k3_no_replay": kl_free,
+    s = _sample(args, "bf16", init_std)
+    s.model.precision = "fp32"
+    free_logp, own_BTLK = score(s.model, s.tokens_BT, s.new_tokens)
+    replay_logp, _ = score(s.model, s.tokens_BT, s.new_tokens, s.routing_BTLK)
+    fed = slice(0, s.tokens_BT.shape[1] - 1)  # the last token was never fed at inference
+    same = (own_BTLK[:, fed].sort(-1).values == s.routing_BTLK[:, fed].sort(-1).values).all(-1)
+    kl_free, kl_replay = k3(free_logp, s.infer_logp_BG, s.mask_BG), k3(replay_logp, s.infer_logp_BG, s.mask_BG)
+    tokens = s.infer_logp_BG.numel() if s.mask_BG is None else int(s.mask_BG.sum())
+    return {**s.weights, "tokens": tokens, "entropy": round(s.entropy, 3), "kl_k3_no_replay": kl_free,
             "kl_k3_replay": kl_replay, "routing_disagreement": round(1 - same.float().mean().item(), 4),
-            "ratio": round(kl_free / kl_replay, 2)}
+            "ratio": round(kl_free / max(kl_replay, KL_FLOOR), 2)}
 
 
 def bench_r3(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     main = _r3(args, BENCH_CONFIG.initializer_range)
-    default = _r3(args, 0.02)
-    print_json({
-        "bench": "r3", "inference": "bf16", "trainer": "fp32", "init_std": BENCH_CONFIG.initializer_range, **main,
-        "ratio_init_0.02": default["ratio"], "routing_disagreement_init_0.02": default["routing_disagreement"],
-        "seconds": round(time.perf_counter() - t0, 2),
-    })
+    extra = {}
+    if not getattr(args, "from_run", None):
+        default = _r3(args, 0.02)
+        extra = {"ratio_init_0.02": default["ratio"], "routing_disagreement_init_0.02": default["routing_disagreement"]}
+    print_json({"bench": "r3", "inference": "bf16", "trainer": "fp32", **main, **extra,
+                      "seconds": round(time.perf_counter() - t0, 2)})
     return 0
 
 
 def bench_fp8(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    model, G, (tokens_BT, infer_logp, routing_BTLK, entropy) = _setup(args, "fp8", BENCH_CONFIG.initializer_range)
-    model.precision = "bf16"
-    bf16_logp, _ = score(model, tokens_BT, G, routing_BTLK)
-    model.precision = "fp8"
-    fp8_logp, _ = score(model, tokens_BT, G, routing_BTLK)
-    kl_bf16, kl_fp8 = k3(bf16_logp, infer_logp), k3(fp8_logp, infer_logp)
+    s = _sample(args, "fp8", BENCH_CONFIG.initializer_range)
+    s.model.precision = "bf16"
+    bf16_logp, _ = score(s.model, s.tokens_BT, s.new_tokens, s.routing_BTLK)
+    s.model.precision = "fp8"
+    fp8_logp, _ = score(s.model, s.tokens_BT, s.new_tokens, s.routing_BTLK)
+    kl_bf16, kl_fp8 = k3(bf16_logp, s.infer_logp_BG, s.mask_BG), k3(fp8_logp, s.infer_logp_BG, s.mask_BG)
     print_json({
-        "bench": "fp8", "inference": "fp8", "router_replay": True, "init_std": BENCH_CONFIG.initializer_range,
-        "tokens": infer_logp.numel(), "entropy": round(entropy, 3),
-        "kl_k3_bf16_trainer": kl_bf16, "kl_k3_fp8_trainer": kl_fp8,
-        "ratio": round(kl_bf16 / max(kl_fp8, 1e-30), 2), "seconds": round(time.perf_counter() - t0, 2),
+        "bench": "fp8", "inference": "fp8", "router_replay": True, **s.weights,
+        "tokens": s.infer_logp_BG.numel() if s.mask_BG is None else int(s.mask_BG.sum()),
+        "entropy": round(s.entropy, 3), "kl_k3_bf16_trainer": kl_bf16, "kl_k3_fp8_trainer": kl_fp8,
+        "ratio": round(kl_bf16 / max(kl_fp8, KL_FLOOR), 2), "kl_floor": KL_FLOOR, "seconds": round(time.perf_counter() - t0, 2),
     })
     return 0
