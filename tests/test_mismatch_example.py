@@ -1,4 +1,4 @@
-"""examples/moe_mismatch.toml, cut to 4 steps and run for real (`reel run`: processes, Redis, the
+"""examples/moe_mismatch.toml, cut to 3 steps and run for real (`reel run`: processes, Redis, the
 built-in engine sampling in bf16 one version ahead of the fp32 trainer), then replayed.
 
 On its trained steps (π_old after at least one update) the counterfactuals must show what the
@@ -26,14 +26,14 @@ def test_trained_steps_show_more_kl_without_router_replay(tmp_path: Path,
     example = config_mod.load(EXAMPLE)
     assert (example.engine.precision, example.trainer.precision) == ("bf16", "fp32")
     assert example.rollout.async_level >= 1 and example.trainer.router_replay
-    short = msgspec.structs.replace(example, run=msgspec.structs.replace(example.run, steps=4))
+    short = msgspec.structs.replace(example, run=msgspec.structs.replace(example.run, steps=3))
     config = tmp_path / "moe_mismatch.toml"
     config.write_text(config_mod.to_toml(short))
     run_dir = tmp_path / "run"
     assert reel(["run", str(config), "--out", str(run_dir), "--no-live"]) == 0
     capsys.readouterr()
 
-    assert reel(["replay", "range", "2..4", "--run", str(run_dir), "--recompute", "--json"]) == 0
+    assert reel(["replay", "range", "2..3", "--run", str(run_dir), "--recompute", "--json"]) == 0
     steps = orjson.loads(capsys.readouterr().out)["steps"]
     for row in steps:
         recomputed = row["recomputed"]
