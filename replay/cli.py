@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -38,12 +38,7 @@ def main_step(args: argparse.Namespace) -> int:
     run = Run(Path(args.run_dir))
     with _progress(run, first=args.step, last=args.step) as on_step:
         report, analysis = replay_step(run, args.step, on_step)
-    if args.json:
-        print_json(report)
-    else:
-        print_view(report_mod.step_view(report))
-    if args.plot:
-        report_mod.plot_step(report, analysis, Path(args.plot))
+    _emit(args, report, lambda: report_mod.step_view(report), lambda path: report_mod.plot_step(report, analysis, path))
     if not report.bitwise:
         print(f"reel: step {report.step} did not reproduce: {report.mismatch}", file=sys.stderr)
         return 1
@@ -58,12 +53,8 @@ def main_range(args: argparse.Namespace) -> int:
             rows = replay_range(run, first, last, recompute=True, on_step=on_step)
     else:
         rows = replay_range(run, first, last, recompute=False)
-    if args.json:
-        print_json({"first": first, "last": last, "steps": rows})
-    else:
-        print_view(report_mod.range_view(rows))
-    if args.plot:
-        report_mod.plot_range(rows, Path(args.plot))
+    _emit(args, {"first": first, "last": last, "steps": rows}, lambda: report_mod.range_view(rows),
+          lambda path: report_mod.plot_range(rows, path))
     failed = [row for row in rows if row.recomputed is not None and not row.recomputed.bitwise]
     for row in failed:
         print(f"reel: step {row.step} did not reproduce: {row.recomputed.mismatch}", file=sys.stderr)
@@ -78,12 +69,7 @@ def main_bisect(args: argparse.Namespace) -> int:
     with _progress(run, first=found.first, last=found.last, analysed=found.last - found.first + 1) as on_step:
         result = bisect(run, args.metric, threshold, above=above, before=args.before, after=args.after,
                         on_step=on_step)
-    if args.json:
-        print_json(result)
-    else:
-        print_view(debug_views.bisect_view(result))
-    if args.plot:
-        debug_views.plot_bisect(result, Path(args.plot))
+    _emit(args, result, lambda: debug_views.bisect_view(result), lambda path: debug_views.plot_bisect(result, path))
     return 0 if result.first_crossing is not None else 1
 
 
@@ -91,13 +77,18 @@ def main_compare(args: argparse.Namespace) -> int:
     for run_dir in (args.run_a, args.run_b):
         load_run_config(Path(run_dir))  # one sentence when it is not a run directory
     result = compare(Path(args.run_a), Path(args.run_b))
+    _emit(args, result, lambda: debug_views.compare_view(result), lambda path: debug_views.plot_compare(result, path))
+    return 0
+
+
+def _emit(args: argparse.Namespace, result: object, view: Callable[[], object], plot: Callable[[Path], None]) -> None:
+    """JSON (--json) or the table, then the PNG when --plot names one."""
     if args.json:
         print_json(result)
     else:
-        print_view(debug_views.compare_view(result))
+        print_view(view())
     if args.plot:
-        debug_views.plot_compare(result, Path(args.plot))
-    return 0
+        plot(Path(args.plot))
 
 
 def parse_range(text: str) -> tuple[int, int]:

@@ -99,7 +99,8 @@ def _plot_causes(ax, r: BisectReport) -> None:
     ax.set(title="causes per re-executed step", xlabel="step", ylabel="KL k3 (nats per token)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     tail = ax.twinx()
-    tail.plot(steps, [w.tail for w in r.window], "o--", color=CAUSE_COLORS["tail"], label=f"tail: {CAUSE_MEANING['tail']}")
+    tail.plot(steps, [w.tail for w in r.window], "o--", color=CAUSE_COLORS["tail"],
+              label=f"tail: {CAUSE_MEANING['tail']}")
     tail.set_ylabel("tokens outside [0.5, 2]")
     tail.yaxis.set_major_formatter(PercentFormatter(1.0))
     tail.set_ylim(bottom=0)

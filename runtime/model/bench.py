@@ -162,6 +162,7 @@ def bench_fp8(args: argparse.Namespace) -> int:
         "bench": "fp8", "inference": "fp8", "router_replay": True, **s.weights,
         "tokens": s.infer_logp_BG.numel() if s.mask_BG is None else int(s.mask_BG.sum()),
         "entropy": round(s.entropy, 3), "kl_k3_bf16_trainer": kl_bf16, "kl_k3_fp8_trainer": kl_fp8,
-        "ratio": round(kl_bf16 / max(kl_fp8, KL_FLOOR), 2), "kl_floor": KL_FLOOR, "seconds": round(time.perf_counter() - t0, 2),
+        "ratio": round(kl_bf16 / max(kl_fp8, KL_FLOOR), 2), "kl_floor": KL_FLOOR,
+        "seconds": round(time.perf_counter() - t0, 2),
     })
     return 0
