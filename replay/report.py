@@ -74,8 +74,7 @@ def range_view(rows: list[RangeRow]) -> Table:
     table = Table(title=f"steps {rows[0].step}..{rows[-1].step} (logged{' and recomputed' if recomputed else ''})",
                   title_justify="left")
     columns = ["step", "loss", "reward", "k1", "k2", "k3", "numerics k3", "drift k3", "ratio mean", "ratio min",
-               "ratio max", "outside",
-               "staleness"]
+               "ratio max", "outside", "staleness"]
     if recomputed:
         columns += ["bitwise", "k3 recomputed", "k3 w/o R3", "k3 w/o fp8", "router agr."]
     for column in columns:
