@@ -83,6 +83,8 @@ class BatchAnalysis(NamedTuple):
     kl_numerics: KL | None  # KL(μ ‖ π_v), π_v the sampling version; None without its weights
     kl_drift: KL | None  # KL(π_v ‖ π_old)
     logp_old_N: torch.Tensor  # log π_old per completion token (run settings)
+    kl_numerics_without_router_replay: KL | None  # KL(μ ‖ π_v) with the trainer's own routing (R3 runs)
+    kl_numerics_without_fp8_alignment: KL | None  # KL(μ ‖ π_v) with a bf16 trainer (fp8 runs)
 
 
 class StepReport(msgspec.Struct, kw_only=True):
@@ -110,6 +112,9 @@ class StepReport(msgspec.Struct, kw_only=True):
     precision: str
     kl_numerics: KL | None = None  # the split of `kl`: engine vs trainer at the sampling version's weights
     kl_drift: KL | None = None  # ... and the sampling version vs π_old (staleness)
+    # The counterfactuals at the sampling version's weights (no drift in them): the honest R3 / FP8 effect.
+    kl_numerics_without_router_replay: KL | None = None
+    kl_numerics_without_fp8_alignment: KL | None = None
 
 
 class Recomputed(msgspec.Struct, kw_only=True):
@@ -121,6 +126,8 @@ class Recomputed(msgspec.Struct, kw_only=True):
     router_agreement_mean: float | None
     kl_numerics: KL | None = None
     kl_drift: KL | None = None
+    kl_numerics_without_router_replay: KL | None = None
+    kl_numerics_without_fp8_alignment: KL | None = None
 
 
 class RangeRow(msgspec.Struct, kw_only=True):
@@ -206,6 +213,8 @@ def replay_step(run: Run, step: int, on_step: OnStep | None = None) -> tuple[Ste
         replay_seconds=seconds, original_seconds=commit.timing.compute, restored_from=restored_from,
         router_replay=cfg.router_replay, precision=cfg.precision,
         kl_numerics=analysis.kl_numerics, kl_drift=analysis.kl_drift,
+        kl_numerics_without_router_replay=analysis.kl_numerics_without_router_replay,
+        kl_numerics_without_fp8_alignment=analysis.kl_numerics_without_fp8_alignment,
     )
     return report, analysis
 
@@ -235,7 +244,9 @@ def replay_range(run: Run, first: int, last: int, *, recompute: bool,
             kl_without_router_replay=analysis.kl_without_router_replay,
             kl_without_fp8_alignment=analysis.kl_without_fp8_alignment,
             router_agreement_mean=float(np.mean(agreement)) if agreement else None,
-            kl_numerics=analysis.kl_numerics, kl_drift=analysis.kl_drift)
+            kl_numerics=analysis.kl_numerics, kl_drift=analysis.kl_drift,
+            kl_numerics_without_router_replay=analysis.kl_numerics_without_router_replay,
+            kl_numerics_without_fp8_alignment=analysis.kl_numerics_without_fp8_alignment)
         if on_step is not None:
             on_step(step)
     return rows
@@ -294,12 +305,23 @@ def analyse_batch(state: TrainState, batch: Batch, config: Config,
             own_logp_N, own_routing_BTLK = score(cfg.precision, False, with_routing=True)
         bf16_logp_N = score("bf16", replay)[0] if cfg.precision == "fp8" else None
         model.precision = cfg.precision
-        split_figures = None
+        split_figures, numerics_free, numerics_bf16 = None, None, None
         if weights_of is not None:
             versions_N = completion_tokens(parts, "versions_BT")
-            sampler_N, known_N = sampler_logprobs(model, lambda m: scored_tokens(m, parts, replay), logp_N,
-                                                  versions_N, state.step, weights_of)
+
+            def numerics(precision: str, router_replay: bool, current_N: torch.Tensor):
+                """Each token under its sampling version's weights (runtime/mismatch_split.py)."""
+                model.precision = precision
+                return sampler_logprobs(model, lambda m: scored_tokens(m, parts, router_replay), current_N,
+                                        versions_N, state.step, weights_of)
+
+            sampler_N, known_N = numerics(cfg.precision, replay, logp_N)
             split_figures = split_metrics(logp_N, sampler_N, logp_mu_N, known_N)
+            # The counterfactuals without drift: what routing and precision do at the sampler's own weights.
+            if replay:
+                numerics_free = _kl_on(*numerics(cfg.precision, False, own_logp_N), logp_mu_N)
+            if bf16_logp_N is not None:
+                numerics_bf16 = _kl_on(*numerics("bf16", replay, bf16_logp_N), logp_mu_N)
     finally:
         model.precision = cfg.precision
     run_settings = mismatch(logp_N, logp_mu_N)
@@ -310,8 +332,15 @@ def analyse_batch(state: TrainState, batch: Batch, config: Config,
         router_agreement=router_agreement(own_routing_BTLK, [sub for _, sub in parts]),
         log_ratio_N=(logp_N - logp_mu_N).numpy(), tokens=batch.tokens,
         kl_numerics=_split_kl(split_figures, "numerics"), kl_drift=_split_kl(split_figures, "drift"),
-        logp_old_N=logp_N,
+        logp_old_N=logp_N, kl_numerics_without_router_replay=numerics_free,
+        kl_numerics_without_fp8_alignment=numerics_bf16,
     )
+
+
+def _kl_on(logp_N: torch.Tensor, known_N: torch.Tensor, logp_mu_N: torch.Tensor) -> KL | None:
+    if not bool(known_N.any()):
+        return None
+    return mismatch(logp_N[known_N], logp_mu_N[known_N]).kl
 
 
 def _split_kl(split: dict[str, float] | None, part: str) -> KL | None:

@@ -42,7 +42,9 @@ def step_view(r: StepReport) -> Group:
     variants: list[tuple[str, KL | None]] = [
         ("run settings", r.kl), ("without router replay", r.kl_without_router_replay),
         ("without fp8 alignment (bf16)", r.kl_without_fp8_alignment),
-        ("numerics: KL(μ‖π_v), v = sampling version", r.kl_numerics), ("drift: KL(π_v‖π_old)", r.kl_drift)]
+        ("numerics: KL(μ‖π_v), v = sampling version", r.kl_numerics),
+        ("numerics without router replay", r.kl_numerics_without_router_replay),
+        ("numerics without fp8 alignment", r.kl_numerics_without_fp8_alignment), ("drift: KL(π_v‖π_old)", r.kl_drift)]
     for name, _ in variants:
         kl.add_column(name, justify="right")
     for key in ("k1", "k2", "k3"):
@@ -76,7 +78,7 @@ def range_view(rows: list[RangeRow]) -> Table:
     columns = ["step", "loss", "reward", "k1", "k2", "k3", "numerics k3", "drift k3", "ratio mean", "ratio min",
                "ratio max", "outside", "staleness"]
     if recomputed:
-        columns += ["bitwise", "k3 recomputed", "k3 w/o R3", "k3 w/o fp8", "router agr."]
+        columns += ["bitwise", "k3 recomputed", "k3 w/o R3", "k3 w/o fp8", "numerics k3 w/o R3", "router agr."]
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
@@ -92,6 +94,7 @@ def range_view(rows: list[RangeRow]) -> Table:
             fp8 = rc.kl_without_fp8_alignment
             cells += ["[green]yes[/]" if rc.bitwise else "[red]no[/]", num(rc.kl.k3),
                       num(rc.kl_without_router_replay.k3), num(fp8.k3) if fp8 else "-",
+                      num(rc.kl_numerics_without_router_replay.k3) if rc.kl_numerics_without_router_replay else "-",
                       num(rc.router_agreement_mean, ".2%")]
         table.add_row(*cells)
     return table
