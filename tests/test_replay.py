@@ -118,6 +118,28 @@ def test_range_from_commits_and_recomputed(runs, capsys, tmp_path):
     assert code == 0 and all(row["recomputed"] is None for row in out["steps"])
 
 
+def test_mismatch_split_and_numerics_counterfactuals(runs):
+    """Stale tokens split into numerics (at their sampling version's weights) and drift; the
+    counterfactuals at those weights exist for an R3 run and, for fp8 runs, without alignment."""
+    report, _ = replay_step(Run(runs["main"]), 3)
+    assert report.kl_drift.k3 > 0 and report.kl_numerics.k3 > 0
+    assert report.kl_numerics_without_router_replay is not None and report.kl_numerics_without_fp8_alignment is None
+    fp8, _ = replay_step(Run(runs["fp8"]), 2)
+    assert fp8.kl_numerics_without_fp8_alignment is not None
+    # On-policy steps (no stale token): no drift, numerics = the whole mismatch.
+    assert fp8.kl_drift.k3 == 0.0 and fp8.kl_numerics == fp8.kl
+
+
+def test_bench_from_run_measures_a_runs_latest_weights(runs, capsys):
+    for name in ("r3", "fp8"):
+        assert reel(["bench", name, "--quick", "--from-run", str(runs["main"])]) == 0
+        out = orjson.loads(capsys.readouterr().out)
+        assert out["bench"] == name and out["from_run"] == str(runs["main"]) and out["version"] == 4
+        assert out["tokens"] > 0 and out["ratio"] > 0
+    assert reel(["bench", "r3", "--quick", "--from-run", str(runs["main"] / "nope")]) == 1
+    assert "not a Reel run directory" in capsys.readouterr().err
+
+
 def test_router_replay_brings_the_trainer_closer_to_inference(runs):
     """bf16 sampling flips some top-k choices of undecided routers; replaying them lowers the KL."""
     run = Run(runs["r3"])
