@@ -65,7 +65,7 @@ def test_bisect_cli_json_plot_and_exit_codes(spiked: Path, tmp_path: Path, capsy
     # Never crossing is an answer, not an error: the table says so, exit 1 like grep.
     assert reel(["replay", "bisect", "--run", str(spiked), "--metric", "kl_k3", "--above", "1e9"]) == 1
     assert "never goes above" in capsys.readouterr().out
-    assert reel(["replay", "bisect", "--run", str(spiked), "--metric", "kl_k4", "--above", "1"]) == 1
+    assert reel(["replay", "bisect", "--run", str(spiked), "--metric", "kl_k4", "--above", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "kl_k4" in err and "kl_k3" in err
 
