@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from bus.blobs import BlobStore
+from bus.blob_backends.file import BlobStore
 from bus.errors import ReelError
 from bus.events import Trajectory, WeightsPublished
 from bus.log import RunLog

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from bus.blobs import BlobStore
+from bus.blobs import BlobBackend
 from bus.events import AnyEvent, BlobRef, WeightsPublished
 from runtime import loss as loss_mod
 from runtime.model.model import MoEModel
@@ -42,14 +42,14 @@ class WeightHistory:
     refs: dict[int, BlobRef]
     _cache: OrderedDict[int, bytes]
 
-    def __init__(self, blobs: BlobStore, keep: int = 4):
+    def __init__(self, blobs: BlobBackend, keep: int = 4):
         self.blobs = blobs
         self.keep = max(1, keep)
         self.refs = {}
         self._cache = OrderedDict()
 
     @classmethod
-    def from_events(cls, events: Iterable[AnyEvent], blobs: BlobStore, keep: int = 4) -> WeightHistory:
+    def from_events(cls, events: Iterable[AnyEvent], blobs: BlobBackend, keep: int = 4) -> WeightHistory:
         history = cls(blobs, keep)
         for event in events:
             if isinstance(event, WeightsPublished):
