@@ -20,8 +20,8 @@ from runtime.model.config import ModelError, MoEConfig
 from runtime.model.model import MoEModel
 
 
-def _hf_tensors(model: MoEModel) -> dict[str, torch.Tensor]:
-    sd = state_dict_adapter.to_hf(model.state_dict(), model.config)
+def _as_hf(state_dict: dict[str, torch.Tensor], config: MoEConfig) -> dict[str, torch.Tensor]:
+    sd = state_dict_adapter.to_hf(state_dict, config)
     return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in sd.items()}
 
 
@@ -29,7 +29,7 @@ def save(model: MoEModel, directory: str | Path) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
-    save_file(_hf_tensors(model), directory / "model.safetensors", metadata={"format": "pt"})
+    save_file(_as_hf(model.state_dict(), model.config), directory / "model.safetensors", metadata={"format": "pt"})
 
 
 def load(directory: str | Path, precision: str = "fp32") -> MoEModel:
@@ -55,7 +55,12 @@ def load(directory: str | Path, precision: str = "fp32") -> MoEModel:
 
 def state_dict_bytes(model: MoEModel) -> bytes:
     """Weights as one safetensors blob with Hub names (what WeightsPublished points to)."""
-    return st_save(_hf_tensors(model), metadata={"format": "pt"})
+    return state_dict_to_bytes(model.state_dict(), model.config)
+
+
+def state_dict_to_bytes(state_dict: dict[str, torch.Tensor], config: MoEConfig) -> bytes:
+    """`state_dict_bytes` of a model whose (full, unsharded) state dict is given."""
+    return st_save(_as_hf(state_dict, config), metadata={"format": "pt"})
 
 
 def load_state_dict_bytes(model: MoEModel, data: bytes) -> None:
