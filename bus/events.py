@@ -181,6 +181,7 @@ class StepCommitted(Event, tag="step_committed"):
     checkpoint: BlobRef | None = None
     config_hash: str = ""
     code_version: str = ""
+    world_size: int = 1  # trainer ranks that computed the step (replay re-executes on as many)
 
 
 class WorkerStats(Event, tag="worker_stats"):

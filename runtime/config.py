@@ -138,6 +138,7 @@ class TrainerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     precision: Precision = "fp32"
     checkpoint_every: int = 5
     threads: int = 0  # torch threads of the trainer (part of bit-exactness); 0 = 1
+    ranks: int = 1  # processes of the one logical trainer (FSDP2; `reel run` starts them with torchrun)
 
 
 class BlobsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -278,6 +279,7 @@ def validate(c: Config) -> None:
              f"trainer.max_off_policy_steps = {c.trainer.max_off_policy_steps} is below rollout.async_level = "
              f"{c.rollout.async_level}: every async group would be dropped; raise it")
     _require(c.trainer.optimizer_steps >= 1, f"trainer.optimizer_steps = {c.trainer.optimizer_steps} must be >= 1")
+    _require(c.trainer.ranks >= 1, f"trainer.ranks = {c.trainer.ranks} must be at least 1")
     _require(c.trainer.checkpoint_every >= 1,
              f"trainer.checkpoint_every = {c.trainer.checkpoint_every} must be at least 1")
     _require(c.trainer.icepop_low < c.trainer.icepop_high, "trainer.icepop_low must be below trainer.icepop_high")
@@ -322,8 +324,13 @@ def to_toml(c: Config) -> str:
 
 
 def config_hash(c: Config) -> str:
-    """Hash of what determines a training step's result: the seed, the model and the trainer."""
-    keys = msgspec.json.encode([c.run.seed, c.model, c.trainer])
+    """Hash of what determines a training step's result: the seed, the model and the trainer.
+
+    Not trainer.ranks: every commit records its world size, and a replay on another one is a
+    deviation to measure, not a different config."""
+    trainer = msgspec.structs.asdict(c.trainer)
+    trainer.pop("ranks")
+    keys = msgspec.json.encode([c.run.seed, c.model, trainer])
     return hashlib.sha256(keys).hexdigest()[:16]
 
 
