@@ -121,6 +121,8 @@ def _parser() -> argparse.ArgumentParser:
     step.add_argument("--run", required=True, dest="run_dir", help="run directory")
     step.add_argument("--json", action="store_true", help="print the report as one JSON object")
     step.add_argument("--plot", default=None, metavar="FILE.png", help="also save a figure (default: no figure)")
+    step.add_argument("--ranks", type=int, default=None,
+                      help="re-execute on this many ranks (default: the step's recorded world size)")
     step.set_defaults(handler="replay.cli:main_step")
     rng = _command(replay_sub, "range",
                    "per-step figures over A..B; with --recompute exit 1 if any step does not reproduce",
@@ -131,6 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     rng.add_argument("--json", action="store_true", help="print the rows as one JSON object")
     rng.add_argument("--plot", default=None, metavar="FILE.png", help="also save a figure (default: no figure)")
     rng.add_argument("--recompute", action="store_true", help="recompute KL by re-executing each step")
+    rng.add_argument("--ranks", type=int, default=None, help="with --recompute: ranks to re-execute on")
     rng.set_defaults(handler="replay.cli:main_range")
 
     sim = _command(sub, "simulate", "capacity planning: simulate the pipeline on a run's measured speeds",
@@ -197,6 +200,7 @@ def _parser() -> argparse.ArgumentParser:
     retrain.add_argument("--shuffle", type=int, default=None, metavar="SEED",
                          help="shuffle batches with SEED (default: logged order)")
     retrain.add_argument("--init", default=None, help="initial weights (HF layout; default: the source run's)")
+    retrain.add_argument("--ranks", type=int, default=1, help="train on this many ranks (FSDP2 under torchrun)")
     retrain.set_defaults(handler="consumers.retrain:main")
 
     launch = _command(sub, "launch", "launch on a cluster scheduler",

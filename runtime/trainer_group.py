@@ -8,8 +8,8 @@ make the same call in `follow`:
     step      train_step on a batch (sent whole)          save      a checkpoint
     weights   gather the full weights                     stop      leave `follow`
 
-An announcement is one broadcast of msgpack [op, argument, payload] (a batch travels as
-safetensors): no pickle on the wire. On one process every call is a plain function call.
+An announcement is one broadcast of msgpack [op, run directory, argument, payload] (a batch
+travels as safetensors): no pickle on the wire. On one process every call is a plain function call.
 A rank that dies (kill -9) breaks the next collective on the others: the group stops as a whole
 (torchrun ends the rest) and rank 0's commit protocol decides what was trained.
 """
@@ -74,14 +74,15 @@ class TrainerGroup:
 
     def _announce(self, op: str, argument: str = "", payload: bytes = b"") -> None:
         if self.world.distributed:
-            broadcast_bytes(self.world, msgspec.msgpack.encode([op, argument, payload]))
+            message = [op, str(self.run_dir), argument, payload]
+            broadcast_bytes(self.world, msgspec.msgpack.encode(message))
 
 
 def run_as_group(world: World, run_dir: Path, config: Config, lead: Callable[[TrainerGroup], int]) -> int:
     """Rank 0 runs `lead` with the group's handle; the other ranks follow until it is done."""
     try:
         if world.rank > 0:
-            follow(world, run_dir, config)
+            follow(world, config)
             return 0
         group = TrainerGroup(world, run_dir, config)
         try:
@@ -95,11 +96,12 @@ def run_as_group(world: World, run_dir: Path, config: Config, lead: Callable[[Tr
         shutdown(world)
 
 
-def follow(world: World, run_dir: Path, config: Config) -> None:
+def follow(world: World, config: Config) -> None:
     """Ranks > 0: make every call rank 0 announces, until it says stop."""
     state: TrainState | None = None
     while True:
-        op, argument, payload = msgspec.msgpack.decode(broadcast_bytes(world, None))
+        op, directory, argument, payload = msgspec.msgpack.decode(broadcast_bytes(world, None))
+        run_dir = Path(directory)
         if op == INIT:
             state = initial_state(run_dir, config, world, Path(argument) if argument else None)
         elif op == RESTORE:
