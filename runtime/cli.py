@@ -26,6 +26,7 @@ BENCHES = {
     "engine": "producers.bench:bench_engine",
     "swap": "producers.bench_swap:bench_swap",
     "async": "runtime.bench_async:bench_async",
+    "fsdp": "runtime.bench_fsdp:bench_fsdp",
 }
 
 

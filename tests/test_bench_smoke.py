@@ -8,7 +8,7 @@ import pytest
 from runtime import cli
 
 
-@pytest.mark.parametrize("name", ["bus", "log", "blobs"])
+@pytest.mark.parametrize("name", ["bus", "log", "blobs", "fsdp"])
 def test_bench_quick_prints_one_json_line(name: str, capsys: pytest.CaptureFixture):
     assert cli.main(["bench", name, "--quick"]) == 0
     (line,) = capsys.readouterr().out.splitlines()
