@@ -1,4 +1,4 @@
-"""`reel bench bus|log|blobs --quick`: each prints one JSON line with a positive ratio."""
+"""`reel bench bus|log|blobs|fsdp --quick`: each prints one JSON line with a positive ratio."""
 
 from __future__ import annotations
 
