@@ -113,6 +113,11 @@ def rank_parts(batch: Batch, max_tokens: int, rank: int, size: int) -> list[tupl
     return out
 
 
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """The batch's tensors on the ranks' device (CUDA under NCCL; on CPU nothing moves)."""
+    return Batch(*(v.to(device) if isinstance(v, torch.Tensor) else v for v in batch))
+
+
 class Plan(NamedTuple):
     """Who trains what in one step."""
 
@@ -123,6 +128,8 @@ class Plan(NamedTuple):
 def plan(batch: Batch, max_tokens: int, world: World) -> Plan:
     """Every rank runs the same number of forwards and backwards (FSDP's collectives must pair up):
     a rank with fewer micro-batches repeats its last one with weight 0 (`counts` False)."""
+    if world.distributed:
+        batch = to_device(batch, world.device)
     by_rank = [rank_parts(batch, max_tokens, r, world.size) for r in range(world.size)]
     everyone = [p for parts in by_rank for p in parts]
     if not world.distributed:
@@ -145,7 +152,7 @@ def all_sum(world: World, value: float) -> float:
 
 
 def gather_tokens(world: World, values_N: torch.Tensor) -> torch.Tensor:
-    """Every rank's 1-D tensor concatenated in rank order, on every rank."""
+    """Every rank's 1-D tensor concatenated in rank order, on every rank (on the ranks' device)."""
     if not world.distributed:
         return values_N
     lengths = [torch.zeros(1, dtype=torch.int64, device=world.device) for _ in range(world.size)]
@@ -155,7 +162,7 @@ def gather_tokens(world: World, values_N: torch.Tensor) -> torch.Tensor:
     padded[:values_N.numel()] = values_N.detach().to(world.device)
     out = [torch.empty_like(padded) for _ in range(world.size)]
     dist.all_gather(out, padded)
-    return torch.cat([t[:int(n)] for t, n in zip(out, lengths)]).to(values_N.device)
+    return torch.cat([t[:int(n)] for t, n in zip(out, lengths)])
 
 
 def broadcast_bytes(world: World, data: bytes | None) -> bytes:
