@@ -18,7 +18,6 @@ Legend: B rows, T positions, L MoE layers, K experts per token, N completion tok
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -147,6 +146,7 @@ class Run:
     blobs: BlobStore
     commits: dict[int, StepCommitted]
     weights: dict[int, BlobRef]  # policy version -> its published weights
+    lookup: GroupLookup
     group: TrainerGroup  # the ranks that re-execute (one process unless `reel replay` started more)
 
     def __init__(self, run_dir: Path):
@@ -157,13 +157,8 @@ class Run:
             self.commits = {e.step: e for _, e in run_log.events("steps") if isinstance(e, StepCommitted)}
             self.weights = {e.version: e.weights for _, e in run_log.events("weights")
                             if isinstance(e, WeightsPublished)}
+            self.lookup = GroupLookup.from_log(run_log, self.blobs)
         self.group = TrainerGroup(LOCAL, run_dir, self.config)
-
-    @functools.cached_property
-    def lookup(self) -> GroupLookup:
-        """Every logged group (read on first use: a command that starts N ranks needs none here)."""
-        with RunLog(self.run_dir, readonly=True) as run_log:
-            return GroupLookup.from_log(run_log, self.blobs)
 
     def same_world(self, step: int) -> bool:
         """Whether this re-execution runs on the world size the run trained `step` on."""
