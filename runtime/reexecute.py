@@ -69,11 +69,9 @@ def checkpoint_before(commits: dict[int, StepCommitted], upto: int, blobs: BlobB
     return blobs.get(base.checkpoint), f"checkpoint of step {base.step}"
 
 
-def restore_state(run_dir: Path, config: Config, blobs: BlobBackend, commits: dict[int, StepCommitted],
-                  upto: int, world: World = LOCAL) -> TrainState:
-    """The state after step `upto` (0 = initial), from the newest checkpoint at or before it."""
+def restored_state(run_dir: Path, config: Config, world: World, data: bytes, source: str) -> TrainState:
+    """Version 0 sharded over `world` with the checkpoint blob `data` loaded (b"": version 0 itself)."""
     state = initial_state(run_dir, config, world)
-    data, source = checkpoint_before(commits, upto, blobs)
     return restore_checkpoint(data, state, config, world, run_dir, source=source) if data else state
 
 

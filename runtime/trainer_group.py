@@ -29,7 +29,7 @@ from safetensors.torch import save as st_save
 from runtime.batch import Batch
 from runtime.config import Config
 from runtime.distributed import World, broadcast_bytes, shutdown
-from runtime.reexecute import initial_state, restore_checkpoint, save_checkpoint
+from runtime.reexecute import initial_state, restored_state, save_checkpoint
 from runtime.train_step import StepResult, TrainState, full_weights, train_step
 
 log = logging.getLogger("reel.trainer")
@@ -55,7 +55,7 @@ class TrainerGroup:
     def restore(self, data: bytes, source: str) -> TrainState:
         """Version 0 with the checkpoint blob `data` loaded (b"": version 0 itself)."""
         self._announce(RESTORE, source, data)
-        return _restore(self.world, self.run_dir, self.config, data, source)
+        return restored_state(self.run_dir, self.config, self.world, data, source)
 
     def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, StepResult]:
         self._announce(STEP, payload=batch_bytes(batch) if self.world.distributed else b"")
@@ -105,7 +105,7 @@ def follow(world: World, config: Config) -> None:
         if op == INIT:
             state = initial_state(run_dir, config, world, Path(argument) if argument else None)
         elif op == RESTORE:
-            state = _restore(world, run_dir, config, payload, argument)
+            state = restored_state(run_dir, config, world, payload, argument)
         elif op == STOP:
             return
         else:
@@ -116,11 +116,6 @@ def follow(world: World, config: Config) -> None:
                 save_checkpoint(state, world, run_dir)
             elif op == WEIGHTS:
                 full_weights(state.model, world)
-
-
-def _restore(world: World, run_dir: Path, config: Config, data: bytes, source: str) -> TrainState:
-    state = initial_state(run_dir, config, world)
-    return restore_checkpoint(data, state, config, world, run_dir, source=source) if data else state
 
 
 def batch_bytes(batch: Batch) -> bytes:
