@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load
 
 from bus.events import Sample, Tensor, Trajectory
+from bus.jsonout import print_json
 from runtime import distributed
 from runtime.batch import Batch, Group, build_batch
 from runtime.config import Config, from_dict
@@ -116,13 +117,13 @@ def bench_fsdp(args: argparse.Namespace) -> int:
     one_bytes, one_seconds, one_weights = measure(distributed.LOCAL, model_cfg, groups)
     one = load(one_weights)
     diff = max(float((one[k] - two_weights[k]).abs().max()) for k in one)
-    print(json.dumps({
+    print_json({
         "bench": "fsdp", "params": sum(p.numel() for p in MoEModel(model_cfg).parameters()),
         "tokens_per_step": groups * 8 * 16, "steps": STEPS, "backend": two["backend"],
         "one_rank_peak_bytes": one_bytes, "two_rank_peak_bytes_per_rank": two["peak_bytes"],
         "one_rank_step_s": round(one_seconds, 4), "two_rank_step_s": round(two["step_s"], 4),
         "max_abs_weight_diff": diff, "ratio": round(one_bytes / two["peak_bytes"], 3),
-    }))
+    })
     return 0
 
 
