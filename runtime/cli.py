@@ -134,7 +134,8 @@ def _parser() -> argparse.ArgumentParser:
     rng.add_argument("--json", action="store_true", help="print the rows as one JSON object")
     rng.add_argument("--plot", default=None, metavar="FILE.png", help="also save a figure (default: no figure)")
     rng.add_argument("--recompute", action="store_true", help="recompute KL by re-executing each step")
-    rng.add_argument("--ranks", type=int, default=None, help="with --recompute: ranks to re-execute on")
+    rng.add_argument("--ranks", type=int, default=None,
+                     help="with --recompute: ranks to re-execute on (default: the recorded world size)")
     rng.set_defaults(handler="replay.cli:main_range")
 
     sim = _command(sub, "simulate", "capacity planning: simulate the pipeline on a run's measured speeds",
