@@ -57,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     cat = log_sub.add_parser("cat", help="print a stream's events as JSON lines")
     cat.add_argument("--run", required=True, dest="run_dir")
     cat.add_argument("--stream", required=True)
+    cat.add_argument("--decode", action="store_true", help="add the text of token ids (the run's tokenizer)")
     cat.set_defaults(handler="replay.logtools:cat")
 
     bench = sub.add_parser("bench", help="run a benchmark; prints one JSON line")

@@ -176,3 +176,8 @@ def _generation_eos_ids(path: Path) -> list[int]:
     except (OSError, json.JSONDecodeError):
         return []
     return [found] if isinstance(found, int) else [i for i in (found or []) if isinstance(i, int)]
+
+
+def load_tokenizer(model_path: str) -> Tokenizer:
+    """A run's tokenizer: model.path's own, else (empty path) the character tokenizer."""
+    return HFTokenizer.from_dir(model_path) if model_path else CharTokenizer()

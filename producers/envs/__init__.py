@@ -5,7 +5,7 @@ from __future__ import annotations
 from producers.envs import registry
 from producers.envs.base import Continue, Env, Finish, Prompt, Reply, StringTask
 from runtime.config import Config, EnvSection
-from runtime.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, TokenizerError
+from runtime.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, TokenizerError, load_tokenizer
 
 
 def make_env(section: EnvSection, max_tokens: int = 16, tokenizer: Tokenizer | None = None) -> Env:
@@ -13,15 +13,10 @@ def make_env(section: EnvSection, max_tokens: int = 16, tokenizer: Tokenizer | N
     return registry.make_env(section, max_tokens, tokenizer or CharTokenizer())
 
 
-def run_tokenizer(config: Config) -> Tokenizer:
-    """The run's tokenizer: model.path's own, else the character tokenizer of the tiny examples."""
-    return HFTokenizer.from_dir(config.model.path) if config.model.path else CharTokenizer()
-
-
 def env_for(config: Config) -> Env:
     """The run's env on the run's tokenizer (what rollout workers and the warm-start use)."""
-    return make_env(config.env, config.rollout.max_tokens, run_tokenizer(config))
+    return make_env(config.env, config.rollout.max_tokens, load_tokenizer(config.model.path))
 
 
 __all__ = ["CharTokenizer", "Continue", "Env", "Finish", "HFTokenizer", "Prompt", "Reply", "StringTask",
-           "Tokenizer", "TokenizerError", "env_for", "make_env", "run_tokenizer"]
+           "Tokenizer", "TokenizerError", "env_for", "make_env"]
