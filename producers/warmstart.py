@@ -26,6 +26,7 @@ import logging
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -60,7 +61,7 @@ def warm_start(config: Config) -> tuple[MoEModel, float]:
     """The warm-started policy and its mean sampled reward (cached unless it starts from model.path)."""
     env = env_for(config)
     if config.model.path:
-        model = train(config, env, load(config.model.path))
+        model = train(config, env, lambda: load(config.model.path))
         return model, _logged_reward(model, env, config, "from " + config.model.path)
     mcfg = model_config(config, env)
     r = config.rollout
@@ -74,7 +75,7 @@ def warm_start(config: Config) -> tuple[MoEModel, float]:
         reward = json.loads((cached / EVAL_FILE).read_text())["reward_mean"]
         log.info("warm-start %s from cache %s: mean sampled reward %.3f", key, cached, reward)
         return load(cached), reward
-    model = train(config, env, MoEModel(mcfg))
+    model = train(config, env, lambda: MoEModel(mcfg))
     reward = _logged_reward(model, env, config, key)
     cached.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cached.parent))
@@ -98,10 +99,12 @@ def _logged_reward(model: MoEModel, env: Env, config: Config, what: str) -> floa
     return reward
 
 
-def train(config: Config, env: Env, model: MoEModel) -> MoEModel:
-    """`model` after init.warmup_steps supervised steps (seeded)."""
+def train(config: Config, env: Env, start: Callable[[], MoEModel]) -> MoEModel:
+    """The model `start` builds (after seeding: a random init is seeded too), then trained for
+    init.warmup_steps supervised steps."""
     threads = torch.get_num_threads()
     set_determinism(config.run.seed, threads=1)
+    model = start()
     steps = warmup_steps(config)
     if steps == 0:
         return model
