@@ -179,8 +179,6 @@ def from_dict(raw: dict, source: str = "config") -> Config:
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{source}: {_name_key(str(exc))}") from exc
     validate(config)
-    if config.model.path:
-        check_model_path(config.model, raw.get("model", {}))
     return config
 
 
@@ -265,10 +263,19 @@ def validate(c: Config) -> None:
     validate_engine(c)
 
 
-def check_model_path(model: ModelSection, given: dict[str, Any]) -> None:
-    """model.path is a readable Qwen3-MoE checkpoint with a tokenizer, and no key given in [model]
-    contradicts its config.json."""
+def check_model_path(c: Config, text: str) -> None:
+    """model.path (if set) is a readable Qwen3-MoE checkpoint with a tokenizer, and no key given in
+    the config `text`'s [model] contradicts its config.json.
+
+    Checked where this machine must read the checkpoint (`reel run`), not at every load: a Slurm
+    launch renders paths that may exist only on the compute nodes.
+    """
     from runtime.model.config import ModelError, read_checkpoint_config  # torch-free
+
+    model = c.model
+    if not model.path:
+        return
+    given = tomllib.loads(text).get("model", {})
 
     try:
         checkpoint = read_checkpoint_config(Path(model.path))
