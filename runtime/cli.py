@@ -97,9 +97,11 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--run", required=True, dest="run_dir", help="run directory")
     verify.set_defaults(handler="replay.logtools:verify")
     cat = _command(log_sub, "cat", "print a stream's events as JSON lines",
-                   "reel log cat --run runs/reverse_text --stream steps | head")
+                   "reel log cat --run runs/reverse_text --stream steps | head",
+                   "reel log cat --run runs/calc_tool --stream trajectories --decode | head -1")
     cat.add_argument("--run", required=True, dest="run_dir", help="run directory")
     cat.add_argument("--stream", required=True, choices=STREAMS, help="which stream to print")
+    cat.add_argument("--decode", action="store_true", help="add the text of token ids (the run's tokenizer)")
     cat.set_defaults(handler="replay.logtools:cat")
 
     bench = _command(sub, "bench", "run a benchmark; prints one JSON line with a `ratio` against its baseline",

@@ -63,6 +63,7 @@ def main_run(args: argparse.Namespace) -> int:
         vllm_args.check_local_server(config)
     use_cluster_client(config)
     text = Path(args.config).read_text()
+    config_mod.check_model_path(config, text)
     run_dir = Path(args.out) if args.out else Path(config.run.out_dir) / config.run.name
     prepare_run_dir(run_dir, text, config, resume=args.resume)
     with bus_for(run_dir, config) as url, mooncake_for(run_dir, config):
