@@ -124,6 +124,13 @@ class Sample(msgspec.Struct, frozen=True, gc=False):
     # [(first completion token index, policy version)], ascending; first index is 0.
     spans: list[tuple[int, int]]
     generate_s: float = 0.0  # seconds from the engine admitting the sample to its last token (0 = not measured)
+    # Multi-turn episodes: `tokens` holds every model turn and, between them, what the env
+    # appended (tool results, user turns). Those are prompt tokens: not sampled (logprob 0), never
+    # trained on. Defaults describe a one-turn sample.
+    env_spans: list[tuple[int, int]] = []  # [(first, end)) token ranges the env appended
+    turns: int = 1  # model turns
+    tool_calls: int = 0  # model turns the env answered as tool calls
+    turn_lengths: list[int] = []  # tokens sampled per model turn (empty = one turn of len(tokens))
 
 
 class Trajectory(Event, tag="trajectory"):
@@ -181,6 +188,7 @@ class StepCommitted(Event, tag="step_committed"):
     checkpoint: BlobRef | None = None
     config_hash: str = ""
     code_version: str = ""
+    world_size: int = 1  # trainer ranks that computed the step (replay re-executes on as many)
 
 
 class WorkerStats(Event, tag="worker_stats"):

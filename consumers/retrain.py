@@ -5,7 +5,8 @@ log and, by default, gives step s of B the groups of A's step s, from A's initia
 the logged inference logprobs as the behaviour policy. B is written as a normal run (config.toml,
 init/, blobs/, a log with the groups it used, WeightsPublished and StepCommitted), so `reel replay`
 works on it. With no override B's weights equal A's bit for bit at every step: the same
-`train_step` on the same inputs.
+`train_step` on the same inputs. `--ranks N` trains B on N ranks (this command starts itself again
+under torchrun; rank 0 writes B, the others follow); B's commits record that world size.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ from bus.blob_backends.file import BlobStore
 from bus.errors import ReelError
 from bus.events import AnyEvent, RunStarted, StepCommitted, StepTiming, WeightsPublished, encode
 from bus.log import RunLog
-from runtime import checkpoint
 from runtime import config as config_mod
+from runtime import distributed
 from runtime.batch import build_batch
 from runtime.config import Config
 from runtime.groups import GroupLookup
 from runtime.initial_policy import code_version, init_dir
-from runtime.model.weights import load, save, state_dict_bytes
-from runtime.train_step import TrainState, make_optimizer, train_step
+from runtime.model.weights import load, save
+from runtime.train_step import TrainState
+from runtime.trainer_group import TrainerGroup, run_as_group
 
 PRODUCER = "retrain:0"
 
@@ -46,6 +48,25 @@ def main(args: argparse.Namespace) -> int:
     config = _config(source, args.config, out.name)
     if out.exists():
         raise RetrainError(f"{out} already exists; choose a new --out directory")
+    world = distributed.from_env()
+    if args.ranks < 1:
+        raise RetrainError(f"--ranks {args.ranks} must be at least 1")
+    if args.ranks > 1 and not world.distributed:
+        return distributed.relaunch(args.ranks, _argv(args), config.trainer.threads or 1)
+    return run_as_group(world, out, config, lambda group: _retrain(args, source, out, config, group))
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    """The same `reel retrain` command line, to start again on every rank."""
+    argv = ["retrain", "--from", args.from_dir, "--out", args.out, "--epochs", str(args.epochs),
+            "--ranks", str(args.ranks)]
+    for flag, value in (("--config", args.config), ("--steps", args.steps), ("--shuffle", args.shuffle),
+                        ("--init", args.init)):
+        argv += [flag, str(value)] if value is not None else []
+    return argv
+
+
+def _retrain(args: argparse.Namespace, source: Path, out: Path, config: Config, group: TrainerGroup) -> int:
     with RunLog(source, readonly=True) as source_log:
         commits = [e for _, e in source_log.events("steps") if isinstance(e, StepCommitted)]
         if not commits:
@@ -55,8 +76,9 @@ def main(args: argparse.Namespace) -> int:
     if args.steps is not None:
         schedule = schedule[:args.steps]
     torch.set_num_threads(config.trainer.threads or 1)
-    _build(out, config, _init_source(source, args.init), schedule, lookup)
-    print(f"retrained {len(schedule)} steps from {source} into {out}")
+    _build(out, config, _init_source(source, args.init), schedule, lookup, group)
+    print(f"retrained {len(schedule)} steps from {source} into {out}" +
+          f" on {group.world.size} ranks" * (group.world.size > 1))
     return 0
 
 
@@ -102,15 +124,16 @@ def _init_source(source: Path, init: str | None) -> Path:
     return path
 
 
-def _build(out: Path, config: Config, init: Path, schedule: list[list[str]], lookup: GroupLookup) -> None:
+def _build(out: Path, config: Config, init: Path, schedule: list[list[str]], lookup: GroupLookup,
+           group: TrainerGroup) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         (staging / "config.toml").write_text(config_mod.to_toml(config))
-        model = load(init)
-        save(model, init_dir(staging))
-        writer = _RunWriter(staging, config)
-        state = TrainState(model, make_optimizer(model, config.trainer), 0)
+        save(load(init), init_dir(staging))
+        group.run_dir = staging  # DCP checkpoints go under B's directory
+        writer = _RunWriter(staging, config, group)
+        state = group.initial_state(init_dir(staging))
         writer.start(state)
         for i, step_groups in enumerate(schedule):
             writer.copy_groups(step_groups, lookup)
@@ -125,8 +148,9 @@ def _build(out: Path, config: Config, init: Path, schedule: list[list[str]], loo
 class _RunWriter:
     """Writes B's log and blobs exactly as the online trainer and archiver would have."""
 
-    def __init__(self, run_dir: Path, config: Config):
+    def __init__(self, run_dir: Path, config: Config, group: TrainerGroup):
         self.config = config
+        self.group = group
         self.run = config.run.name
         self.blobs = BlobStore(run_dir / "blobs")
         self.log = RunLog(run_dir)
@@ -151,7 +175,7 @@ class _RunWriter:
         self._append("control", [self._stamp(
             RunStarted, config_toml=config_text, seed=self.config.run.seed, code_version=code_version(),
             model_config=state.model.config.to_hf_dict(), config_hash=config_mod.config_hash(self.config))])
-        ref = self.blobs.put(state_dict_bytes(state.model))
+        ref = self.blobs.put(self.group.weights(state))
         self._append("weights", [self._stamp(WeightsPublished, version=0, step=0, weights=ref)])
 
     def copy_groups(self, group_ids: list[str], lookup: GroupLookup) -> None:
@@ -168,19 +192,19 @@ class _RunWriter:
     def step(self, state: TrainState, group_ids: list[str], lookup: GroupLookup, *, last: bool) -> TrainState:
         batch = build_batch([lookup.group(g, where=f"step {state.step + 1} of the retrain") for g in group_ids])
         started = time.perf_counter()
-        state, result = train_step(state, batch, self.config)
+        state, result = self.group.step(state, batch)
         compute = time.perf_counter() - started
-        ref = self.blobs.put(state_dict_bytes(state.model))
+        ref = self.blobs.put(result.weights)
         ckpt = None
         if state.step % self.config.trainer.checkpoint_every == 0 or last:
-            ckpt = self.blobs.put(checkpoint.checkpoint_bytes(state))
+            ckpt = self.blobs.put(self.group.checkpoint(state))
         self._append("weights", [self._stamp(WeightsPublished, version=state.step, step=state.step, weights=ref)])
         self._append("steps", [self._stamp(
             StepCommitted, step=state.step, version=state.step, groups=group_ids, dropped=[], loss=result.loss,
             grad_norm=result.grad_norm, weights_sha256=result.weights_sha256,
             timing=StepTiming(wait=0.0, compute=compute, publish=0.0), metrics=result.metrics,
             staleness=result.staleness, checkpoint=ckpt, config_hash=config_mod.config_hash(self.config),
-            code_version=code_version())])
+            code_version=code_version(), world_size=self.group.world.size)])
         return state
 
     def close(self) -> None:

@@ -11,6 +11,10 @@ commit is the single atomic point after which a group counts as trained; acking 
 crash before the commit re-delivers every entry. On restart the trainer rebuilds its state from
 the newest checkpoint plus re-execution of the committed steps after it (verified by weight
 hash), and acks, without training, any re-delivered group a commit already lists.
+
+On N ranks (trainer.ranks, started by torchrun) this loop runs on rank 0 only; every step,
+checkpoint and weight export goes through runtime/trainer_group.py to all ranks, which the
+other ranks serve in `follow`. The commit protocol above is rank 0's and unchanged.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from bus.events import (
 from bus.log import LogCorrupted, LogError, RunLog
 from bus.partitions import lane_key, lanes
 from bus.streams import Delivery, GroupConsumer, Publisher, connect, recover_next_seq
-from runtime import checkpoint
+from runtime import distributed
 from runtime.batch import Group, build_batch, decode_routing
 from runtime.blob_store import run_blobs
 from runtime.config import Config, config_hash
@@ -42,9 +46,9 @@ from runtime.config import load as load_config
 from runtime.groups import GroupLookup
 from runtime.initial_policy import code_version, ensure_initial_policy, initial_reward
 from runtime.mismatch_split import WeightHistory
-from runtime.model.weights import state_dict_bytes
-from runtime.reexecute import catch_up, initial_state, restore_state
-from runtime.train_step import TrainState, train_step
+from runtime.reexecute import catch_up, checkpoint_before
+from runtime.train_step import TrainState
+from runtime.trainer_group import TrainerGroup, run_as_group
 
 log = logging.getLogger("reel.trainer")
 PRODUCER = "trainer:0"
@@ -74,6 +78,7 @@ class Trainer:
     url: str
     run: str
     blobs: BlobBackend
+    group: TrainerGroup
     redis: aioredis.Redis
     consumer: GroupConsumer
     publisher: Publisher
@@ -82,12 +87,13 @@ class Trainer:
     pending: dict[str, PendingGroup]
     weights: WeightHistory  # published versions, for the mismatch split of stale tokens
 
-    def __init__(self, run_dir: Path, url: str, config: Config):
+    def __init__(self, run_dir: Path, url: str, config: Config, group: TrainerGroup | None = None):
         self.config = config
         self.run_dir = run_dir
         self.url = url
         self.run = config.run.name
         self.blobs = run_blobs(run_dir, config)
+        self.group = group or TrainerGroup(distributed.LOCAL, run_dir, config)
         self.committed_groups = set()
         self.pending = {}
         self.weights = WeightHistory(self.blobs, keep=config.trainer.max_off_policy_steps + 1)
@@ -119,16 +125,16 @@ class Trainer:
             return
         waited = time.perf_counter() - started
         batch = build_batch([self._resolve(gid, part) for gid, part in collected.groups])
-        self.state, result = await asyncio.to_thread(train_step, self.state, batch, self.config, self.weights.get)
+        self.state, result = await asyncio.to_thread(self.group.step, self.state, batch, self.weights.get)
         computed = time.perf_counter()
         step = self.state.step
         self._crash_point(step, "computed")
-        weights = await asyncio.to_thread(self.blobs.put, state_dict_bytes(self.state.model))
+        weights = await asyncio.to_thread(self.blobs.put, result.weights)
         self.weights.add(step, weights)
         self._crash_point(step, "weights_written")
         ckpt = None
         if step % self.config.trainer.checkpoint_every == 0 or step == self.config.run.steps:
-            ckpt = await asyncio.to_thread(self.blobs.put, checkpoint.checkpoint_bytes(self.state))
+            ckpt = await asyncio.to_thread(lambda: self.blobs.put(self.group.checkpoint(self.state)))
         self._crash_point(step, "checkpoint_written")
         used = [gid for gid, _ in collected.groups]
         dropped = [d for d, _ in collected.dropped]
@@ -137,7 +143,7 @@ class Trainer:
             grad_norm=result.grad_norm, weights_sha256=result.weights_sha256,
             timing=StepTiming(wait=waited, compute=computed - started - waited, publish=time.perf_counter() - computed),
             metrics=result.metrics, staleness=result.staleness, checkpoint=ckpt,
-            config_hash=config_hash(self.config), code_version=code_version(),
+            config_hash=config_hash(self.config), code_version=code_version(), world_size=self.group.world.size,
         )
         await self.publisher.publish_atomic([
             self.publisher.stamp(WeightsPublished, version=step, step=step, weights=weights), commit,
@@ -210,19 +216,20 @@ class Trainer:
                 self.weights.add(event.version, event.weights)
         await asyncio.to_thread(ensure_initial_policy, self.run_dir, self.config)
         if not commits:
-            self.state = initial_state(self.run_dir, self.config)
+            self.state = await asyncio.to_thread(self.group.initial_state)
             await self._publish_version_zero()
             return
         last = max(commits)
         for c in commits.values():
             self.committed_groups.update(c.groups)
             self.committed_groups.update(d.group_id for d in c.dropped)
-        state = restore_state(self.run_dir, self.config, self.blobs, commits, last)
+        state = await asyncio.to_thread(self.group.restore, *checkpoint_before(commits, last, self.blobs))
         if state.step < last:
             lookup = await self._group_lookup()
             log.info("resuming: re-executing steps %d..%d from %s", state.step + 1, last,
                      "the initial weights" if state.step == 0 else f"the checkpoint of step {state.step}")
-            state = await asyncio.to_thread(catch_up, state, commits, last, lookup, self.config)
+            state = await asyncio.to_thread(catch_up, state, commits, last, lookup, self.config,
+                                            step_fn=self.group.step)
         self.state = state
         log.info("resumed after step %d (%d groups already committed)", last, len(self.committed_groups))
 
@@ -230,7 +237,7 @@ class Trainer:
         if await self._stream_has(WeightsPublished):
             return
         model = self.state.model
-        weights = await asyncio.to_thread(self.blobs.put, state_dict_bytes(model))
+        weights = await asyncio.to_thread(lambda: self.blobs.put(self.group.weights(self.state)))
         self.weights.add(0, weights)
         events = [self.publisher.stamp(WeightsPublished, version=0, step=0, weights=weights)]
         if not await self._stream_has(RunStarted):
@@ -292,14 +299,15 @@ def main(run_dir: Path, bus_url: str) -> int:
     # it comes from the config (trainer.threads, hashed into every commit), never the environment.
     torch.set_num_threads(config.trainer.threads or 1)
     logging.basicConfig(level=config.log.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    trainer = Trainer(run_dir, bus_url, config)
+    world = distributed.from_env()
+    if world.distributed:  # the pid of each rank, for operators (and tests)
+        (run_dir / "roles" / f"trainer.rank{world.rank}.pid").write_text(str(os.getpid()))
 
-    async def run() -> None:
+    async def run(group: TrainerGroup) -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, stop.set)
-        await trainer.run_until_done(stop)
+        await Trainer(run_dir, bus_url, config, group).run_until_done(stop)
 
-    uvloop.run(run())
-    return 0
+    return run_as_group(world, run_dir, config, lambda group: uvloop.run(run(group)) or 0)

@@ -2,7 +2,7 @@
 
     wait for policy version 0 (the `weights` stream) and for the `steps` stream to be read
     loop: wait for room (concurrency, async gate) -> start a group
-          a group: seeded prompt -> engine.generate(n = group_size) -> rewards ->
+          a group: seeded prompt -> episodes (producers/episode.py: engine turns, env turns) -> rewards ->
                    one Publisher.publish([Trajectory, RoutingTrace])
     background: newest WeightsPublished -> fetch + verify the blob -> engine.update_weights (in place,
                 between two decode steps); StepCommitted -> last committed version; WorkerStats
@@ -53,8 +53,9 @@ from bus.log import LogError, RunLog
 from bus.partitions import worker_partition
 from bus.streams import Publisher, connect, recover_next_seq
 from bus.tail import Tail
-from producers.engine import Completion, Engine, EngineError, SamplingParams
-from producers.envs import Env, Prompt, make_env
+from producers.engine import Engine, EngineError, SamplingParams
+from producers.envs import Env, env_for
+from producers.episode import Episode, run_group
 from runtime.blob_store import run_blobs
 from runtime.config import Config, load
 from runtime.initial_policy import init_dir
@@ -97,7 +98,7 @@ class RolloutWorker:
         self.config = config
         self.run_name = config.run.name
         self.name = f"rollout:{index}"
-        self.env = make_env(config.env, config.rollout.max_tokens)
+        self.env = env_for(config)
         self.blobs = run_blobs(self.run_dir, config)
         r = config.rollout
         self.round_size = min(r.concurrency, math.ceil(config.trainer.batch_groups / r.workers))
@@ -208,17 +209,17 @@ class RolloutWorker:
         r = self.config.rollout
         prompt = self.env.sample(random.Random(seed))
         params = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
-                                stop_token_ids=(self.env.tokenizer.eos_id,), seed=seed)
+                                stop_token_ids=self.env.tokenizer.stop_ids, seed=seed)
         started = time.monotonic()
-        completions = await self.engine.generate(prompt.ids, params)
+        episodes = await run_group(self.engine, self.env, prompt, params)
         generate_s = time.monotonic() - started
-        experts = [Tensor.from_numpy(c.routing) for c in completions]
+        experts = [Tensor.from_numpy(e.routing) for e in episodes]
         blob = None
         if sum(len(t.data) for t in experts) > ROUTING_INLINE_BYTES:
             blob = await asyncio.to_thread(self.blobs.put, msgspec.msgpack.encode(experts))
         trajectory = self.publisher.stamp(
             Trajectory, group_id=group_id, env=self.env.name,
-            prompt=Tensor.from_numpy(np.asarray(prompt.ids, np.int32)), samples=[self._sample(prompt, c) for c in completions], worker=self.name, meta=prompt.meta,
+            prompt=Tensor.from_numpy(np.asarray(prompt.ids, np.int32)), samples=[_sample(e) for e in episodes], worker=self.name, meta=prompt.meta,
             temperature=r.temperature, generate_s=generate_s)
         trace = (self.publisher.stamp(RoutingTrace, group_id=group_id, blob=blob) if blob is not None
                  else self.publisher.stamp(RoutingTrace, group_id=group_id, experts=experts))
@@ -228,12 +229,6 @@ class RolloutWorker:
         finally:
             self._publishing.discard(group_id)
         self.published += 1
-
-    def _sample(self, prompt: Prompt, c: Completion) -> Sample:
-        return Sample(tokens=Tensor.from_numpy(np.asarray(c.tokens, np.int32)),
-                      logprobs=Tensor.from_numpy(np.asarray(c.logprobs, np.float32)),
-                      reward=float(self.env.reward(prompt, c.tokens)), finish_reason=c.finish_reason, seed=c.seed,
-                      spans=list(c.spans), generate_s=c.seconds)
 
     async def _drain(self) -> None:
         if self.in_flight:
@@ -315,6 +310,13 @@ class RolloutWorker:
         # Entries the archiver made durable may be trimmed from the bus; the log still has them.
         in_log = await asyncio.to_thread(next_seq_in_log, self.run_dir, self.name)
         return max(on_bus, in_log)
+
+
+def _sample(e: Episode) -> Sample:
+    return Sample(tokens=Tensor.from_numpy(np.asarray(e.tokens, np.int32)),
+                  logprobs=Tensor.from_numpy(np.asarray(e.logprobs, np.float32)), reward=e.reward,
+                  finish_reason=e.finish_reason, seed=e.seed, spans=e.spans, generate_s=e.seconds, env_spans=e.env_spans,
+                  turns=len(e.turn_lengths), tool_calls=e.tool_calls, turn_lengths=e.turn_lengths)
 
 
 async def _read_to_end(tail: Tail, block_ms: int) -> list:

@@ -1,33 +1,43 @@
 """Supervised warm-start: a policy that sometimes solves the task, so RL has something to improve.
 
-Deterministic (seeded data, deterministic algorithms, one thread) and cached by a hash of what
-determines it (model, init and env sections, seed, sampling, code), so repeated runs and tests pay once.
+It trains on the env's demonstrations (every model turn of an ideal episode; env turns are
+context only). It starts from random weights, or from model.path's checkpoint when
+init.warmup_steps > 0 is set for one. Deterministic (seeded data, deterministic algorithms, one
+thread) and, for models built from keys, cached by a hash of what determines it (model, init and
+env sections, seed, sampling, code), so repeated runs and tests pay once.
 
 `init.warmup_noise` is the label smoothing of the supervised loss: that share of every target's
 probability goes uniformly to the whole vocabulary. The policy learns which token is right (its
 greedy answer is mostly correct) but samples a wrong one often, so its sampled reward starts low
 and RL has a skill to sharpen rather than one to discover from scratch, which takes GRPO far more
-samples than supervision. The mean sampled reward of the result (rollout temperature and top_p,
-EVAL_PROMPTS prompts) is logged, cached runs included, as the baseline RL should improve on.
+samples than supervision. The mean sampled reward of the result (one episode on each of
+EVAL_PROMPTS prompts, run by the built-in engine as a rollout worker runs it: rollout temperature,
+top_p and max_tokens, the same multi-turn loop) is logged, cached runs included, as the baseline
+RL should improve on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import inspect
 import json
 import logging
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 import torch
 import torch.nn.functional as F
 
-from producers.envs import Env, make_env
-from producers.sampling import sample_tokens
-from runtime.config import Config, cache_dir
+from producers.builtin_engine import BuiltinEngine
+from producers.engine import SamplingParams
+from producers.envs import Env, env_for
+from producers.episode import run_group
+from runtime.config import Config, cache_dir, warmup_steps
 from runtime.initial_policy import code_version
 from runtime.model.config import MoEConfig
 from runtime.model.determinism import set_determinism
@@ -40,7 +50,7 @@ EVAL_FILE = "warmstart.json"  # next to the cached weights: {"reward_mean": ...,
 
 
 def model_config(config: Config, env: Env) -> MoEConfig:
-    """The run's MoE config; vocab_size 0 means the environment tokenizer's vocabulary."""
+    """The MoE config of the [model] keys (vocab_size 0 = the env tokenizer's)."""
     keys = msgspec.structs.asdict(config.model)
     keys.pop("path")
     keys["vocab_size"] = keys["vocab_size"] or env.tokenizer.vocab_size
@@ -48,11 +58,15 @@ def model_config(config: Config, env: Env) -> MoEConfig:
 
 
 def warm_start(config: Config) -> tuple[MoEModel, float]:
-    """The warm-started policy and its mean sampled reward (cached)."""
-    env = make_env(config.env, config.rollout.max_tokens)
+    """The warm-started policy and its mean sampled reward (cached unless it starts from model.path)."""
+    env = env_for(config)
+    if config.model.path:
+        model = train(config, env, lambda: load(config.model.path))
+        return model, _logged_reward(model, env, config, "from " + config.model.path)
     mcfg = model_config(config, env)
     r = config.rollout
-    recipe = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # this file decides the result too
+    # This file and the env's module decide the result too (demonstrations, prompts).
+    recipe = hashlib.sha256(Path(__file__).read_bytes() + Path(inspect.getfile(type(env))).read_bytes()).hexdigest()
     key = hashlib.sha256(msgspec.json.encode([
         mcfg, config.init, config.env, config.run.seed, r.max_tokens, r.temperature, r.top_p, code_version(), recipe,
     ])).hexdigest()[:16]
@@ -61,10 +75,8 @@ def warm_start(config: Config) -> tuple[MoEModel, float]:
         reward = json.loads((cached / EVAL_FILE).read_text())["reward_mean"]
         log.info("warm-start %s from cache %s: mean sampled reward %.3f", key, cached, reward)
         return load(cached), reward
-    model = train(mcfg, config, env)
-    reward = sampled_reward(model, env, config)
-    log.info("warm-start %s: mean sampled reward %.3f over %d prompts (temperature %g, top_p %g)", key, reward,
-             EVAL_PROMPTS, r.temperature, r.top_p)
+    model = train(config, env, lambda: MoEModel(mcfg))
+    reward = _logged_reward(model, env, config, key)
     cached.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cached.parent))
     try:
@@ -79,11 +91,21 @@ def warm_start(config: Config) -> tuple[MoEModel, float]:
     return model, reward
 
 
-def train(mcfg: MoEConfig, config: Config, env: Env) -> MoEModel:
+def _logged_reward(model: MoEModel, env: Env, config: Config, what: str) -> float:
+    r = config.rollout
+    reward = sampled_reward(model, env, config)
+    log.info("warm-start %s: mean sampled reward %.3f over %d prompts (temperature %g, top_p %g)", what, reward,
+             EVAL_PROMPTS, r.temperature, r.top_p)
+    return reward
+
+
+def train(config: Config, env: Env, start: Callable[[], MoEModel]) -> MoEModel:
+    """The model `start` builds (after seeding: a random init is seeded too), then trained for
+    init.warmup_steps supervised steps."""
     threads = torch.get_num_threads()
     set_determinism(config.run.seed, threads=1)
-    model = MoEModel(mcfg)
-    steps = config.init.warmup_steps
+    model = start()
+    steps = warmup_steps(config)
     if steps == 0:
         return model
     rng = random.Random(f"warmstart-{config.run.seed}")
@@ -107,54 +129,45 @@ def train(mcfg: MoEConfig, config: Config, env: Env) -> MoEModel:
 
 
 def sampled_reward(model: MoEModel, env: Env, config: Config) -> float:
-    """Mean reward of one sample on each of EVAL_PROMPTS seeded prompts, drawn as the engine draws them."""
+    """Mean reward of one episode on each of EVAL_PROMPTS seeded prompts, sampled by the built-in engine."""
+    return asyncio.run(_episodes_reward(model, env, config))
+
+
+async def _episodes_reward(model: MoEModel, env: Env, config: Config) -> float:
     r = config.rollout
     rng = random.Random(f"warmstart-eval-{config.run.seed}")
     prompts = [env.sample(rng) for _ in range(EVAL_PROMPTS)]
-    generators = [torch.Generator().manual_seed(config.run.seed * 1_000_003 + i) for i in range(len(prompts))]
-    rows = [list(p.ids) for p in prompts]  # every row grows by one token per step; finished rows by padding
-    completions: list[list[int]] = [[] for _ in prompts]
-    done = [False] * len(prompts)
-    sampling = r.temperature > 0
-    temperature_B = torch.full((len(rows),), r.temperature)
-    top_p_B = torch.full((len(rows),), r.top_p if sampling else 1.0)
     model.eval()
-    for _ in range(r.max_tokens):
-        T = max(len(row) for row in rows)
-        input_ids_BT = torch.zeros(len(rows), T, dtype=torch.long)
-        mask_BT = torch.zeros(len(rows), T, dtype=torch.long)
-        for b, row in enumerate(rows):
-            input_ids_BT[b, :len(row)] = torch.tensor(row)
-            mask_BT[b, :len(row)] = 1
-        with torch.no_grad():
-            logits_BTV = model(input_ids_BT, mask_BT).logits
-        last_BV = logits_BTV[torch.arange(len(rows)), mask_BT.sum(1) - 1].float()
-        u_B = torch.stack([torch.rand((), generator=g) for g in generators]) if sampling else torch.zeros(len(rows))
-        tokens_B, _ = sample_tokens(last_BV, temperature_B, top_p_B, u_B, nucleus=sampling and r.top_p < 1)
-        for b, token in enumerate(tokens_B.tolist()):
-            rows[b].append(env.tokenizer.pad_id if done[b] else token)
-            if not done[b]:
-                completions[b].append(token)
-                done[b] = token == env.tokenizer.eos_id
-        if all(done):
-            break
-    return sum(env.reward(p, c) for p, c in zip(prompts, completions)) / len(prompts)
+    async with BuiltinEngine(model, max_batch=config.engine.max_batch, max_seq_len=config.engine.max_seq_len) as engine:
+        groups = await asyncio.gather(*(
+            run_group(engine, env, prompt, SamplingParams(
+                n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
+                stop_token_ids=env.tokenizer.stop_ids, seed=config.run.seed * 1_000_003 + i))
+            for i, prompt in enumerate(prompts)))
+    episodes = [g[0] for g in groups]
+    turns = [len(e.turn_lengths) for e in episodes]
+    log.info("warm-start episodes: %.2f model turns on average, at most %d", sum(turns) / len(turns), max(turns))
+    return sum(e.reward for e in episodes) / len(episodes)
 
 
 def _batch(env: Env, rng: random.Random, size: int):
-    rows = []
+    """`size` demonstrations: targets on the model's turns only (env turns are context)."""
+    rows: list[tuple[list[int], list[int], list[bool]]] = []
     for _ in range(size):
         prompt = env.sample(rng)
-        rows.append((prompt.ids, env.reference(prompt)))
-    T = max(len(p) + len(c) - 1 for p, c in rows)
+        turns = env.demonstration(prompt)
+        tokens = [t for turn in turns for t in turn]
+        sampled = [i % 2 == 0 for i, turn in enumerate(turns) for _ in turn]  # model turns are the even ones
+        rows.append((prompt.ids, tokens, sampled))
+    T = max(len(p) + len(c) - 1 for p, c, _ in rows)
     input_ids = torch.zeros(size, T, dtype=torch.long)
     mask = torch.zeros(size, T, dtype=torch.long)
     targets = torch.zeros(size, T, dtype=torch.long)
     loss_mask = torch.zeros(size, T, dtype=torch.bool)
-    for b, (p, c) in enumerate(rows):
+    for b, (p, c, sampled) in enumerate(rows):
         n = len(p) + len(c) - 1
         input_ids[b, :n] = torch.tensor(p + c[:-1])
         mask[b, :n] = 1
         targets[b, len(p) - 1:n] = torch.tensor(c)
-        loss_mask[b, len(p) - 1:n] = True
+        loss_mask[b, len(p) - 1:n] = torch.tensor(sampled)
     return input_ids, mask, targets, loss_mask

@@ -11,6 +11,10 @@ scored by the same weights the trainer had (π_old), three ways:
     sampling version    each token under the weights of the version that sampled it (the mismatch
                         split of runtime/mismatch_split.py: numerics vs drift)
 
+A step runs on the world size it was trained on (StepCommitted.world_size; `reel replay` starts
+that many ranks). On another world size it cannot land on the same bits: the report then gives
+how far it lands instead (max |Δweight| against the logged weights, the loss difference).
+
 Legend: B rows, T positions, L MoE layers, K experts per token, N completion tokens (flattened).
 """
 
@@ -33,13 +37,15 @@ from runtime import loss as loss_mod
 from runtime.batch import Batch, build_batch
 from runtime.config import Config
 from runtime.groups import GroupLookup
+from runtime.distributed import LOCAL
 from runtime.launch import load_run_config
 from runtime.mismatch_split import WeightHistory, WeightsOf, sampler_logprobs, split_metrics
 from runtime.model.determinism import set_determinism
-from runtime.reexecute import ReplayMismatch, catch_up, check_reproduced, restore_state
-from runtime.train_step import (
-    StepResult, TrainState, completion_tokens, scored_tokens, split, token_logprobs, train_step,
-)
+from runtime.model.model import MoEModel
+from runtime.model.weights import load_state_dict_bytes
+from runtime.reexecute import ReplayMismatch, catch_up, check_reproduced, checkpoint_before
+from runtime.train_step import StepResult, TrainState, completion_tokens, scored_tokens, split, token_logprobs
+from runtime.trainer_group import TrainerGroup
 
 OnStep = Callable[[int], None]
 
@@ -115,6 +121,9 @@ class StepReport(msgspec.Struct, kw_only=True):
     # The counterfactuals at the sampling version's weights (no drift in them): the honest R3 / FP8 effect.
     kl_numerics_without_router_replay: KL | None = None
     kl_numerics_without_fp8_alignment: KL | None = None
+    ranks: int = 1  # world size of this re-execution
+    recorded_ranks: int = 1  # world size the run trained the step on
+    max_weight_diff: float | None = None  # max |Δweight| vs the logged weights (re-executed on another world size)
 
 
 class Recomputed(msgspec.Struct, kw_only=True):
@@ -156,7 +165,8 @@ class Run:
     blobs: BlobStore
     commits: dict[int, StepCommitted]
     lookup: GroupLookup
-    weights: WeightHistory
+    weights: WeightHistory  # policy version -> its published weights
+    group: TrainerGroup  # the ranks that re-execute (one process unless `reel replay` started more)
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
@@ -166,6 +176,11 @@ class Run:
             self.commits = {e.step: e for _, e in run_log.events("steps") if isinstance(e, StepCommitted)}
             self.lookup = GroupLookup.from_log(run_log, self.blobs)
             self.weights = WeightHistory.from_events((e for _, e in run_log.events("weights")), self.blobs)
+        self.group = TrainerGroup(LOCAL, run_dir, self.config)
+
+    def same_world(self, step: int) -> bool:
+        """Whether this re-execution runs on the world size the run trained `step` on."""
+        return self.commits[step].world_size == self.group.world.size
 
     def require(self, first: int, last: int, *, why: str = "") -> None:
         """Every commit first..last is logged, else one sentence naming the available range."""
@@ -185,9 +200,27 @@ class Run:
 
         The steps between the checkpoint and step-1 are re-executed and checked: one that does not
         reproduce its commit raises ReplayMismatch naming the config hash or code version."""
-        base = restore_state(self.run_dir, self.config, self.blobs, self.commits, step - 1)
+        base = self.group.restore(*checkpoint_before(self.commits, step - 1, self.blobs))
         self.require(base.step + 1, step - 1, why=f" (needed to rebuild step {step})")
-        return catch_up(base, self.commits, step - 1, self.lookup, self.config, on_step), base.step
+        check = all(self.same_world(s) for s in range(base.step + 1, step))
+        state = catch_up(base, self.commits, step - 1, self.lookup, self.config, on_step, step_fn=self.group.step,
+                         check=check)
+        return state, base.step
+
+    def unsharded(self, state: TrainState) -> TrainState:
+        """`state` with a one-process copy of its model (what the batch analysis scores with)."""
+        if not self.group.world.distributed:
+            return state
+        model = MoEModel(state.model.config, self.config.trainer.precision)
+        load_state_dict_bytes(model, self.group.weights(state))
+        return TrainState(model, state.optimizer, state.step)
+
+    def weight_diff(self, step: int, weights: bytes) -> float:
+        """max |Δ| between `weights` and the weights the run published after `step`."""
+        from safetensors.torch import load
+
+        mine, logged = load(weights), load(self.blobs.get(self.weights.refs[step]))
+        return max(float((mine[k] - logged[k]).abs().max()) for k in logged)
 
 
 def replay_step(run: Run, step: int, on_step: OnStep | None = None) -> tuple[StepReport, BatchAnalysis]:
@@ -196,12 +229,21 @@ def replay_step(run: Run, step: int, on_step: OnStep | None = None) -> tuple[Ste
     run.prepare()
     commit = run.commits[step]
     state, restored_from = run.state_before(step, on_step)
-    analysis = analyse_batch(state, build_batch(run.lookup.groups_of(commit)), run.config, run.weights.get)
+    analysis = analyse_batch(run.unsharded(state), build_batch(run.lookup.groups_of(commit)), run.config,
+                             run.weights.get)
     state, result, seconds = timed_step(state, commit, run)
     if on_step is not None:
         on_step(step)
     weights_match = result.weights_sha256 == commit.weights_sha256
-    mismatch = mismatch_reason(commit, result, run)
+    mismatch, weight_diff = None, None
+    ranks = run.group.world.size
+    if not run.same_world(step):
+        weight_diff = run.weight_diff(step, result.weights)
+        mismatch = (f"re-executed on {ranks} rank(s), the run trained on {commit.world_size}: max |Δweight| "
+                    f"{weight_diff:.3e}, loss differs by {result.loss - commit.loss:+.3e} (expected: the batch "
+                    f"is split and summed differently)")
+    else:
+        mismatch = mismatch_reason(commit, result, run)
     bitwise = mismatch is None
     cfg = run.config.trainer
     report = StepReport(
@@ -211,7 +253,8 @@ def replay_step(run: Run, step: int, on_step: OnStep | None = None) -> tuple[Ste
         kl_without_fp8_alignment=analysis.kl_without_fp8_alignment, ratio=analysis.ratio,
         staleness=dict(result.staleness), router_agreement=analysis.router_agreement, tokens=analysis.tokens,
         replay_seconds=seconds, original_seconds=commit.timing.compute, restored_from=restored_from,
-        router_replay=cfg.router_replay, precision=cfg.precision,
+        router_replay=cfg.router_replay, precision=cfg.precision, ranks=ranks, recorded_ranks=commit.world_size,
+        max_weight_diff=weight_diff,
         kl_numerics=analysis.kl_numerics, kl_drift=analysis.kl_drift,
         kl_numerics_without_router_replay=analysis.kl_numerics_without_router_replay,
         kl_numerics_without_fp8_alignment=analysis.kl_numerics_without_fp8_alignment,
@@ -235,7 +278,8 @@ def replay_range(run: Run, first: int, last: int, *, recompute: bool,
     state, _ = run.state_before(first, on_step)
     for i, step in enumerate(range(first, last + 1)):
         commit = run.commits[step]
-        analysis = analyse_batch(state, build_batch(run.lookup.groups_of(commit)), run.config, run.weights.get)
+        analysis = analyse_batch(run.unsharded(state), build_batch(run.lookup.groups_of(commit)), run.config,
+                                 run.weights.get)
         state, result, _ = timed_step(state, commit, run)
         agreement = analysis.router_agreement
         mismatch = mismatch_reason(commit, result, run)
@@ -275,7 +319,7 @@ def timed_step(state: TrainState, commit: StepCommitted, run: Run) -> tuple[Trai
     groups = run.lookup.groups_of(commit)
     started = time.perf_counter()
     batch = build_batch(groups)
-    state, result = train_step(state, batch, run.config)
+    state, result = run.group.step(state, batch)
     return state, result, time.perf_counter() - started
 
 

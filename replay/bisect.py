@@ -142,7 +142,7 @@ def reexecute_window(run: Run, first: int, last: int, metric: str, on_step: OnSt
     for step in range(first, last + 1):
         commit = run.commits[step]
         batch = build_batch(run.lookup.groups_of(commit))
-        analysis = analyse_batch(state, batch, run.config, run.weights.get)
+        analysis = analyse_batch(run.unsharded(state), batch, run.config, run.weights.get)
         state, result, _ = timed_step(state, commit, run)
         replay = cfg.router_replay and batch.routing_BTLK is not None
         logp_new_N = scored_tokens(state.model, split(batch, cfg.micro_batch_tokens), replay)

@@ -4,6 +4,10 @@
 stderr, and `bisect` when the metric never crosses the threshold (like grep finding nothing);
 errors that stop the replay (a step not in the log, a damaged record, a catch-up step that does
 not reproduce) are ReelErrors, one line on stderr and exit 2 (runtime/cli.py).
+
+Steps re-execute on the world size they were trained on: for a run of N trainer ranks this command
+starts itself again as N ranks under torchrun (rank 0 prints); `--ranks R` picks another world
+size and reports how far the re-execution lands (exit 0).
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from replay.analysis import OnStep, Run, replay_range, replay_step
 from replay.bisect import bisect, locate
 from replay.compare import compare
 from replay.console import print_view
+from runtime import distributed
 from runtime.launch import load_run_config
 from runtime.reexecute import newest_checkpoint
+from runtime.trainer_group import TrainerGroup, run_as_group
 
 
 class RangeError(ReelError):
@@ -36,10 +42,16 @@ class RangeError(ReelError):
 
 def main_step(args: argparse.Namespace) -> int:
     run = Run(Path(args.run_dir))
+    run.require(args.step, args.step)
+    ranks = args.ranks or run.commits[args.step].world_size
+    return _on_ranks(run, ranks, ["replay", "step", str(args.step)], args, lambda: _step(run, args, ranks))
+
+
+def _step(run: Run, args: argparse.Namespace, ranks: int) -> int:
     with _progress(run, first=args.step, last=args.step) as on_step:
         report, analysis = replay_step(run, args.step, on_step)
     _emit(args, report, lambda: report_mod.step_view(report), lambda path: report_mod.plot_step(report, analysis, path))
-    if not report.bitwise:
+    if not report.bitwise and ranks == report.recorded_ranks:
         print(f"reel: step {report.step} did not reproduce: {report.mismatch}", file=sys.stderr)
         return 1
     return 0
@@ -48,6 +60,30 @@ def main_step(args: argparse.Namespace) -> int:
 def main_range(args: argparse.Namespace) -> int:
     first, last = parse_range(args.range)
     run = Run(Path(args.run_dir))
+    if args.recompute:
+        run.require(first, first)
+        ranks = args.ranks or run.commits[first].world_size
+        return _on_ranks(run, ranks, ["replay", "range", args.range, "--recompute"], args,
+                         lambda: _range(run, args, first, last))
+    return _range(run, args, first, last)
+
+
+def _on_ranks(run: Run, ranks: int, command: list[str], args: argparse.Namespace, lead: Callable[[], int]) -> int:
+    """`lead()` on `ranks` processes: here when this process is them, else started again under torchrun."""
+    world = distributed.from_env()
+    if ranks > 1 and not world.distributed:
+        again = [*command, "--run", str(run.run_dir), "--ranks", str(ranks)] + ["--json"] * bool(args.json)
+        again += ["--plot", args.plot] if args.plot else []
+        return distributed.relaunch(ranks, again, run.config.trainer.threads or 1)
+
+    def with_group(group: TrainerGroup) -> int:
+        run.group = group
+        return lead()
+
+    return run_as_group(world, run.run_dir, run.config, with_group)
+
+
+def _range(run: Run, args: argparse.Namespace, first: int, last: int) -> int:
     if args.recompute:
         with _progress(run, first=first, last=last, analysed=last - first + 1) as on_step:
             rows = replay_range(run, first, last, recompute=True, on_step=on_step)

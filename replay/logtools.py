@@ -1,5 +1,9 @@
 """`reel log verify` and `reel log cat`: read a run's on-disk log without touching it.
 
+`reel log cat --decode` adds the text of token ids (a trajectory's prompt, each sample's turns)
+with the run's tokenizer (model.path's own, else the character tokenizer): ids are what the log
+holds, text is only ever made here and in the envs.
+
 Both open the log read-only: a torn tail left by a crashed archiver is reported, not repaired
 (the archiver repairs it when it next opens the log), so they are safe on a live run.
 """
@@ -16,9 +20,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from bus.events import Tensor
+from bus.events import Tensor, Trajectory
 from bus.jsonout import json_line
-from bus.log import RunLog
+from bus.log import LogError, RunLog
+from runtime import config
+from runtime.tokenizer import Tokenizer, load_tokenizer
 
 # Tensors up to this many elements are printed whole; bigger ones as a summary and a head.
 _FULL_TENSOR = 256
@@ -42,16 +48,36 @@ def verify(args: argparse.Namespace) -> int:
 def cat(args: argparse.Namespace) -> int:
     """Print a stream's events as JSON lines: {"entry_id": ..., "type": ..., fields...}."""
     out = sys.stdout.buffer
+    tokenizer = _run_tokenizer(Path(args.run_dir)) if getattr(args, "decode", False) else None
     with RunLog(Path(args.run_dir), readonly=True) as run_log:
         try:
             for entry_id, event in run_log.events(args.stream):
                 line = {"entry_id": entry_id, "type": type(event).__struct_config__.tag, **_readable(event)}
+                if tokenizer is not None and isinstance(event, Trajectory):
+                    _add_text(line, event, tokenizer)
                 out.write(json_line(line))
             out.flush()
         except BrokenPipeError:
             # The reader (e.g. `| head`) has gone; silence the flush Python would retry at exit.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+
+
+def _run_tokenizer(run_dir: Path) -> Tokenizer:
+    path = run_dir / "config.toml"
+    if not path.is_file():
+        raise LogError(f"{run_dir} has no config.toml, so its tokenizer is unknown; pass a run directory")
+    return load_tokenizer(config.load(path).model.path)
+
+
+def _add_text(line: dict[str, Any], trajectory: Trajectory, tokenizer: Tokenizer) -> None:
+    """prompt_text, and per sample `text` (all of it) and `turns_text` (model and env turns alternating)."""
+    line["prompt_text"] = tokenizer.decode(trajectory.prompt.numpy().tolist())
+    for sample, readable in zip(trajectory.samples, line["samples"]):
+        tokens = sample.tokens.numpy().tolist()
+        readable["text"] = tokenizer.decode(tokens)
+        cuts = sorted({0, len(tokens), *(i for span in sample.env_spans for i in span)})
+        readable["turns_text"] = [tokenizer.decode(tokens[a:b]) for a, b in zip(cuts, cuts[1:])]
 
 
 def _readable(value: Any) -> Any:

@@ -5,7 +5,8 @@ Pure: the same events in the same order give the same tensors, so the trainer, `
 
 Legend: B samples (rows), T positions, L MoE layers, K experts per token, G groups, S samples per group.
 Row b holds prompt + completion[:-1] (what went through the inference forward); the target at
-position t is the token at t + 1, so completion token j is predicted at position P + j - 1.
+position t is the token at t + 1, so completion token j is predicted at position P + j - 1. In a
+multi-turn sample the tokens an env appended (Sample.env_spans) are targets the loss never sees.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class Batch(NamedTuple):
     input_ids_BT: torch.Tensor  # int64, right-padded with 0
     attention_mask_BT: torch.Tensor  # int64, 1 = real token
     targets_BT: torch.Tensor  # int64 next token (0 where not a completion token)
-    loss_mask_BT: torch.Tensor  # bool, True where the target is a completion token
+    loss_mask_BT: torch.Tensor  # bool, True where the target is a completion token the model sampled
     logp_mu_BT: torch.Tensor  # float32 logged inference logprob of the target
     advantages_BT: torch.Tensor  # float32 GRPO advantage of the row, on completion targets
     versions_BT: torch.Tensor  # int64 policy version that sampled the target (-1 elsewhere)
@@ -62,8 +63,16 @@ def token_versions(spans: list[tuple[int, int]], length: int) -> np.ndarray:
     return versions
 
 
+def sampled_mask(env_spans: list[tuple[int, int]], length: int) -> np.ndarray:
+    """True at the completion tokens the model sampled, False at those an env appended."""
+    mask = np.ones(length, dtype=bool)
+    for first, end in env_spans:
+        mask[first:end] = False
+    return mask
+
+
 def build_batch(groups: list[Group]) -> Batch:
-    rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, float]] = []
+    rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, float, np.ndarray]] = []
     rewards: list[float] = []
     advantages: list[float] = []
     for group in groups:
@@ -75,7 +84,7 @@ def build_batch(groups: list[Group]) -> Batch:
             completion = sample.tokens.numpy().astype(np.int64)
             routing = group.routing[i] if i < len(group.routing) else None
             rows.append((prompt, completion, sample.logprobs.numpy(), token_versions(sample.spans, len(completion)),
-                         routing, traj.temperature))
+                         routing, traj.temperature, sampled_mask(sample.env_spans, len(completion))))
             rewards.append(sample.reward)
             advantages.append(float(adv_S[i]))
     lengths = [len(p) + len(c) - 1 for p, c, *_ in rows]
@@ -92,12 +101,12 @@ def build_batch(groups: list[Group]) -> Batch:
     if has_routing:
         L, K = rows[0][4].shape[1:]
         routing = np.zeros((B, T, L, K), np.int64)
-    for b, ((prompt, completion, lp, ver, rt, _), n) in enumerate(zip(rows, lengths)):
+    for b, ((prompt, completion, lp, ver, rt, _, sampled), n) in enumerate(zip(rows, lengths)):
         P, C = len(prompt), len(completion)
         input_ids[b, :n] = np.concatenate([prompt, completion[:-1]])
         mask[b, :n] = 1
         targets[b, P - 1:P - 1 + C] = completion
-        loss_mask[b, P - 1:P - 1 + C] = True
+        loss_mask[b, P - 1:P - 1 + C] = sampled
         logp_mu[b, P - 1:P - 1 + C] = lp
         adv[b, P - 1:P - 1 + C] = advantages[b]
         versions[b, P - 1:P - 1 + C] = ver

@@ -26,6 +26,7 @@ BENCHES = {
     "engine": "producers.bench:bench_engine",
     "swap": "producers.bench_swap:bench_swap",
     "async": "runtime.bench_async:bench_async",
+    "fsdp": "runtime.bench_fsdp:bench_fsdp",
 }
 
 
@@ -96,9 +97,11 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--run", required=True, dest="run_dir", help="run directory")
     verify.set_defaults(handler="replay.logtools:verify")
     cat = _command(log_sub, "cat", "print a stream's events as JSON lines",
-                   "reel log cat --run runs/reverse_text --stream steps | head")
+                   "reel log cat --run runs/reverse_text --stream steps | head",
+                   "reel log cat --run runs/calc_tool --stream trajectories --decode | head -1")
     cat.add_argument("--run", required=True, dest="run_dir", help="run directory")
     cat.add_argument("--stream", required=True, choices=STREAMS, help="which stream to print")
+    cat.add_argument("--decode", action="store_true", help="add the text of token ids (the run's tokenizer)")
     cat.set_defaults(handler="replay.logtools:cat")
 
     bench = _command(sub, "bench", "run a benchmark; prints one JSON line with a `ratio` against its baseline",
@@ -123,6 +126,8 @@ def _parser() -> argparse.ArgumentParser:
     step.add_argument("--run", required=True, dest="run_dir", help="run directory")
     step.add_argument("--json", action="store_true", help="print the report as one JSON object")
     step.add_argument("--plot", default=None, metavar="FILE.png", help="also save a figure (default: no figure)")
+    step.add_argument("--ranks", type=int, default=None,
+                      help="re-execute on this many ranks (default: the step's recorded world size)")
     step.set_defaults(handler="replay.cli:main_step")
     rng = _command(replay_sub, "range",
                    "per-step figures over A..B; with --recompute exit 1 if any step does not reproduce",
@@ -133,6 +138,8 @@ def _parser() -> argparse.ArgumentParser:
     rng.add_argument("--json", action="store_true", help="print the rows as one JSON object")
     rng.add_argument("--plot", default=None, metavar="FILE.png", help="also save a figure (default: no figure)")
     rng.add_argument("--recompute", action="store_true", help="recompute KL by re-executing each step")
+    rng.add_argument("--ranks", type=int, default=None,
+                     help="with --recompute: ranks to re-execute on (default: the recorded world size)")
     rng.set_defaults(handler="replay.cli:main_range")
     bis = replay_sub.add_parser("bisect", help="first step where a logged metric crosses a threshold, and why")
     bis.add_argument("--run", required=True, dest="run_dir")
@@ -217,6 +224,7 @@ def _parser() -> argparse.ArgumentParser:
     retrain.add_argument("--shuffle", type=int, default=None, metavar="SEED",
                          help="shuffle batches with SEED (default: logged order)")
     retrain.add_argument("--init", default=None, help="initial weights (HF layout; default: the source run's)")
+    retrain.add_argument("--ranks", type=int, default=1, help="train on this many ranks (FSDP2 under torchrun)")
     retrain.set_defaults(handler="consumers.retrain:main")
 
     launch = _command(sub, "launch", "launch on a cluster scheduler",

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import importlib
 import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Literal, get_args, get_origin
+from typing import Any, Literal, get_args, get_origin
 
 import msgspec
 import tomli_w
@@ -25,6 +26,10 @@ Objective = Literal["tis", "icepop", "mis", "none"]
 
 class ConfigError(ReelError, ValueError):
     """A config the user must fix; the message is one sentence naming the key."""
+
+
+# env.name is checked against the env registry, reached by name (runtime/ never imports producers/).
+ENV_NAME_CHECK = "producers.envs.registry:check_name"
 
 
 class RunSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -46,7 +51,9 @@ class BusSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Qwen3-MoE config keys (a tiny MoE by default), or `path` to an HF-layout directory."""
 
-    path: str = ""  # directory with config.json + safetensors; overrides the keys below
+    # An HF Qwen3-MoE checkpoint directory (config.json, safetensors shards + index, tokenizer
+    # files): trained and served as is, with its own tokenizer; a key below given too must agree.
+    path: str = ""
     vocab_size: int = 0  # 0 = the environment tokenizer's vocabulary size
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -66,7 +73,9 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class InitSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     from_dir: str = msgspec.field(default="", name="from")  # HF-layout weights; empty = warm-start
-    warmup_steps: int = 150  # supervised steps on the task before RL (0 = random init)
+    # Supervised steps on the task before RL; -1 = 150 for a model built from the [model] keys,
+    # 0 (start from the checkpoint as is) with model.path. Read it through `warmup_steps(config)`.
+    warmup_steps: int = -1
     warmup_lr: float = 3e-3
     warmup_batch: int = 32
     warmup_noise: float = 0.3  # label smoothing of the warm-start loss: right at greedy, noisy when sampled
@@ -110,11 +119,13 @@ class RolloutSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class EnvSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    name: str = "reverse_text"  # reverse_text | sort_digits
-    min_len: int = 3
+    # reverse_text | sort_digits | arith | calc_tool, or "package.module:factory" (producers/envs/registry.py)
+    name: str = "reverse_text"
+    min_len: int = 3  # reverse_text, sort_digits: question characters
     max_len: int = 6
     # Long-tail completion lengths for `reel bench async`: share of prompts asking for max_tokens.
     long_tail: float = 0.0
+    options: dict[str, Any] = {}  # keyword arguments of the env's factory ([env.options]; arith, calc_tool, yours)
 
 
 class TrainerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -142,6 +153,7 @@ class TrainerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # trains with lr x lr_spike_factor. Part of the config hash, so replay reproduces it.
     lr_spike_step: int = 0
     lr_spike_factor: float = 1.0
+    ranks: int = 1  # processes of the one logical trainer (FSDP2; `reel run` starts them with torchrun)
 
 
 class BlobsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -284,18 +296,20 @@ def validate(c: Config) -> None:
              f"trainer.max_off_policy_steps = {c.trainer.max_off_policy_steps} is below rollout.async_level = "
              f"{c.rollout.async_level}: every async group would be dropped; raise it")
     _require(c.trainer.optimizer_steps >= 1, f"trainer.optimizer_steps = {c.trainer.optimizer_steps} must be >= 1")
+    _require(c.trainer.ranks >= 1, f"trainer.ranks = {c.trainer.ranks} must be at least 1")
     _require(c.trainer.checkpoint_every >= 1,
              f"trainer.checkpoint_every = {c.trainer.checkpoint_every} must be at least 1")
     _require(c.trainer.icepop_low < c.trainer.icepop_high, "trainer.icepop_low must be below trainer.icepop_high")
     _require(c.trainer.mis_low < c.trainer.mis_high, "trainer.mis_low must be below trainer.mis_high")
-    _require(c.env.name in ("reverse_text", "sort_digits"),
-             f"env.name = {c.env.name!r} is unknown; use reverse_text or sort_digits")
+    module, function = ENV_NAME_CHECK.split(":")
+    getattr(importlib.import_module(module), function)(c.env.name)
     _require(1 <= c.env.min_len <= c.env.max_len,
              f"env.min_len = {c.env.min_len} and env.max_len = {c.env.max_len} need 1 <= min_len <= max_len")
     _require(0.0 <= c.env.long_tail <= 1.0, f"env.long_tail = {c.env.long_tail} must be in [0, 1]")
     _require(c.env.long_tail == 0 or c.rollout.max_tokens - 1 >= c.env.max_len,
              f"env.long_tail = {c.env.long_tail} asks for answers of rollout.max_tokens - 1 = "
              f"{c.rollout.max_tokens - 1} characters, fewer than env.max_len = {c.env.max_len}; raise rollout.max_tokens")
+    _require(c.init.warmup_steps >= -1, f"init.warmup_steps = {c.init.warmup_steps} must be >= 0 (or -1 = default)")
     m = c.model
     if not m.path:
         _require(m.num_experts_per_tok <= m.num_experts,
@@ -322,14 +336,55 @@ def validate(c: Config) -> None:
     validate_engine(c)
 
 
+def check_model_path(c: Config, text: str) -> None:
+    """model.path (if set) is a readable Qwen3-MoE checkpoint with a tokenizer, and no key given in
+    the config `text`'s [model] contradicts its config.json.
+
+    Checked where this machine must read the checkpoint (`reel run`), not at every load: a Slurm
+    launch renders paths that may exist only on the compute nodes.
+    """
+    from runtime.model.config import ModelError, read_checkpoint_config  # torch-free
+
+    model = c.model
+    if not model.path:
+        return
+    given = tomllib.loads(text).get("model", {})
+
+    try:
+        checkpoint = read_checkpoint_config(Path(model.path))
+    except ModelError as exc:
+        raise ConfigError(f"model.path = {model.path!r}: {exc}") from exc
+    for key, value in given.items():
+        if key != "path" and key in checkpoint.__struct_fields__ and getattr(checkpoint, key) != value:
+            raise ConfigError(f"model.{key} = {value!r} contradicts {Path(model.path) / 'config.json'} "
+                              f"({key} = {getattr(checkpoint, key)!r}); remove it, the checkpoint decides")
+    path = Path(model.path)
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise ConfigError(f"model.path = {model.path!r} has no tokenizer (tokenizer.json or tokenizer_config.json); "
+                          "save the checkpoint's tokenizer into it")
+
+
+def warmup_steps(c: Config) -> int:
+    """init.warmup_steps resolved: -1 means 150 for a model built from keys, 0 with model.path."""
+    if c.init.warmup_steps >= 0:
+        return c.init.warmup_steps
+    return 0 if c.model.path else 150
+
+
 def to_toml(c: Config) -> str:
     """The resolved config (defaults filled in) as TOML text that `loads` reads back to `c`."""
     return tomli_w.dumps(msgspec.to_builtins(c))
 
 
+
 def config_hash(c: Config) -> str:
-    """Hash of what determines a training step's result: the seed, the model and the trainer."""
-    keys = msgspec.json.encode([c.run.seed, c.model, c.trainer])
+    """Hash of what determines a training step's result: the seed, the model and the trainer.
+
+    Not trainer.ranks: every commit records its world size, and a replay on another one is a
+    deviation to measure, not a different config."""
+    trainer = msgspec.structs.asdict(c.trainer)
+    trainer.pop("ranks")
+    keys = msgspec.json.encode([c.run.seed, c.model, trainer])
     return hashlib.sha256(keys).hexdigest()[:16]
 
 

@@ -1,4 +1,5 @@
-"""Version 0 of a run's policy: `[init] from = DIR`, or a supervised warm-start on the task.
+"""Version 0 of a run's policy: `[init] from = DIR`, model.path's checkpoint as it is, or a
+supervised warm-start on the task (from random weights, or from model.path when asked).
 
 Either way it ends up in `RUN_DIR/init/` (HF layout: config.json + model.safetensors), written once
 by whichever role gets there first (atomic rename), so every node and every later replay starts
@@ -11,14 +12,15 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from bus.errors import ReelError
-from runtime.config import Config
+from runtime.config import Config, warmup_steps
 from runtime.model.model import MoEModel
-from runtime.model.weights import load, save
+from runtime.model.weights import load, save, shard_files
 
 WARM_START = "producers.warmstart:warm_start"
 INFO_FILE = "init.json"  # beside the weights: where they came from and, for a warm-start, its reward
@@ -45,11 +47,14 @@ def ensure_initial_policy(run_dir: Path, config: Config) -> Path:
                 raise InitError(f"init.from = {str(source)!r} has no config.json; point it at an HF-layout model directory")
             save(load(source), staging)
             info = {"source": str(source.resolve())}
+        elif config.model.path and warmup_steps(config) == 0:
+            link_checkpoint(Path(config.model.path), staging)
+            info = {"source": str(Path(config.model.path).resolve())}
         else:
             module, function = WARM_START.split(":")
             model, reward = getattr(importlib.import_module(module), function)(config)
             save(model, staging)
-            info = {"source": "warm-start", "warmup_steps": config.init.warmup_steps, "reward_mean": reward}
+            info = {"source": "warm-start", "warmup_steps": warmup_steps(config), "reward_mean": reward}
         (staging / INFO_FILE).write_text(json.dumps(info))
         try:
             staging.rename(target)
@@ -59,6 +64,19 @@ def ensure_initial_policy(run_dir: Path, config: Config) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def link_checkpoint(source: Path, target: Path) -> None:
+    """config.json, the shard index and the shards of `source` into `target`: hard links where the
+    filesystem allows (a real checkpoint is big), else copies. Their bytes are version 0."""
+    files = [source / "config.json", *shard_files(source)]
+    if (source / "model.safetensors.index.json").is_file():
+        files.append(source / "model.safetensors.index.json")
+    for f in files:
+        try:
+            os.link(f, target / f.name)
+        except OSError:
+            shutil.copyfile(f, target / f.name)
 
 
 def initial_reward(run_dir: Path) -> float | None:

@@ -40,6 +40,7 @@ from runtime import config as config_mod
 from runtime import vllm_args
 from runtime.blob_store import mooncake_for
 from runtime.config import Config
+from runtime.distributed import torchrun_argv
 from runtime.progress import Progress
 
 # Roles are reached by name (runtime/ never imports producers/ or consumers/ directly).
@@ -62,6 +63,7 @@ def main_run(args: argparse.Namespace) -> int:
         vllm_args.check_local_server(config)
     use_cluster_client(config)
     text = Path(args.config).read_text()
+    config_mod.check_model_path(config, text)
     run_dir = Path(args.out) if args.out else Path(config.run.out_dir) / config.run.name
     prepare_run_dir(run_dir, text, config, resume=args.resume)
     with bus_for(run_dir, config) as url, mooncake_for(run_dir, config):
@@ -248,9 +250,12 @@ class Supervisor:
         self.progress = Progress(url, config, live=live)
         self.vllm_port = free_port() if serves_vllm_locally(config) else None
 
-    def _start(self, name: str, role: str, *extra: str, threads: int = 1, env: dict[str, str] | None = None) -> None:
-        argv = [sys.executable, "-m", "runtime.cli", "role", role, "--run", str(self.run_dir), "--bus", self.url, *extra]
-        self.roles[name] = RoleProcess(name, argv, self.run_dir / "roles" / f"{name}.log", threads, env)
+    def _start(self, name: str, role: str, *extra: str, threads: int = 1, env: dict[str, str] | None = None,
+               ranks: int = 1) -> None:
+        args = ["role", role, "--run", str(self.run_dir), "--bus", self.url, *extra]
+        python = torchrun_argv(ranks) if ranks > 1 else ["-m", "runtime.cli"]
+        self.roles[name] = RoleProcess(name, [sys.executable, *python, *args], self.run_dir / "roles" / f"{name}.log",
+                                       threads, env)
 
     def _start_vllm_when_ready(self) -> None:
         """Start the local `vllm serve` once the trainer has written the version-0 weights it loads."""
@@ -270,7 +275,7 @@ class Supervisor:
         rollout_env = {"REEL_VLLM_URL": f"http://127.0.0.1:{self.vllm_port}"} if self.vllm_port else None
         try:
             self._start("archiver", "archiver")
-            self._start("trainer", "trainer", threads=trainer_threads)
+            self._start("trainer", "trainer", threads=trainer_threads, ranks=self.config.trainer.ranks)
             for w in range(self.config.rollout.workers):
                 self._start(f"rollout-{w}", "rollout", "--worker", str(w), env=rollout_env)
             with self.progress:

@@ -15,21 +15,45 @@ from pathlib import Path
 from bus.blobs import BlobBackend
 from bus.errors import ReelError
 from bus.events import StepCommitted
-from runtime import checkpoint
-from runtime.batch import build_batch
+from runtime import checkpoint, sharded_checkpoint
+from runtime.batch import Batch, build_batch
 from runtime.config import Config, config_hash
+from runtime.distributed import LOCAL, World
 from runtime.groups import GroupLookup
 from runtime.initial_policy import code_version, load_initial_model
+from runtime.model.parallelize import apply_fsdp
+from runtime.model.weights import load
 from runtime.train_step import StepResult, TrainState, make_optimizer, train_step
+
+StepFn = Callable[[TrainState, Batch], tuple[TrainState, StepResult]]
 
 
 class ReplayMismatch(ReelError):
     """A re-executed step did not reproduce its commit."""
 
 
-def initial_state(run_dir: Path, config: Config) -> TrainState:
-    model = load_initial_model(run_dir)
+def initial_state(run_dir: Path, config: Config, world: World = LOCAL, init: Path | None = None) -> TrainState:
+    """Version 0 (the run's init/, or `init`), sharded over `world`, with a fresh optimizer."""
+    model = apply_fsdp(load(init) if init is not None else load_initial_model(run_dir), world)
     return TrainState(model, make_optimizer(model, config.trainer), 0)
+
+
+def restore_checkpoint(data: bytes, state: TrainState, config: Config, world: World, run_dir: Path, *,
+                       source: str) -> TrainState:
+    """Load a checkpoint blob into `state`: a DCP manifest on any world size, a one-process file on one."""
+    if sharded_checkpoint.is_manifest(data):
+        return sharded_checkpoint.load(data, state, world, run_dir, source=source)
+    if world.distributed:
+        raise checkpoint.CheckpointError(
+            f"{source} was written by a one-process trainer; continue this run with trainer.ranks = 1")
+    return checkpoint.restore(data, state.model, config.trainer, source=source)
+
+
+def save_checkpoint(state: TrainState, world: World, run_dir: Path) -> bytes:
+    """The checkpoint blob of `state`: one safetensors file on one process, a DCP manifest on N ranks."""
+    if world.distributed:
+        return sharded_checkpoint.save(state, world, run_dir)
+    return checkpoint.checkpoint_bytes(state)
 
 
 def newest_checkpoint(commits: dict[int, StepCommitted], at_or_before: int) -> StepCommitted | None:
@@ -37,24 +61,26 @@ def newest_checkpoint(commits: dict[int, StepCommitted], at_or_before: int) -> S
     return max(candidates, key=lambda c: c.step) if candidates else None
 
 
-def restore_state(run_dir: Path, config: Config, blobs: BlobBackend, commits: dict[int, StepCommitted],
-                  upto: int) -> TrainState:
-    """The state after step `upto` (0 = initial), from the newest checkpoint at or before it."""
-    state = initial_state(run_dir, config)
+def checkpoint_before(commits: dict[int, StepCommitted], upto: int, blobs: BlobBackend) -> tuple[bytes, str]:
+    """(the newest checkpoint blob at or before `upto`, its name); b"" = start from version 0."""
     base = newest_checkpoint(commits, upto)
-    if base is not None:
-        assert base.checkpoint is not None
-        state = checkpoint.restore(blobs.get(base.checkpoint), state.model, config.trainer,
-                                   source=f"checkpoint of step {base.step}")
-    return state
+    if base is None or base.checkpoint is None:
+        return b"", "the initial policy"
+    return blobs.get(base.checkpoint), f"checkpoint of step {base.step}"
 
 
-def run_committed_step(state: TrainState, commit: StepCommitted, lookup: GroupLookup,
-                       config: Config) -> tuple[TrainState, StepResult, float]:
+def restored_state(run_dir: Path, config: Config, world: World, data: bytes, source: str) -> TrainState:
+    """Version 0 sharded over `world` with the checkpoint blob `data` loaded (b"": version 0 itself)."""
+    state = initial_state(run_dir, config, world)
+    return restore_checkpoint(data, state, config, world, run_dir, source=source) if data else state
+
+
+def run_committed_step(state: TrainState, commit: StepCommitted, lookup: GroupLookup, config: Config,
+                       step_fn: StepFn | None = None) -> tuple[TrainState, StepResult, float]:
     """Execute `commit`'s step again on its logged groups; returns the result and compute seconds."""
     batch = build_batch(lookup.groups_of(commit))
     started = time.perf_counter()
-    state, result = train_step(state, batch, config)
+    state, result = step_fn(state, batch) if step_fn else train_step(state, batch, config)
     return state, result, time.perf_counter() - started
 
 
@@ -71,12 +97,15 @@ def check_reproduced(commit: StepCommitted, result: StepResult, config: Config) 
 
 
 def catch_up(state: TrainState, commits: dict[int, StepCommitted], upto: int, lookup: GroupLookup,
-             config: Config, on_step: Callable[[int], None] | None = None) -> TrainState:
-    """Re-execute committed steps state.step+1 .. upto, checking each against its commit."""
+             config: Config, on_step: Callable[[int], None] | None = None, *, step_fn: StepFn | None = None,
+             check: bool = True) -> TrainState:
+    """Re-execute committed steps state.step+1 .. upto, checking each against its commit (unless
+    `check` is off: a re-execution on another world size lands close, not on the same bits)."""
     for step in range(state.step + 1, upto + 1):
         commit = commits[step]
-        state, result, _ = run_committed_step(state, commit, lookup, config)
-        check_reproduced(commit, result, config)
+        state, result, _ = run_committed_step(state, commit, lookup, config, step_fn)
+        if check:
+            check_reproduced(commit, result, config)
         if on_step is not None:
             on_step(step)
     return state

@@ -6,7 +6,10 @@ submits it (with --dry-run it prints the script and touches nothing). One het gr
                  the rollout workers (HTTP clients), the P/D router and the Mooncake master
     1.. rollout  built-in engine: the rollout workers; vLLM: one pool (`rollout`) or two
                  (`prefill`, `decode`) of `vllm serve` nodes (runtime/vllm_args.py)
-    last trainer torchrun over its nodes, `reel role trainer`
+    last trainer one torchrun over its nodes = ONE logical trainer (`reel role trainer`): rank 0
+                 alone talks to the bus (one producer id, one consumer), the other ranks follow
+                 it (runtime/trainer_group.py); ranks = nodes x (GPUs per node, or
+                 trainer.ranks / nodes on CPU nodes)
 The job id goes to RUN_DIR/slurm_job_id; `reel launch status|cancel --run RUN_DIR` wrap squeue/scancel.
 
 Errors: a config or flag combination that cannot run is a ConfigError (exit 2) naming the key or
@@ -196,7 +199,9 @@ def _components(c: Config, opts: JobOptions, pools: list[Pool]) -> list[Componen
     components.append(Component("trainer", opts.trainer_nodes,
                                 [f"--nodes={opts.trainer_nodes}", "--ntasks-per-node=1",
                                  f"--cpus-per-task={c.trainer.threads or 1}", *gpus],
-                                f"torchrun, {opts.gpus_per_node or 1} process(es) per node: `reel role trainer`"))
+                                f"`reel role trainer` as one trainer over "
+                                f"{opts.trainer_nodes * trainer_procs_per_node(c, opts)} rank(s) "
+                                f"(torchrun, {trainer_procs_per_node(c, opts)} per node)"))
     return components
 
 
@@ -246,12 +251,17 @@ def _trainer_lines(c: Config, opts: JobOptions, group: int) -> list[str]:
             f"TRAINER_HEAD=$(group_addr {group} 0)", "TRAINER_PORT=$((PORT_BASE + 2))",
             start_line("trainer", group, "trainer-%n.log", [f"--nodes={opts.trainer_nodes}", "--ntasks-per-node=1"],
                        ["env", f"OMP_NUM_THREADS={threads}", f"REEL_TORCH_THREADS={threads}", Expand("$TORCHRUN"),
-                        f"--nnodes={opts.trainer_nodes}", f"--nproc-per-node={opts.gpus_per_node or 1}",
+                        f"--nnodes={opts.trainer_nodes}", f"--nproc-per-node={trainer_procs_per_node(c, opts)}",
                         "--rdzv-backend=c10d", Expand("--rdzv-endpoint=$TRAINER_HEAD:$TRAINER_PORT"),
                         Expand("--rdzv-id=$SLURM_JOB_ID"),
                         # "--": torchrun would otherwise take the role's --run for an abbreviated option
                         "--no-python", "--", Expand("$REEL"), "role", "trainer", "--run", Expand("$RUN_DIR")]),
             ""]
+
+
+def trainer_procs_per_node(c: Config, opts: JobOptions) -> int:
+    """One rank per GPU; on CPU nodes trainer.ranks spread evenly over the trainer nodes."""
+    return opts.gpus_per_node or max(1, c.trainer.ranks // opts.trainer_nodes)
 
 
 def _binaries(c: Config) -> dict[str, str]:
@@ -296,6 +306,14 @@ def check(c: Config, run_dir: Path, opts: JobOptions) -> None:
     for flag, value in (("--rollout-nodes", opts.rollout_nodes), ("--trainer-nodes", opts.trainer_nodes)):
         _require(value >= 1, f"{flag} {value} must be at least 1")
     _require(opts.gpus_per_node >= 0, f"--gpus-per-node {opts.gpus_per_node} must be >= 0")
+    ranks, nodes = c.trainer.ranks, opts.trainer_nodes
+    if opts.gpus_per_node:
+        _require(ranks == 1 or ranks == nodes * opts.gpus_per_node,
+                 f"trainer.ranks = {ranks} but --trainer-nodes {nodes} x --gpus-per-node {opts.gpus_per_node} "
+                 f"start {nodes * opts.gpus_per_node} ranks (one per GPU); set trainer.ranks to that or leave it 1")
+    else:
+        _require(ranks % nodes == 0, f"trainer.ranks = {ranks} does not split evenly over --trainer-nodes "
+                                     f"{nodes}; make it a multiple of the node count")
     if c.engine.kind == "builtin":
         _require(c.rollout.workers >= opts.rollout_nodes,
                  f"--rollout-nodes {opts.rollout_nodes} exceeds rollout.workers = {c.rollout.workers}: a node "

@@ -3,6 +3,8 @@
 The trainer, `reel replay` and `reel retrain` all call this one function, so a logged step can be
 re-executed bit for bit: the result depends only on (weights, optimizer state, batch, config,
 seed), with deterministic algorithms and a fixed thread count set at the start of every step.
+On N ranks (runtime/distributed.py) each rank runs its share of the micro-batches and every
+figure it returns (loss, grad norm, metrics, weight hash) is the global one.
 
 Legend: B rows, T positions, V vocabulary, N completion tokens of the batch (flattened by mask).
 """
@@ -19,10 +21,11 @@ import torch.nn.functional as F
 from runtime import loss as loss_mod
 from runtime.batch import Batch, MicroBatch, micro_batches, take
 from runtime.config import Config, TrainerSection
+from runtime.distributed import LOCAL, World, all_sum, as_float, full_state_dict, gather_tokens, plan, sync_gradients
 from runtime.mismatch_split import WeightsOf, sampler_logprobs, split_metrics
 from runtime.model.determinism import set_determinism
 from runtime.model.model import MoEModel
-from runtime.model.weights import state_dict_bytes
+from runtime.model.weights import state_dict_bytes, state_dict_to_bytes
 
 
 class TrainState(NamedTuple):
@@ -34,9 +37,10 @@ class TrainState(NamedTuple):
 class StepResult(msgspec.Struct, frozen=True):
     loss: float
     grad_norm: float
-    weights_sha256: str
+    weights_sha256: str  # "" on ranks > 0 (only rank 0 gathers the full weights)
     metrics: dict[str, float]
     staleness: dict[int, int]
+    weights: bytes = b""  # the new weights as `state_dict_bytes` gives them (rank 0)
 
 
 def make_optimizer(model: MoEModel, cfg: TrainerSection) -> torch.optim.AdamW:
@@ -86,10 +90,12 @@ def scored_tokens(model: MoEModel, parts: list[tuple[MicroBatch, Batch]], router
                           for _, sub in parts])
 
 
-def train_step(state: TrainState, batch: Batch, config: Config,
+def train_step(state: TrainState, batch: Batch, config: Config, world: World = LOCAL,
                weights_of: WeightsOf | None = None) -> tuple[TrainState, StepResult]:
     """One RL step. `weights_of` (policy version -> weights blob) adds the mismatch split
-    (runtime/mismatch_split.py) to the metrics; it never changes the update."""
+    (runtime/mismatch_split.py) to the metrics; it never changes the update. The split needs the
+    whole model in one process, so it is computed on a single-process (or emulated) world only;
+    on N ranks the split keys are left out of the metrics (`reel replay` on 1 process adds them)."""
     cfg = config.trainer
     step = state.step + 1
     set_determinism(config.run.seed * 1_000_003 + step, threads=torch.get_num_threads())
@@ -97,14 +103,15 @@ def train_step(state: TrainState, batch: Batch, config: Config,
     model.precision = cfg.precision
     model.train()
     loss_cfg = loss_mod.LossConfig.from_trainer(cfg)
-    parts = split(batch, cfg.micro_batch_tokens)
+    local, everyone = plan(batch, cfg.micro_batch_tokens, world)
     total_tokens = max(1, batch.tokens)
 
     # pi_old: the trainer's logprobs before any update, the reference of every importance weight.
     with torch.no_grad():
-        olds = [token_logprobs(model, sub, router_replay=cfg.router_replay) for _, sub in parts]
-    logp_old_N = torch.cat([o.logp_BT[sub.loss_mask_BT] for o, (_, sub) in zip(olds, parts)])
-    entropy_N = torch.cat([o.entropy_BT[sub.loss_mask_BT] for o, (_, sub) in zip(olds, parts)])
+        olds = [token_logprobs(model, sub, router_replay=cfg.router_replay) for _, sub, _ in local]
+    counted = [(o, sub) for o, (_, sub, counts) in zip(olds, local) if counts]
+    logp_old_N = torch.cat([o.logp_BT[sub.loss_mask_BT] for o, sub in counted]) if counted else torch.zeros(0)
+    entropy_N = torch.cat([o.entropy_BT[sub.loss_mask_BT] for o, sub in counted]) if counted else torch.zeros(0)
 
     for group in optimizer.param_groups:
         group["lr"] = cfg.lr * (cfg.lr_spike_factor if step == cfg.lr_spike_step else 1.0)
@@ -112,37 +119,52 @@ def train_step(state: TrainState, batch: Batch, config: Config,
     for _ in range(cfg.optimizer_steps):
         optimizer.zero_grad(set_to_none=True)
         loss_total, offset = 0.0, 0
-        for mb, sub in parts:
+        for i, (mb, sub, counts) in enumerate(local):
             mask_BT = sub.loss_mask_BT
-            n = int(mask_BT.sum())
+            n = int(mask_BT.sum()) if counts else 0
             current = token_logprobs(model, sub, router_replay=cfg.router_replay, aux_loss=cfg.aux_loss_coef > 0)
             row_index_BT = mb.rows_M[:, None].expand_as(mask_BT)
+            old_N = logp_old_N[offset:offset + n] if counts else olds[i].logp_BT[mask_BT]
             loss, _ = loss_mod.policy_loss(
-                logp_new_N=current.logp_BT[mask_BT], logp_old_N=logp_old_N[offset:offset + n],
+                logp_new_N=current.logp_BT[mask_BT], logp_old_N=old_N,
                 logp_mu_N=sub.logp_mu_BT[mask_BT], advantages_N=sub.advantages_BT[mask_BT],
                 seq_index_N=row_index_BT[mask_BT], cfg=loss_cfg,
             )
             if current.aux_loss is not None:  # load balancing on the router's full scores
                 loss = loss + cfg.aux_loss_coef * current.aux_loss
             # Each micro-batch's token-mean is reweighted to its share of the step's tokens, so
-            # accumulation equals one pass over the whole batch.
+            # accumulation (and the sum across ranks) equals one pass over the whole batch. A
+            # filler pass (counts False) keeps the ranks' collectives paired and adds zero.
+            sync_gradients(model, i == len(local) - 1)
             (loss * (n / total_tokens)).backward()
             loss_total += float(loss.detach()) * n / total_tokens
             offset += n
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm, foreach=False))
+        loss_total = all_sum(world, loss_total)
+        grad_norm = as_float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm, foreach=False))
         optimizer.step()
 
-    logp_mu_N = completion_tokens(parts, "logp_mu_BT")
+    logp_old_N, entropy_N = gather_tokens(world, logp_old_N), gather_tokens(world, entropy_N)
+    logp_mu_N = completion_tokens(everyone, "logp_mu_BT")
     metrics = loss_mod.mismatch_metrics(logp_old_N, logp_mu_N, None, entropy_N)
-    versions_N = completion_tokens(parts, "versions_BT")
-    if weights_of is not None:
-        logp_sampler_N, known_N = sampler_logprobs(model, lambda m: scored_tokens(m, parts, cfg.router_replay),
+    versions_N = completion_tokens(everyone, "versions_BT")
+    if weights_of is not None and not world.distributed:
+        logp_sampler_N, known_N = sampler_logprobs(model, lambda m: scored_tokens(m, everyone, cfg.router_replay),
                                                    logp_old_N, versions_N, state.step, weights_of)
         metrics |= split_metrics(logp_old_N, logp_sampler_N, logp_mu_N, known_N)
     metrics["reward_mean"] = float(batch.rewards_B.mean())
     metrics["tokens"] = float(batch.tokens)
     # Staleness = versions between a token's sampler and the weights this step trains (0 = on-policy).
     staleness = loss_mod.staleness_histogram(versions_N, state.step)
+    weights = full_weights(model, world)
     new_state = TrainState(model, optimizer, step)
-    return new_state, StepResult(loss=loss_total, grad_norm=grad_norm, weights_sha256=weights_sha256(model),
-                                 metrics=metrics, staleness=staleness)
+    return new_state, StepResult(loss=loss_total, grad_norm=grad_norm,
+                                 weights_sha256=hashlib.sha256(weights).hexdigest() if weights else "",
+                                 metrics=metrics, staleness=staleness, weights=weights)
+
+
+def full_weights(model: MoEModel, world: World) -> bytes:
+    """`state_dict_bytes` of the whole model: a collective on N ranks, b"" on ranks > 0."""
+    if not world.distributed:
+        return state_dict_bytes(model)
+    full = full_state_dict(model)
+    return state_dict_to_bytes(full, model.config) if world.rank == 0 else b""

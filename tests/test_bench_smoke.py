@@ -1,4 +1,4 @@
-"""`reel bench bus|log|blobs --quick`: each prints one JSON line with a positive ratio."""
+"""`reel bench bus|log|blobs|fsdp --quick`: each prints one JSON line with a positive ratio."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from runtime import cli
 
 
-@pytest.mark.parametrize("name", ["bus", "log", "blobs"])
+@pytest.mark.parametrize("name", ["bus", "log", "blobs", "fsdp"])
 def test_bench_quick_prints_one_json_line(name: str, capsys: pytest.CaptureFixture):
     assert cli.main(["bench", name, "--quick"]) == 0
     (line,) = capsys.readouterr().out.splitlines()

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producers.envs import CharTokenizer, HFTokenizer, TokenizerError, make_env
+from producers.envs import CharTokenizer, Continue, Finish, HFTokenizer, TokenizerError, make_env
 from producers.envs.reverse_text import lcs_length
 from runtime.config import ConfigError, EnvSection
 
@@ -32,23 +32,19 @@ def test_char_tokenizer_round_trip_and_small_vocab():
         TOK.encode("abQ")
 
 
-def test_hf_tokenizer_wrapper(tmp_path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def test_hf_tokenizer_chat_template_and_stop_ids(tmp_path):
+    from hf_checkpoint import train_tokenizer
 
-    vocab = {"<|end|>": 0, "<s>": 1, **{c: i + 2 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz:=")}}
-    raw = Tokenizer(models.WordLevel(vocab, unk_token="<s>"))
-    raw.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    raw.decoder = decoders.Fuse()
-    raw.add_special_tokens(["<|end|>", "<s>"])
-    raw.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|end|>"},
-                                                                 "bos_token": None}))
+    train_tokenizer(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     tok = HFTokenizer.from_dir(tmp_path)
-    assert (tok.eos_id, tok.pad_id, tok.bos_id, tok.vocab_size) == (0, 0, None, 30)
+    assert (tok.eos_id, tok.stop_ids, tok.pad_id, tok.bos_id) == (2, (2, 0), 0, None)
     env = make_env(EnvSection(name="reverse_text"), tokenizer=tok)
     prompt = env.sample(random.Random(0))
-    assert prompt.ids[0] != tok.eos_id and tok.decode(prompt.ids).startswith("reverse:")
+    assert tok.decode(prompt.ids) == f"<|im_start|>user\nreverse:{prompt.meta['question']}=<|im_end|>\n<|im_start|>assistant\n"
     assert env.reward(prompt, env.reference(prompt)) == 1.0
+    assert env.reward(prompt, tok.encode(prompt.answer) + [0]) == 1.0  # any stop id ends the answer
+    assert tok.decode(tok.turn_ids("tool", "=42;")) == "\n<|im_start|>tool\n=42;<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(TokenizerError, match="cannot load the tokenizer"):
         HFTokenizer.from_dir(tmp_path / "missing")
 
@@ -117,8 +113,8 @@ def test_make_env_errors():
         make_env(EnvSection(name="nope"))
     with pytest.raises(ConfigError, match="raise rollout.max_tokens"):
         make_env(EnvSection(max_len=10, long_tail=0.1), max_tokens=8)
-    with pytest.raises(ValueError, match="needs max_tokens"):
-        make_env(EnvSection(long_tail=0.1))
+    with pytest.raises(ConfigError, match="env.options = {'x': 1} is not used"):
+        make_env(EnvSection(options={"x": 1}))
 
 
 @settings(max_examples=200, deadline=None)
@@ -128,3 +124,37 @@ def test_reward_in_unit_interval_for_any_completion(name, seed, completion):
     env = make_env(EnvSection(name=name, min_len=1, max_len=8))
     prompt = env.sample(random.Random(seed))
     assert 0.0 <= env.reward(prompt, completion) <= 1.0
+
+
+def test_arith_rewards_exact_integers():
+    env = make_env(EnvSection(name="arith", options={"max_value": 9}))
+    prompts = [env.sample(random.Random(s)) for s in range(200)]
+    assert {p.meta["kind"] for p in prompts} == {"more", "away", "boxes"} and all(int(p.answer) >= 0 for p in prompts)
+    p = prompts[0]
+    assert env.reward(p, env.reference(p)) == 1.0
+    assert env.reward(p, _ids(f"so {p.answer}<eos>")) == 1.0  # the last integer is the answer
+    assert env.reward(p, _ids(f"{int(p.answer) + 1}<eos>")) == 0.0
+    assert env.reward(p, _ids(p.answer)) == 0.0  # no eos: unfinished
+
+
+def test_calc_tool_episode_protocol_and_long_tail():
+    env = make_env(EnvSection(name="calc_tool", options={"max_terms": 6, "terms_per_call": 3}))
+    prompts = [env.sample(random.Random(s)) for s in range(2000)]
+    terms = [p.meta["terms"] for p in prompts]
+    assert 0.45 < terms.count(2) / len(terms) < 0.55 and max(terms) == 6
+    demo_turns = {len(env.demonstration(p)) // 2 + 1 for p in prompts}
+    assert demo_turns == {2, 3, 4}  # 1, 2 or 3 calls, then the answer
+    assert env.max_turns == 5
+    p = next(p for p in prompts if p.meta["terms"] == 5)
+    demo = env.demonstration(p)
+    for i in range(0, len(demo) - 1, 2):  # every call of the demonstration gets the env's next turn
+        reply = env.respond(p, demo[:i + 1])
+        assert reply == Continue(demo[i + 1], tool_call=True)
+    assert env.respond(p, demo) == Finish(1.0)
+    call = _ids("call:1+2+3+4<eos>")  # more numbers than one call takes
+    assert env.respond(p, [call]) == Continue(_ids("=error;"), tool_call=True)
+    assert env.respond(p, [_ids("call:2+-<eos>")]) == Continue(_ids("=error;"), tool_call=True)
+    assert env.respond(p, [_ids(p.answer + "<eos>")]) == Finish(1.0)  # answering directly is allowed
+    assert env.respond(p, [_ids("call:1+2")]) == Finish(0.0)  # no eos: not a call, not an answer
+    at_limit = [call, _ids("=error;")] * (env.max_turns - 1) + [call]
+    assert env.respond(p, at_limit) == Finish(0.0)  # a call in the last turn ends the episode

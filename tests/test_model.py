@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import save as st_save
 
 from runtime import cbuild
 from runtime.model import native, weights
@@ -186,8 +187,12 @@ def test_weight_errors_name_the_file_or_tensor(tmp_path):
     model = _model()
     weights.save(model, tmp_path)
     small = MoEModel(MoEConfig(**{**{k: getattr(CFG, k) for k in CFG.__struct_fields__}, "num_experts": 4}))
-    with pytest.raises(ModelError, match=r"has shape \(8, 32\), the config needs \(4, 32\)"):
+    with pytest.raises(ModelError, match=r"experts\.[4-7]\.\w+\.weight but config.json says num_experts = 4"):
         weights.load_state_dict_bytes(small, weights.state_dict_bytes(model))
+    with pytest.raises(ModelError, match=r"has shape \(8, 32\), the config needs \(4, 32\)"):
+        weights.load_state_dict_bytes(small, st_save({"model.layers.0.mlp.gate.weight": torch.zeros(8, 32)}))
+    with pytest.raises(ModelError, match=r"lacks tensor model.embed_tokens.weight"):
+        weights.load_state_dict_bytes(model, st_save({"model.norm.weight": torch.ones(32)}))
     with pytest.raises(ModelError, match="not valid safetensors"):
         weights.load_state_dict_bytes(model, b"junk")
 

@@ -100,6 +100,21 @@ def test_fp8_serving_quantises_online_only_an_unquantised_checkpoint(tmp_path: P
     assert vllm_args.precision_args("bf16", plain) == ["--dtype", "bfloat16"]
 
 
+@pytest.mark.parametrize("nodes,gpus,ranks,per_node", [(2, 4, 8, 4), (2, 0, 4, 2), (1, 0, 1, 1)])
+def test_one_trainer_group_over_nodes_times_gpus(tmp_path: Path, nodes: int, gpus: int, ranks: int,
+                                                 per_node: int) -> None:
+    text = EXAMPLE.read_text().replace("[trainer]\n", f"[trainer]\nranks = {ranks}\n")
+    script = render(text, tmp_path, trainer_nodes=nodes, gpus_per_node=gpus)
+    bash_ok(script)
+    trainer, = commands(script, "trainer")  # one step: one torchrun per node, one rendezvous
+    assert f"--nodes={nodes}" in trainer and "--ntasks-per-node=1" in trainer
+    assert f"--nnodes={nodes}" in trainer and f"--nproc-per-node={per_node}" in trainer
+    assert "--rdzv-backend=c10d" in trainer and "--rdzv-id=$SLURM_JOB_ID" in trainer
+    body = [line for line in script.replace("\\\n", " ").splitlines() if not line.startswith("#")]
+    assert sum("role trainer" in line for line in body) == 1  # its rank 0 is the run's only trainer on the bus
+    assert f"one trainer over {nodes * per_node} rank(s)" in script.split("#SBATCH")[0].replace("\n#   ", " ")
+
+
 def test_wide_ep_pd_vllm_command_lines(tmp_path: Path) -> None:
     script = render(WIDE_EP_PD, tmp_path, gpus_per_node=8, trainer_nodes=2)
     bash_ok(script)
@@ -241,6 +256,8 @@ LAUNCH_REFUSED = [
      ["--gpus-per-node", "8", "--rollout-nodes", "2"], "drop --rollout-nodes"),
     ('[bus]\nurl = "redis://elsewhere:6379/0"\n', [], "remove bus.url"),
     ("", ["--time", "1 hour"], "--time '1 hour' is not a Slurm time"),
+    ("[trainer]\nranks = 4\n", ["--trainer-nodes", "2", "--gpus-per-node", "4"], "trainer.ranks = 4 but"),
+    ("[trainer]\nranks = 3\n", ["--trainer-nodes", "2"], "trainer.ranks = 3 does not split evenly"),
 ]
 
 

@@ -19,7 +19,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name())"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -o "filterwarnings=ignore::DeprecationWarning" \
-    -m gpu tests/test_cuda.py tests/test_fp8.py 2>&1 | tee "$OUT/gpu_tests.log"
+    -m gpu tests/test_cuda.py tests/test_fp8.py tests/test_fsdp.py 2>&1 | tee "$OUT/gpu_tests.log"
 if python3 -c "import vllm" 2>/dev/null; then
     timeout 500 python3 -m pytest -q -p no:cacheprovider -o "filterwarnings=ignore::DeprecationWarning" \
         -m "gpu or vllm" tests/test_vllm_http.py tests/test_vllm_real.py 2>&1 | tee "$OUT/vllm_tests.log"

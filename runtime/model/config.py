@@ -5,6 +5,8 @@ No torch here, so `reel` can validate configs before importing it.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -98,3 +100,38 @@ class MoEConfig(msgspec.Struct, kw_only=True):
             return msgspec.convert(fields, cls, strict=False)
         except msgspec.ValidationError as exc:
             raise ModelError(f"model config: {exc}") from exc
+
+
+ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+# Keys Reel cannot take a default for: they fix the shapes of the checkpoint's tensors.
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "num_experts_per_tok")
+
+
+def read_checkpoint_config(directory: Path) -> MoEConfig:
+    """The MoEConfig of an HF checkpoint directory, checked: a directory with a readable config.json
+    of a supported architecture, the keys Reel needs, safetensors weights. ModelError names what is wrong."""
+    if not directory.is_dir():
+        raise ModelError(f"{directory} is not a directory; point it at an HF checkpoint directory")
+    path = directory / "config.json"
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(d, dict):
+        raise ModelError(f"{path} is not a JSON object")
+    architectures = d.get("architectures") or [d.get("model_type", "?")]
+    if not set(architectures) & set(ARCHITECTURES) and d.get("model_type") != "qwen3_moe":
+        raise ModelError(f"{path}: architecture {', '.join(map(str, architectures))} is not supported; "
+                         f"Reel trains {', '.join(ARCHITECTURES)} (model_type qwen3_moe)")
+    missing = [k for k in REQUIRED_KEYS if d.get(k) is None]
+    if d.get("num_experts") is None and d.get("num_local_experts") is None:
+        missing.append("num_experts")
+    if missing:
+        raise ModelError(f"{path} lacks {', '.join(missing)}")
+    if d.get("quantization_config"):
+        raise ModelError(f"{path}: quantized checkpoints (quantization_config) are not supported by the trainer; "
+                         "use the BF16/FP32 checkpoint")
+    if not any(directory.glob("*.safetensors")):
+        raise ModelError(f"{directory} has no *.safetensors weights")
+    return MoEConfig.from_hf_dict(d)

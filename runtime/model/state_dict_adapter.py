@@ -4,7 +4,7 @@ Everything is a plain module path except the experts, which Reel stacks for grou
   Reel  model.layers.{i}.mlp.experts.gate_proj            [E, I, H]   (up_proj alike; down_proj [E, H, I])
   Hub   model.layers.{i}.mlp.experts.{e}.gate_proj.weight [I, H]
 transformers 5 keeps a fused layout in memory (`experts.gate_up_proj` [E, 2I, H],
-`experts.down_proj` [E, H, I]); `from_hf` accepts it too, in case a checkpoint was written raw.
+`experts.down_proj` [E, H, I]); `param_slices` accepts it too, in case a checkpoint was written raw.
 With tied embeddings the Hub omits lm_head.weight.
 """
 
@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from runtime.model.config import ModelError, MoEConfig
+from runtime.model.config import MoEConfig
 
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
@@ -32,22 +32,16 @@ def to_hf(state_dict: dict[str, torch.Tensor], config: MoEConfig) -> dict[str, t
     return out
 
 
-def from_hf(hf: dict[str, torch.Tensor], config: MoEConfig) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-    for name, t in hf.items():
-        if m := _PER_EXPERT.match(name):
-            experts.setdefault((m[1], m[3]), {})[int(m[2])] = t
-        elif m := _FUSED.match(name):
-            out[f"{m[1]}.gate_proj"], out[f"{m[1]}.up_proj"] = t.chunk(2, dim=1)
-        else:
-            out[name] = t
-    for (prefix, proj), by_index in experts.items():
-        # Stack every expert present; a count that differs from the config fails the shape check later.
-        missing = sorted(set(range(max(config.num_experts, len(by_index)))) - set(by_index))
-        if missing:
-            raise ModelError(f"checkpoint lacks {prefix}.{missing[0]}.{proj}.weight")
-        out[f"{prefix}.{proj}"] = torch.stack([by_index[e] for e in range(len(by_index))])
-    if config.tie_word_embeddings:
-        out.pop("lm_head.weight", None)
-    return out
+def param_slices(name: str, t: torch.Tensor, config: MoEConfig) -> list[tuple[str, int | None, torch.Tensor]]:
+    """Where one Hub tensor goes: [(Reel parameter, expert index or None for the whole, tensor)].
+
+    Per tensor, so a checkpoint can be copied in one shard (one tensor) at a time.
+    """
+    if m := _PER_EXPERT.match(name):
+        return [(f"{m[1]}.{m[3]}", int(m[2]), t)]
+    if m := _FUSED.match(name):
+        gate, up = t.chunk(2, dim=1)
+        return [(f"{m[1]}.gate_proj", None, gate), (f"{m[1]}.up_proj", None, up)]
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        return []
+    return [(name, None, t)]

@@ -1,0 +1,79 @@
+"""Environments as plugins: `env.name` is a built-in name or "package.module:factory".
+
+A factory is any callable `factory(section: EnvSection, tokenizer: Tokenizer, max_tokens: int) -> Env`
+(max_tokens = rollout.max_tokens, one model turn's budget); the attribute path after the colon
+may be dotted ("mypkg.tasks:MyEnv.from_section"). The built-in tasks are registered the same
+way, so a user's env gets exactly what they get. `check_name` runs when the config is loaded, so
+a name that cannot be found fails before a run directory exists.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+from collections.abc import Callable
+
+from runtime.config import ConfigError, EnvSection
+from runtime.tokenizer import Tokenizer
+
+BUILTIN: dict[str, str] = {
+    "reverse_text": "producers.envs.reverse_text:ReverseText.from_section",
+    "sort_digits": "producers.envs.sort_digits:SortDigits.from_section",
+    "arith": "producers.envs.arith:Arith.from_section",
+    "calc_tool": "producers.envs.calc_tool:CalcTool.from_section",
+}
+_PLUGIN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+
+
+def factory_path(name: str) -> str:
+    """"module:attribute" for an env name; ConfigError for a name of neither form."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    if _PLUGIN.fullmatch(name):
+        return name
+    raise ConfigError(f"env.name = {name!r} is unknown; use one of {', '.join(BUILTIN)} or "
+                      "\"package.module:factory\" for your own environment")
+
+
+def check_name(name: str) -> None:
+    """The name's module can be found (not imported: that may be heavy); ConfigError otherwise."""
+    module = factory_path(name).split(":")[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigError(f"env.name = {name!r}: module {module!r} cannot be found; install it or add its "
+                          "directory to PYTHONPATH")
+
+
+def resolve(name: str) -> Callable[..., object]:
+    """The factory callable of env.name (imports its module)."""
+    module_name, attribute = factory_path(name).split(":")
+    try:
+        target: object = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"env.name = {name!r}: cannot import {module_name!r} ({exc})") from exc
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise ConfigError(f"env.name = {name!r}: {module_name!r} has no attribute {attribute!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ConfigError(f"env.name = {name!r}: {attribute!r} is not callable")
+    return target
+
+
+def make_env(section: EnvSection, max_tokens: int, tokenizer: Tokenizer):
+    """The env of env.name built by its factory; a factory rejecting env.options is a ConfigError."""
+    from producers.envs.base import Env
+
+    factory = resolve(section.name)
+    try:
+        env = factory(section, tokenizer, max_tokens)
+    except TypeError as exc:
+        raise ConfigError(f"env.name = {section.name!r} rejected its settings (env.options = {section.options}): "
+                          f"{exc}") from exc
+    if not isinstance(env, Env):
+        raise ConfigError(f"env.name = {section.name!r}: the factory returned {type(env).__name__}, not an Env")
+    return env

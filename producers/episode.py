@@ -1,0 +1,91 @@
+"""One GRPO group of episodes: model turns from the engine, env turns from the env, until Finish.
+
+    turn 1    one engine request for the whole group (n samples of the prompt, seeds seed + i)
+    then      per sample: env.respond(prompt, turns) -> Continue(ids): the conversation so far
+              plus ids is the next prompt (n = 1, its own seed) | Finish(reward): done
+
+An episode's `tokens` are every model turn with the env's turns between them; the env's tokens
+are prompt tokens (logprob 0, listed in `env_spans`, never trained on). Policy spans are offset
+to episode positions, so a weight update that lands between two turns shows as a new span where
+the next turn starts. Routing: each turn's request routes the whole conversation; the episode
+keeps, for every position, the routing of the turn that first fed it (its tokens were sampled
+under those experts), so the trace is [P + len(tokens) - 1, L, K] as for one turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from producers.engine import Completion, Engine, EngineError, SamplingParams
+from producers.envs import Continue, Env, Finish, Prompt
+
+
+@dataclass
+class Episode:
+    """One sample of a group, all its turns."""
+
+    seed: int  # the seed of its first turn
+    tokens: list[int] = field(default_factory=list)  # model and env turns after the prompt
+    logprobs: list[float] = field(default_factory=list)  # per token; 0.0 on env tokens
+    spans: list[tuple[int, int]] = field(default_factory=list)  # [(first token, policy version)]
+    env_spans: list[tuple[int, int]] = field(default_factory=list)  # [(first, end)) of env tokens
+    turns: list[list[int]] = field(default_factory=list)  # model, env, model, ... (what the env sees)
+    turn_lengths: list[int] = field(default_factory=list)  # tokens per model turn
+    tool_calls: int = 0
+    routing: np.ndarray | None = None  # [P + len(tokens) - 1, L, K]
+    finish_reason: str = ""  # of the last model turn
+    seconds: float = 0.0  # engine seconds over the model turns (Completion.seconds summed)
+    reward: float = 0.0
+
+    def add_model_turn(self, c: Completion) -> None:
+        offset = len(self.tokens)
+        for first, version in c.spans:
+            if not self.spans or self.spans[-1][1] != version:
+                self.spans.append((offset + first, version))
+        self.tokens += c.tokens
+        self.logprobs += c.logprobs
+        self.turns.append(list(c.tokens))
+        self.turn_lengths.append(len(c.tokens))
+        self.finish_reason = c.finish_reason
+        self.seconds += c.seconds
+        # Positions already routed keep the routing of the turn that sampled them.
+        self.routing = c.routing if self.routing is None else np.concatenate(
+            [self.routing, c.routing[len(self.routing):]])
+
+    def add_env_turn(self, ids: list[int]) -> None:
+        self.env_spans.append((len(self.tokens), len(self.tokens) + len(ids)))
+        self.tokens += ids
+        self.logprobs += [0.0] * len(ids)
+        self.turns.append(list(ids))
+
+
+async def run_group(engine: Engine, env: Env, prompt: Prompt, params: SamplingParams) -> list[Episode]:
+    """params.n episodes of `prompt`, in sample order."""
+    firsts = await engine.generate(prompt.ids, params)
+    return list(await asyncio.gather(*(_finish_episode(engine, env, prompt, params, i, c)
+                                       for i, c in enumerate(firsts))))
+
+
+async def _finish_episode(engine: Engine, env: Env, prompt: Prompt, params: SamplingParams, index: int,
+                          first: Completion) -> Episode:
+    episode = Episode(seed=first.seed)
+    completion = first
+    while True:
+        episode.add_model_turn(completion)
+        reply = env.respond(prompt, episode.turns)
+        if isinstance(reply, Finish):
+            episode.reward = float(reply.reward)
+            return episode
+        assert isinstance(reply, Continue)
+        if len(episode.turn_lengths) >= env.max_turns:
+            raise EngineError(f"env {env.name} answered model turn {len(episode.turn_lengths)} with Continue, "
+                              f"but its max_turns is {env.max_turns}; it must Finish there")
+        episode.tool_calls += reply.tool_call
+        episode.add_env_turn(reply.ids)
+        turn = len(episode.turn_lengths)  # turns taken so far; seeds never repeat within the group
+        next_params = msgspec.structs.replace(params, n=1, seed=params.seed + turn * params.n + index)
+        (completion,) = await engine.generate(prompt.ids + episode.tokens, next_params)

@@ -1,0 +1,91 @@
+"""One rank of the FSDP2 tests (tests/test_fsdp.py), started by torchrun on gloo.
+
+    fsdp_peer.py steps OUT        3 steps of test_train_step's model and batches; rank 0 writes
+                                  OUT/weights.safetensors and OUT/results.json
+    fsdp_peer.py save RUN OUT     2 steps, then a DCP checkpoint into RUN; rank 0 writes the
+                                  manifest (RUN/manifest.json) and the full state (OUT/state.safetensors)
+    fsdp_peer.py load RUN OUT     a fresh state loads RUN/manifest.json; rank 0 writes the full state
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+from runtime import distributed, sharded_checkpoint
+from runtime.batch import build_batch
+from runtime.config import Config
+from runtime.model.model import MoEModel
+from runtime.model.parallelize import apply_fsdp
+from runtime.train_step import TrainState, make_optimizer, train_step
+from test_train_step import MODEL, _config, _groups
+
+MICRO_BATCH_TOKENS = 24  # several micro-batches per rank, of different counts across ranks
+
+
+def config() -> Config:
+    return _config(micro_batch_tokens=MICRO_BATCH_TOKENS)
+
+
+def fresh_state(world: distributed.World, cfg: Config) -> TrainState:
+    torch.manual_seed(0)
+    model = apply_fsdp(MoEModel(MODEL), world)
+    return TrainState(model, make_optimizer(model, cfg.trainer), 0)
+
+
+def batches(n: int) -> list:
+    torch.manual_seed(1)
+    sampler = MoEModel(MODEL)
+    return [build_batch(_groups(sampler, seed, n_groups=3)) for seed in range(n)]
+
+
+def full_state(state: TrainState) -> dict[str, torch.Tensor]:
+    """Weights and AdamW state, unsharded, as flat names (a collective on N ranks)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, optim_sd = get_state_dict(state.model, state.optimizer, options=options)
+    flat = {f"model.{k}": v.contiguous() for k, v in model_sd.items()}
+    for name, values in optim_sd.get("state", {}).items():
+        flat.update({f"optim.{name}.{k}": torch.as_tensor(v).contiguous() for k, v in values.items()})
+    return flat
+
+
+def main(mode: str, *paths: str) -> None:
+    world = distributed.from_env()
+    cfg = config()
+    state = fresh_state(world, cfg)
+    if mode == "steps":
+        out = Path(paths[0])
+        results = []
+        for batch in batches(3):
+            state, result = train_step(state, batch, cfg, world)
+            results.append({"loss": result.loss, "grad_norm": result.grad_norm, "metrics": result.metrics,
+                            "sha": result.weights_sha256})
+        if world.rank == 0:
+            (out / "weights.safetensors").write_bytes(result.weights)
+            (out / "results.json").write_text(json.dumps(results))
+    elif mode == "save":
+        run, out = Path(paths[0]), Path(paths[1])
+        for batch in batches(2):
+            state, _ = train_step(state, batch, cfg, world)
+        manifest = sharded_checkpoint.save(state, world, run)
+        full = full_state(state)
+        if world.rank == 0:
+            (run / "manifest.json").write_bytes(manifest)
+            save_file(full, out / "state.safetensors")
+    elif mode == "load":
+        run, out = Path(paths[0]), Path(paths[1])
+        state = sharded_checkpoint.load((run / "manifest.json").read_bytes(), state, world, run, source="test")
+        full = full_state(state)
+        if world.rank == 0:
+            save_file(full, out / "state.safetensors")
+    distributed.shutdown(world)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(*sys.argv[1:])

@@ -1,0 +1,108 @@
+"""The trainer on N ranks (FSDP2 on gloo): the same numbers as one process playing every rank,
+and DCP checkpoints that reshard between world sizes exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load, load_file
+
+import fsdp_peer
+from runtime import sharded_checkpoint
+from runtime.distributed import LOCAL, World
+from runtime.train_step import train_step
+
+pytestmark = pytest.mark.slow
+PEER = Path(__file__).with_name("fsdp_peer.py")
+
+
+def torchrun(*args: str, ranks: int = 2) -> None:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+            str(PEER), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_two_ranks_equal_one_process_accumulating_their_micro_batches(tmp_path: Path) -> None:
+    torchrun("steps", str(tmp_path))
+    torch.set_num_threads(1)
+    cfg = fsdp_peer.config()
+    emulated = World(rank=0, size=2, emulated=True)
+    state = fsdp_peer.fresh_state(emulated, cfg)
+    results = []
+    for batch in fsdp_peer.batches(3):
+        state, result = train_step(state, batch, cfg, emulated)
+        results.append(result)
+    ranks = load((tmp_path / "weights.safetensors").read_bytes())
+    alone = load(result.weights)
+    assert ranks.keys() == alone.keys()
+    worst = max(float((ranks[k] - alone[k]).abs().max()) for k in ranks)
+    assert 0 < worst < 1e-6, worst  # not bitwise (the sum across ranks rounds differently), but close
+    logged = json.loads((tmp_path / "results.json").read_text())
+    for mine, theirs in zip(results, logged):
+        assert mine.loss == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-7)
+        assert mine.grad_norm == pytest.approx(theirs["grad_norm"], rel=1e-3)
+        assert mine.metrics["tokens"] == theirs["metrics"]["tokens"]
+        assert mine.metrics["kl_k3"] == pytest.approx(theirs["metrics"]["kl_k3"], rel=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: 2 GPUs")
+def test_two_ranks_on_nccl_match_the_cpu_reference(tmp_path: Path) -> None:
+    """The same 2-rank step on CUDA (NCCL picked by the backend choice, batches moved to the GPU)."""
+    torchrun("steps", str(tmp_path))
+    cfg = fsdp_peer.config()
+    emulated = World(rank=0, size=2, emulated=True)
+    state = fsdp_peer.fresh_state(emulated, cfg)
+    for batch in fsdp_peer.batches(3):
+        state, result = train_step(state, batch, cfg, emulated)
+    ranks, alone = load((tmp_path / "weights.safetensors").read_bytes()), load(result.weights)
+    assert max(float((ranks[k] - alone[k]).abs().max()) for k in ranks) < 1e-4  # fp32 GPU kernels differ a little
+
+
+def _state_dict_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    assert any(k.startswith("optim.") and k.endswith("exp_avg_sq") for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_dcp_checkpoint_reshards_two_ranks_to_one(tmp_path: Path) -> None:
+    run, out = tmp_path / "run", tmp_path / "out"
+    run.mkdir(), out.mkdir()
+    torchrun("save", str(run), str(out))
+    cfg = fsdp_peer.config()
+    state = fsdp_peer.fresh_state(LOCAL, cfg)
+    state = sharded_checkpoint.load((run / "manifest.json").read_bytes(), state, LOCAL, run, source="test")
+    assert state.step == 2
+    _state_dict_equal(fsdp_peer.full_state(state), load_file(out / "state.safetensors"))
+
+
+def test_dcp_checkpoint_reshards_one_process_to_two_ranks(tmp_path: Path) -> None:
+    run, out = tmp_path / "run", tmp_path / "out"
+    run.mkdir(), out.mkdir()
+    torch.set_num_threads(1)
+    cfg = fsdp_peer.config()
+    state = fsdp_peer.fresh_state(LOCAL, cfg)
+    for batch in fsdp_peer.batches(2):
+        state, _ = train_step(state, batch, cfg)
+    (run / "manifest.json").write_bytes(sharded_checkpoint.save(state, LOCAL, run))
+    torchrun("load", str(run), str(out))
+    _state_dict_equal(fsdp_peer.full_state(state), load_file(out / "state.safetensors"))
+
+
+def test_damaged_checkpoint_file_is_named(tmp_path: Path) -> None:
+    cfg = fsdp_peer.config()
+    state = fsdp_peer.fresh_state(LOCAL, cfg)
+    manifest = sharded_checkpoint.save(state, LOCAL, tmp_path)
+    shard = next(p for p in sharded_checkpoint.directory_of(tmp_path, 0).iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(b"x" + shard.read_bytes()[1:])
+    with pytest.raises(sharded_checkpoint.CheckpointError, match=shard.name):
+        sharded_checkpoint.load(manifest, state, LOCAL, tmp_path, source="test")
