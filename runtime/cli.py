@@ -263,6 +263,8 @@ def config_show(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.name == "bus" and args.partitions:  # the same pipeline on a local Redis Cluster
+        return _call("bus.bench_cluster:bench_bus_partitions", args)
     return _call(BENCHES[args.name], args)
 
 
