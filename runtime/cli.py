@@ -111,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--partitions", type=int, default=0, metavar="P",
                        help="bus only: the pipeline on a local 3-master Redis Cluster with 1 and P partitions")
     bench.add_argument("--from-run", default=None, metavar="DIR",
-                       help="r3, fp8: measure on a run's latest weights and prompts instead of random weights")
+                       help="r3, fp8: measure on a run's latest weights and prompts (default: random weights)")
     bench.set_defaults(handler="runtime.cli:run_bench")
 
     replay = _command(sub, "replay", "re-execute and analyse logged training steps",
@@ -141,23 +141,27 @@ def _parser() -> argparse.ArgumentParser:
     rng.add_argument("--ranks", type=int, default=None,
                      help="with --recompute: ranks to re-execute on (default: the recorded world size)")
     rng.set_defaults(handler="replay.cli:main_range")
-    bis = replay_sub.add_parser("bisect", help="first step where a logged metric crosses a threshold, and why")
-    bis.add_argument("--run", required=True, dest="run_dir")
+    bis = _command(replay_sub, "bisect", "first step where a logged metric crosses a threshold, and why; "
+                   "exit 1 if it never does (re-executes on one process)",
+                   "reel replay bisect --run runs/moe_mismatch --metric grad_norm --above 5",
+                   "reel replay bisect --run runs/moe_mismatch --metric kl_k3 --above 0.01 --json")
+    bis.add_argument("--run", required=True, dest="run_dir", help="run directory")
     bis.add_argument("--metric", required=True, help="a StepCommitted metrics key, loss, grad_norm or staleness_mean")
     side = bis.add_mutually_exclusive_group(required=True)
-    side.add_argument("--above", type=float, default=None, metavar="X", help="first step with metric > X")
-    side.add_argument("--below", type=float, default=None, metavar="X", help="first step with metric < X")
+    side.add_argument("--above", type=float, default=None, metavar="X", help="first step with metric > X (default: use --below)")
+    side.add_argument("--below", type=float, default=None, metavar="X", help="first step with metric < X (default: use --above)")
     bis.add_argument("--before", type=int, default=3, help="steps before the crossing to re-execute (baseline)")
     bis.add_argument("--after", type=int, default=1, help="steps after the crossing to re-execute")
-    bis.add_argument("--json", action="store_true")
-    bis.add_argument("--plot", default=None, metavar="FILE.png")
+    bis.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    bis.add_argument("--plot", default=None, metavar="FILE.png", help="also save a figure (default: no figure)")
     bis.set_defaults(handler="replay.cli:main_bisect")
 
-    cmp = sub.add_parser("compare", help="two runs side by side: reward, KL, grad norm, staleness, weights")
-    cmp.add_argument("run_a", metavar="RUN_A")
-    cmp.add_argument("run_b", metavar="RUN_B")
-    cmp.add_argument("--json", action="store_true")
-    cmp.add_argument("--plot", default=None, metavar="FILE.png")
+    cmp = _command(sub, "compare", "two runs side by side: reward, KL, grad norm, staleness, weights",
+                   "reel compare runs/a runs/b", "reel compare runs/a runs/b --json --plot ab.png")
+    cmp.add_argument("run_a", metavar="RUN_A", help="first run directory")
+    cmp.add_argument("run_b", metavar="RUN_B", help="second run directory")
+    cmp.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
+    cmp.add_argument("--plot", default=None, metavar="FILE.png", help="also save a figure (default: no figure)")
     cmp.set_defaults(handler="replay.cli:main_compare")
 
     sim = _command(sub, "simulate", "capacity planning: simulate the pipeline on a run's measured speeds",
