@@ -146,7 +146,7 @@ class _Writer:
                       for g in range(config.trainer.batch_groups)]
             started = time.perf_counter()
             batch = build_batch(groups)
-            state, result = train_step(state, batch, config, self.history.get)
+            state, result = train_step(state, batch, config, weights_of=self.history.get)
             compute = time.perf_counter() - started
             weights = self._publish_weights(state)
             ckpt = None
