@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -10,8 +12,11 @@ from bus.events import Sample, Tensor, Trajectory
 from runtime import checkpoint
 from runtime.batch import Group, build_batch, micro_batches
 from runtime.config import Config, from_dict
+from runtime.distributed import World
+from runtime.mismatch_split import SPLIT_KEYS
 from runtime.model.config import MoEConfig
 from runtime.model.model import MoEModel
+from runtime.model.weights import state_dict_bytes
 from runtime.train_step import TrainState, make_optimizer, train_step, weights_sha256
 
 MODEL = MoEConfig(vocab_size=24, hidden_size=32, moe_intermediate_size=32, num_hidden_layers=2,
@@ -163,3 +168,21 @@ def test_micro_batches_group_rows_by_length_within_the_token_budget() -> None:
     assert all(mb.length * len(mb.rows_M) <= 24 or len(mb.rows_M) == 1 for mb in parts)
     assert torch.equal(lengths[rows], lengths[rows].sort().values)  # short rows first
     assert micro_batches(batch, 0)[0].rows_M.tolist() == list(range(len(lengths)))
+
+
+def test_mismatch_split_same_on_one_process_and_emulated_ranks() -> None:
+    """The split (train_step's `weights_of`) over an emulated 2-rank world scores the same tokens as on one
+    process: only the summation order differs. Stale tokens (sampled at version 0, trained at step 2) drift."""
+    config = _config()
+    state = _state(config)
+    version_0 = state_dict_bytes(state.model)
+    stale = build_batch(_groups(state.model, 7))  # sampled by version 0
+    state, _ = train_step(state, build_batch(_groups(state.model, 1)), config)
+    twin = copy.deepcopy(state)
+    weights_of = {0: version_0}.get
+    _, one = train_step(state, stale, config, weights_of=weights_of)
+    _, two = train_step(twin, stale, config, World(rank=0, size=2, emulated=True), weights_of)
+    for key in SPLIT_KEYS:
+        assert two.metrics[key] == pytest.approx(one.metrics[key], rel=1e-4, abs=1e-7), key
+    assert one.metrics["split_tokens"] == stale.tokens
+    assert one.metrics["drift_k3"] > 0  # one update since sampling
