@@ -114,9 +114,14 @@ def _parser() -> argparse.ArgumentParser:
 
     metrics = sub.add_parser("metrics", help="export a run's metrics")
     metrics_sub = metrics.add_subparsers(dest="metrics_command", required=True)
-    serve = metrics_sub.add_parser("serve", help="Prometheus text exposition")
+    serve = metrics_sub.add_parser(
+        "serve", help="Prometheus text exposition",
+        description="Serve the run's figures (steps, rewards, losses, KL, staleness, throughput, dead letters; "
+                    "no events, weights or secrets) as Prometheus text on http://ADDR:PORT/metrics, unauthenticated.")
     serve.add_argument("--run", required=True, dest="run_dir")
     serve.add_argument("--port", type=int, default=9464)
+    serve.add_argument("--addr", default="127.0.0.1",
+                       help="interface to bind (default 127.0.0.1, this machine only; 0.0.0.0 = every interface)")
     serve.add_argument("--bus", default=None)
     serve.set_defaults(handler="consumers.metrics:main_serve")
     export = metrics_sub.add_parser("export", help="one JSON line per step")

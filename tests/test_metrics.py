@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import re
 import socket
@@ -308,3 +309,39 @@ def test_dashboard_queries_only_exported_metrics():
     queried = {name for p in dashboard["panels"] for t in p.get("targets", [])
                for name in re.findall(r"\breel_[a-z0-9_]+", t["expr"])}
     assert len(queried) >= 20 and queried <= served, queried - served
+
+
+def _outside_address() -> str | None:
+    """An address of this machine other than loopback, if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+async def test_prometheus_endpoint_binds_loopback_by_default(tmp_path: Path):
+    """`reel metrics serve` exposes nothing beyond this machine unless --addr says so."""
+    args = cli._parser().parse_args(["metrics", "serve", "--run", str(tmp_path)])
+    assert args.addr == "127.0.0.1"
+    _write_run_dir(tmp_path / "run", "r", _synthetic_run("r"))
+    port, stop = _free_port(), asyncio.Event()
+    server = asyncio.create_task(serve(RunSource("r", None, tmp_path / "run"), port, stop))
+    try:
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            with contextlib.suppress(OSError):
+                assert (await asyncio.to_thread(_scrape, port))["reel_trainer_step"].samples
+                break
+        listening = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+        bound = {local for _, local, _, state, *_ in listening if state == "0A" and local.endswith(f":{port:04X}")}
+        assert bound == {f"0100007F:{port:04X}"}, bound  # 127.0.0.1 only, not 0.0.0.0
+        outside = _outside_address()
+        if outside is not None:
+            with pytest.raises(OSError):
+                socket.create_connection((outside, port), timeout=2).close()
+    finally:
+        stop.set()
+        await asyncio.wait_for(server, 5)
