@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,6 +56,10 @@ def main_range(args: argparse.Namespace) -> int:
         print_view(report_mod.range_view(rows))
     if args.plot:
         report_mod.plot_range(rows, Path(args.plot))
+    differ = [row.step for row in rows if row.recomputed is not None and not row.recomputed.bitwise]
+    if differ:
+        print(f"reel: steps {', '.join(map(str, differ))} did not reproduce bitwise", file=sys.stderr)
+        return 1
     return 0
 
 
