@@ -48,6 +48,9 @@ PRODUCER = "trainer:0"
 NEVER_RECLAIM_MS = 7 * 24 * 3600 * 1000
 # Test hook: REEL_CRASH_AT="<step>:<stage>" kills the trainer with SIGKILL at that point.
 CRASH_STAGES = ("computed", "weights_written", "checkpoint_written", "committed", "acked")
+# Exit code of a trainer stopped (SIGTERM/SIGINT) before its last step: not a finished run, so
+# neither the launcher nor the Slurm job may announce RunFinished("completed").
+STOPPED_EXIT = 143
 
 
 @dataclass
@@ -289,4 +292,7 @@ def main(run_dir: Path, bus_url: str) -> int:
         await trainer.run_until_done(stop)
 
     uvloop.run(run())
-    return 0
+    done = getattr(trainer, "state", None) is not None and trainer.state.step >= config.run.steps
+    if not done:
+        log.warning("stopped before the last step (run.steps = %d); resume the run to continue", config.run.steps)
+    return 0 if done else STOPPED_EXIT

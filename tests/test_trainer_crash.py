@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,7 @@ import torch
 
 from bus.events import RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, decode, stream_key
 from bus.streams import Publisher, connect
-from consumers.trainer import CRASH_STAGES
+from consumers.trainer import CRASH_STAGES, STOPPED_EXIT
 from runtime import config as config_mod
 from runbuilder import TINY_MODEL_TOML
 from runtime.initial_policy import ensure_initial_policy, load_initial_model
@@ -116,3 +118,38 @@ def test_crash_at_each_commit_stage_then_resume(tmp_path: Path, redis_url: str, 
 def _after(entry_id: str, last: str) -> bool:
     a, b = (tuple(int(x) for x in i.split("-")) for i in (entry_id, last))
     return a > b
+
+
+def _prepare(tmp_path: Path, url: str, run: str, groups: int = GROUPS) -> Path:
+    """A run dir with its initial policy, and `groups` groups of it on the bus."""
+    run_dir = tmp_path / "run"
+    for sub in ("log", "blobs", "roles"):
+        (run_dir / sub).mkdir(parents=True)
+    (run_dir / "config.toml").write_text(CONFIG.format(name=run, model=TINY_MODEL_TOML))
+    ensure_initial_policy(run_dir, config_mod.load(run_dir / "config.toml"))
+    asyncio.run(_publish(url, [e for pair in _groups(run_dir, run)[:groups] for e in pair]))
+    return run_dir
+
+
+def _steps_on_bus(url: str, run: str) -> list[int]:
+    entries = redis.Redis.from_url(url).xrange(stream_key(run, "steps"))
+    return [e.step for e in (decode(f[b"e"]) for _, f in entries) if isinstance(e, StepCommitted)]
+
+
+def test_sigterm_before_the_last_step_is_not_success(tmp_path: Path, redis_url: str, run_name: str) -> None:
+    """A stopped trainer exits non-zero, so no launcher announces RunFinished("completed")."""
+    run_dir = _prepare(tmp_path, redis_url, run_name, groups=2)  # one step's worth of 3
+    argv = [sys.executable, "-m", "runtime.cli", "role", "trainer", "--run", str(run_dir), "--bus", redis_url]
+    trainer = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while _steps_on_bus(redis_url, run_name) != [1]:
+            assert trainer.poll() is None and time.monotonic() < deadline, trainer.communicate()[0][-2000:]
+            time.sleep(0.2)
+        trainer.send_signal(signal.SIGTERM)
+        out, _ = trainer.communicate(timeout=60)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert trainer.returncode == STOPPED_EXIT, out[-2000:]
+    assert "stopped before the last step" in out
