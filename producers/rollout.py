@@ -3,7 +3,7 @@
     wait for policy version 0 (the `weights` stream) and for the `steps` stream to be read
     loop: wait for room (concurrency, async gate) -> start a group
           a group: seeded prompt -> engine.generate(n = group_size) -> rewards ->
-                   one Publisher.publish([Trajectory, RoutingTrace])
+                   one Publisher.publish_atomic([Trajectory, RoutingTrace]) (MULTI: both or neither)
     background: newest WeightsPublished -> fetch + verify the blob -> engine.update_weights (in place,
                 between two decode steps); StepCommitted -> last committed version; WorkerStats
     stop: start nothing new, finish in-flight groups for up to DRAIN_TIMEOUT_S, log the rest as
@@ -219,7 +219,7 @@ class RolloutWorker:
                  else self.publisher.stamp(RoutingTrace, group_id=group_id, experts=experts))
         self._publishing.add(group_id)
         try:
-            await self.publisher.publish([trajectory, trace])
+            await self.publisher.publish_atomic([trajectory, trace])
         finally:
             self._publishing.discard(group_id)
         self.published += 1
