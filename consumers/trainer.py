@@ -28,11 +28,12 @@ import torch
 
 from bus.blobs import BlobStore
 from bus.events import (
-    AnyEvent, DroppedGroup, RoutingTrace, RunStarted, StepCommitted, StepTiming, Trajectory, WeightsPublished, decode,
-    stream_key,
+    AnyEvent, DroppedGroup, MalformedEvent, RoutingTrace, RunStarted, StepCommitted, StepTiming, Trajectory,
+    WeightsPublished, decode, stream_key,
 )
 from bus.log import LogCorrupted, LogError, RunLog
-from bus.streams import Delivery, GroupConsumer, Publisher, connect, recover_next_seq
+from bus.seqs import recover_seq
+from bus.streams import FIELD, Delivery, GroupConsumer, Publisher, connect
 from runtime import checkpoint
 from runtime.batch import Group, build_batch, decode_routing
 from runtime.config import Config, config_hash
@@ -45,6 +46,7 @@ from runtime.train_step import TrainState, train_step
 
 log = logging.getLogger("reel.trainer")
 PRODUCER = "trainer:0"
+PUBLISHED_STREAMS = ("control", "weights", "steps")
 NEVER_RECLAIM_MS = 7 * 24 * 3600 * 1000
 # Test hook: REEL_CRASH_AT="<step>:<stage>" kills the trainer with SIGKILL at that point.
 CRASH_STAGES = ("computed", "weights_written", "checkpoint_written", "committed", "acked")
@@ -101,7 +103,8 @@ class Trainer:
             max_deliveries=self.config.bus.max_deliveries,
         )
         try:
-            self.publisher = Publisher(self.redis, self.run, PRODUCER, await recover_next_seq(self.redis, self.run, PRODUCER))
+            next_seq = await recover_seq(self.redis, self.run_dir, self.run, PRODUCER, PUBLISHED_STREAMS)
+            self.publisher = Publisher(self.redis, self.run, PRODUCER, next_seq)
             await self.consumer.start()
             await self._setup_or_resume()
             while self.state.step < self.config.run.steps and not stop.is_set():
@@ -216,6 +219,7 @@ class Trainer:
                      "the initial weights" if state.step == 0 else f"the checkpoint of step {state.step}")
             state = await asyncio.to_thread(catch_up, state, commits, last, lookup, self.config)
         self.state = state
+        await self._republish_newest_weights(last)
         log.info("resumed after step %d (%d groups already committed)", last, len(self.committed_groups))
 
     async def _publish_version_zero(self) -> None:
@@ -235,16 +239,18 @@ class Trainer:
 
     async def _stream_has(self, kind: type) -> bool:
         stream = "weights" if kind is WeightsPublished else "control"
-        for _, fields in await self.redis.xrange(stream_key(self.run, stream), count=1000):
-            if isinstance(decode(fields[b"e"]), kind):
-                return True
+        if any(isinstance(e, kind) for e in await self._bus_events(stream, count=1000)):
+            return True
         return any(isinstance(e, kind) for e in logged_events(self.run_dir, stream))
 
+    # Resume reads the bus before the log: an entry archived, acked and trimmed between the two
+    # reads is in the log by the time it is read; the other way round it would be in neither.
+
     async def _read_commits(self) -> dict[int, StepCommitted]:
-        """Every StepCommitted of the run: the archived log plus what is still only on the bus."""
+        """Every StepCommitted of the run: what is still on the bus plus the archived log."""
+        on_bus = await self._bus_events("steps")
         commits = {e.step: e for e in logged_events(self.run_dir, "steps") if isinstance(e, StepCommitted)}
-        for _, fields in await self.redis.xrange(stream_key(self.run, "steps")):
-            event = decode(fields[b"e"])
+        for event in on_bus:
             if isinstance(event, StepCommitted):
                 commits.setdefault(event.step, event)
         return commits
@@ -252,10 +258,31 @@ class Trainer:
     async def _group_lookup(self) -> GroupLookup:
         lookup = GroupLookup(self.blobs)
         for stream in ("trajectories", "routing"):
+            on_bus = await self._bus_events(stream)
             lookup.add(logged_events(self.run_dir, stream))
-            entries = await self.redis.xrange(stream_key(self.run, stream))
-            lookup.add(decode(fields[b"e"]) for _, fields in entries)
+            lookup.add(on_bus)
         return lookup
+
+    async def _bus_events(self, stream: str, count: int | None = None) -> list[AnyEvent]:
+        """A stream's events on the bus, oldest first; entries that are not events are skipped (the
+        archiver dead-letters them), so one bad entry cannot stop a resume."""
+        events = []
+        for entry_id, fields in await self.redis.xrange(stream_key(self.run, stream), count=count):
+            try:
+                events.append(decode(fields.get(FIELD, b"")))
+            except MalformedEvent as exc:
+                log.warning("skipping entry %s of %s: not an event (%s)", entry_id.decode(), stream, exc)
+        return events
+
+    async def _republish_newest_weights(self, last: int) -> None:
+        """Redis can lose its last second (AOF everysec) and with it WeightsPublished of the newest
+        commit, which the log still has: workers follow the bus, so it goes there again."""
+        if any(isinstance(e, WeightsPublished) and e.version >= last for e in await self._bus_events("weights")):
+            return
+        weights = await asyncio.to_thread(self.blobs.put, state_dict_bytes(self.state.model))
+        await self.publisher.publish([self.publisher.stamp(WeightsPublished, version=last, step=last, weights=weights)])
+        log.warning("policy version %d was missing from the bus (Redis lost its last writes); published it again",
+                    last)
 
     @staticmethod
     def _crash_point(step: int, stage: str) -> None:

@@ -49,8 +49,8 @@ import numpy as np
 
 from bus.blobs import BlobStore
 from bus.events import RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished, WorkerStats
-from bus.log import LogError, RunLog
-from bus.streams import Publisher, connect, recover_next_seq
+from bus.seqs import recover_seq
+from bus.streams import Publisher, connect
 from bus.tail import Tail
 from producers.engine import Completion, Engine, EngineError, SamplingParams
 from producers.envs import Env, Prompt, make_env
@@ -305,10 +305,8 @@ class RolloutWorker:
                 busy_s=s.busy_s, swap_s=swaps)])
 
     async def _recover_seq(self, redis) -> int:
-        on_bus = await recover_next_seq(redis, self.run_name, self.name)
         # Entries the archiver made durable may be trimmed from the bus; the log still has them.
-        in_log = await asyncio.to_thread(next_seq_in_log, self.run_dir, self.name)
-        return max(on_bus, in_log)
+        return await recover_seq(redis, self.run_dir, self.run_name, self.name, _PUBLISHED_STREAMS)
 
 
 async def _read_to_end(tail: Tail, block_ms: int) -> list:
@@ -319,32 +317,6 @@ async def _read_to_end(tail: Tail, block_ms: int) -> list:
         batch = await tail.read(count=_READ, block_ms=0)
         events += [e for _, _, e in batch]
     return events
-
-
-class _Key(msgspec.Struct):
-    producer: str
-    seq: int
-
-
-_key_decoder = msgspec.msgpack.Decoder(_Key)
-
-
-def next_seq_in_log(run_dir: Path, producer: str) -> int:
-    """1 + the highest seq of `producer` in the run's on-disk log (0 if none)."""
-    try:
-        run_log = RunLog(run_dir, readonly=True)
-    except LogError:
-        return 0  # no log yet
-    best = -1
-    try:
-        for stream in set(_PUBLISHED_STREAMS) & set(run_log.names()):
-            for record in run_log.stream(stream).records():
-                key = _key_decoder.decode(record.data)
-                if key.producer == producer:
-                    best = max(best, key.seq)
-    finally:
-        run_log.close()
-    return best + 1
 
 
 def group_seed(run_seed: int, worker: int, seq_base: int, counter: int) -> int:

@@ -141,18 +141,21 @@ def _read_bus_url(run_dir: Path) -> str:
         ) from None
 
 
-def announce_finished(url: str, run: str, reason: str) -> None:
+def announce_finished(url: str, run: str, reason: str, run_dir: Path | None = None) -> None:
     """Publish RunFinished; the archiver exits once it has logged it and drained every stream."""
     import asyncio
 
     from bus.events import RunFinished
+    from bus.seqs import recover_seq
     from bus.streams import Publisher, connect, recover_next_seq
 
     async def publish() -> None:
         redis = connect(url)
         try:
             producer = "launcher:0"
-            publisher = Publisher(redis, run, producer, await recover_next_seq(redis, run, producer))
+            seq = (await recover_seq(redis, run_dir, run, producer, ["control"]) if run_dir is not None
+                   else await recover_next_seq(redis, run, producer))
+            publisher = Publisher(redis, run, producer, seq)
             await publisher.publish([publisher.stamp(RunFinished, reason=reason)])
         finally:
             await redis.aclose()
@@ -289,7 +292,7 @@ class Supervisor:
     def _finish(self) -> int:
         """The trainer committed its last step: announce the end, let the archiver drain, stop workers."""
         self.progress.finish(self.run_dir)
-        announce_finished(self.url, self.config.run.name, "completed")
+        announce_finished(self.url, self.config.run.name, "completed", self.run_dir)
         code = self.roles["archiver"].wait(timeout=120.0)
         self._stop_all()
         if code != 0:
