@@ -11,13 +11,17 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import redis
 import torch
 
-from bus.events import RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, decode, stream_key
-from bus.streams import Publisher, connect
+from bus.events import (STREAMS, MalformedEvent, RoutingTrace, Sample, StepCommitted, Tensor, Trajectory,
+                        WeightsPublished, decode, stream_key)
+from bus.log import RunLog
+from bus.streams import DEAD, Publisher, connect
+from consumers.archiver import Archiver
 from consumers.trainer import CRASH_STAGES, STOPPED_EXIT
 from runtime import config as config_mod
 from runbuilder import TINY_MODEL_TOML
@@ -153,3 +157,93 @@ def test_sigterm_before_the_last_step_is_not_success(tmp_path: Path, redis_url: 
             trainer.kill()
     assert trainer.returncode == STOPPED_EXIT, out[-2000:]
     assert "stopped before the last step" in out
+
+
+async def _archive_everything(run_dir: Path, url: str, run: str) -> None:
+    """Run an archiver until every stream's entries are in the log (acked by its group)."""
+    stop = asyncio.Event()
+    running = asyncio.ensure_future(Archiver(run_dir, url, run, block_ms=100).run(stop))
+    client = connect(url)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert time.monotonic() < deadline and not running.done(), "the archiver did not drain the bus"
+            await asyncio.sleep(0.1)
+            drained = True
+            for stream in STREAMS:
+                key = stream_key(run, stream)
+                last = await client.xrevrange(key, count=1)
+                groups = {g["name"]: g for g in await client.xinfo_groups(key)} if last else {}
+                archiver = groups.get(b"archiver")
+                drained &= not last or (archiver is not None and archiver["pending"] == 0
+                                        and archiver["last-delivered-id"] == last[0][0])
+            if drained:
+                break
+    finally:
+        stop.set()
+        await running
+        await client.aclose()
+
+
+def _lose_the_last_second(url: str, run: str, step: int) -> None:
+    """What Redis restarted from an AOF without its last second looks like: step `step`'s commit
+    and weights gone, the trainer's seq mark back where it was before them."""
+    client = redis.Redis.from_url(url)
+    lost = []
+    for stream in ("steps", "weights"):
+        for entry_id, fields in client.xrange(stream_key(run, stream)):
+            event = decode(fields[b"e"])
+            if getattr(event, "step", None) == step:
+                client.xdel(stream_key(run, stream), entry_id)
+                lost.append(event.seq)
+    assert len(lost) == 2
+    client.zadd(stream_key(run, "seq"), {"trainer:0": min(lost) - 1})
+
+
+def _garbage_on_every_stream(url: str, run: str) -> None:
+    client = redis.Redis.from_url(url)
+    future = msgspec.msgpack.encode({"type": "from_the_future", "run": run, "producer": "x:0", "seq": 0})
+    for stream in STREAMS:
+        client.xadd(stream_key(run, stream), {"e": b"\xc1 not msgpack"})
+        client.xadd(stream_key(run, stream), {"e": future})
+        client.xadd(stream_key(run, stream), {"x": b"no e field"})
+
+
+def test_resume_after_redis_lost_the_newest_commit(tmp_path: Path, redis_url: str, run_name: str) -> None:
+    """Step 2 is in the log but Redis lost it, and every stream holds entries that are not events:
+    the trainer resumes at 2 without reusing a seq, puts version 2 back on the bus, and finishes."""
+    run_dir = _prepare(tmp_path, redis_url, run_name)
+    crashed = _trainer(run_dir, redis_url, "2:acked")
+    assert crashed.returncode == -9, crashed.stderr[-2000:]
+    asyncio.run(_archive_everything(run_dir, redis_url, run_name))
+    _lose_the_last_second(redis_url, run_name, 2)
+    _garbage_on_every_stream(redis_url, run_name)
+
+    finished = _trainer(run_dir, redis_url, None)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert "policy version 2 was missing from the bus" in finished.stderr
+    client = redis.Redis.from_url(redis_url)
+    versions = [e.version for e in _bus_events(client, run_name, "weights") if isinstance(e, WeightsPublished)]
+    assert 2 in versions and 3 in versions
+
+    asyncio.run(_archive_everything(run_dir, redis_url, run_name))
+    with RunLog(run_dir, readonly=True) as run_log:
+        logged = [e for stream in STREAMS for _, e in run_log.events(stream)]
+    keys = [(e.producer, e.seq) for e in logged]
+    assert len(keys) == len(set(keys)), "a (producer, seq) was used twice"
+    commits = sorted((e for e in logged if isinstance(e, StepCommitted)), key=lambda c: c.step)
+    assert [c.step for c in commits] == [1, 2, 3]
+    trained = [g for c in commits for g in c.groups]
+    assert len(trained) == len(set(trained)) == 6
+    dead = client.xrange(stream_key(run_name, DEAD))
+    assert len(dead) >= 3 * len(STREAMS)  # the archiver dead-lettered every bad entry
+
+
+def _bus_events(client, run: str, stream: str) -> list:
+    out = []
+    for _, fields in client.xrange(stream_key(run, stream)):
+        try:
+            out.append(decode(fields.get(b"e", b"")))
+        except MalformedEvent:
+            pass
+    return out
