@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,10 +18,11 @@ import pytest
 import redis
 import torch
 
-from bus.events import (STREAMS, MalformedEvent, RoutingTrace, Sample, StepCommitted, Tensor, Trajectory,
-                        WeightsPublished, decode, stream_key)
+from bus.events import (STREAMS, MalformedEvent, RoutingTrace, Sample, StepCommitted, StepTiming, Tensor,
+                        Trajectory, WeightsPublished, decode, stream_key)
 from bus.log import RunLog
-from bus.streams import DEAD, Publisher, connect
+from bus.streams import DEAD, Publisher, connect, safe_trim
+from consumers import trainer as trainer_mod
 from consumers.archiver import Archiver
 from consumers.trainer import CRASH_STAGES, STOPPED_EXIT
 from runtime import config as config_mod
@@ -247,3 +249,45 @@ def _bus_events(client, run: str, stream: str) -> list:
         except MalformedEvent:
             pass
     return out
+
+
+def test_resume_sees_commits_archived_and_trimmed_while_it_reads(tmp_path: Path, redis_url: str,
+                                                                 run_name: str, monkeypatch) -> None:
+    """The archiver logs, acks and trims steps 1-2 between the trainer's two reads of them."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text(CONFIG.format(name=run_name, model=TINY_MODEL_TOML))
+    commits = [StepCommitted(run=run_name, producer="trainer:0", seq=s, step=s, version=s, groups=[f"g{s}"],
+                             dropped=[], loss=0.0, grad_norm=0.0, weights_sha256="", timing=StepTiming(0, 0, 0))
+               for s in (1, 2, 3)]
+    asyncio.run(_publish(redis_url, commits))
+
+    def archive_and_trim() -> None:
+        async def go() -> None:
+            await _archive_everything(run_dir, redis_url, run_name)
+            client = connect(redis_url)
+            try:
+                assert await safe_trim(client, run_name, "steps") == 2  # steps 1 and 2 leave the bus
+            finally:
+                await client.aclose()
+        thread = threading.Thread(target=asyncio.run, args=(go(),))
+        thread.start()
+        thread.join()
+
+    read_log = trainer_mod.logged_events
+
+    def logged_then_archived(run_dir_: Path, stream: str) -> list:
+        events = read_log(run_dir_, stream)
+        archive_and_trim()  # the archiver's turn, right after this read
+        return events
+
+    trainer = trainer_mod.Trainer(run_dir, redis_url, config_mod.load(run_dir / "config.toml"))
+    monkeypatch.setattr(trainer_mod, "logged_events", logged_then_archived)
+
+    async def read() -> dict:
+        trainer.redis = connect(redis_url)
+        try:
+            return await trainer._read_commits()
+        finally:
+            await trainer.redis.aclose()
+    assert sorted(asyncio.run(read())) == [1, 2, 3]
