@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 import torch
 
 from bus.blobs import BlobStore
+from bus.errors import ReelError
 from bus.events import (
     AnyEvent, DroppedGroup, MalformedEvent, RoutingTrace, RunStarted, StepCommitted, StepTiming, Trajectory,
     WeightsPublished, decode, stream_key,
@@ -35,7 +36,7 @@ from bus.log import LogCorrupted, LogError, RunLog
 from bus.seqs import recover_seq
 from bus.streams import FIELD, Delivery, GroupConsumer, Publisher, connect
 from runtime import checkpoint
-from runtime.batch import Group, build_batch, decode_routing
+from runtime.batch import Group, build_batch, decode_routing, routing_problem
 from runtime.config import Config, config_hash
 from runtime.config import load as load_config
 from runtime.groups import GroupLookup
@@ -59,6 +60,7 @@ STOPPED_EXIT = 143
 class PendingGroup:
     trajectory: Delivery | None = None
     routing: Delivery | None = None
+    resolved: Group | None = None  # routing decoded and checked, once both parts are here
 
     def deliveries(self) -> list[Delivery]:
         return [d for d in (self.trajectory, self.routing) if d is not None]
@@ -119,7 +121,7 @@ class Trainer:
         if stop.is_set():
             return
         waited = time.perf_counter() - started
-        batch = build_batch([self._resolve(gid, part) for gid, part in collected.groups])
+        batch = build_batch([part.resolved for _, part in collected.groups])
         self.state, result = await asyncio.to_thread(train_step, self.state, batch, self.config)
         computed = time.perf_counter()
         step = self.state.step
@@ -179,7 +181,7 @@ class Trainer:
         if part.trajectory is None or part.routing is None:
             return
         assert isinstance(part.trajectory.event, Trajectory)
-        reason = self._stale_reason(part.trajectory.event)
+        reason = self._stale_reason(part.trajectory.event) or self._resolve(part)
         if reason is not None:
             out.dropped.append((DroppedGroup(group_id, reason), part))
         elif len(out.groups) < self.config.trainer.batch_groups:
@@ -194,12 +196,25 @@ class Trainer:
         limit = self.config.trainer.max_off_policy_steps
         return f"stale: {behind} versions behind > max_off_policy_steps = {limit}" if behind > limit else None
 
-    def _resolve(self, group_id: str, part: PendingGroup) -> Group:
+    def _resolve(self, part: PendingGroup) -> str | None:
+        """Decode and check the group's routing into part.resolved; why it cannot be trained, if so.
+
+        A trace that does not match its tokens is dropped with its group (recorded in the commit):
+        training it without router replay would turn R3 off for the whole step."""
         assert part.trajectory is not None and part.routing is not None
         trace = part.routing.event
         assert isinstance(trace, RoutingTrace) and isinstance(part.trajectory.event, Trajectory)
-        routing = decode_routing(trace, self.blobs.get(trace.blob) if trace.blob else None)
-        return Group(part.trajectory.event, routing)
+        model = self.state.model.config
+        try:
+            blob = self.blobs.get(trace.blob) if trace.blob else None
+            group = Group(part.trajectory.event, decode_routing(trace, blob))
+            problem = routing_problem(group, len(model.moe_layers), model.num_experts_per_tok, model.num_experts)
+        except (ReelError, ValueError) as exc:  # a missing or corrupted blob, bytes that do not fit the shape
+            problem = f"routing trace unreadable: {exc}"
+        if problem is not None:
+            return f"bad routing: {problem}"
+        part.resolved = group
+        return None
 
     async def _setup_or_resume(self) -> None:
         commits = await self._read_commits()

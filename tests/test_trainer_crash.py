@@ -126,14 +126,20 @@ def _after(entry_id: str, last: str) -> bool:
     return a > b
 
 
-def _prepare(tmp_path: Path, url: str, run: str, groups: int = GROUPS) -> Path:
-    """A run dir with its initial policy, and `groups` groups of it on the bus."""
+def _prepare(tmp_path: Path, url: str, run: str, groups: int = GROUPS, *, bad_routing: bool = False) -> Path:
+    """A run dir with its initial policy, and `groups` groups of it on the bus; with bad_routing,
+    the first group's trace is one token short."""
     run_dir = tmp_path / "run"
     for sub in ("log", "blobs", "roles"):
         (run_dir / sub).mkdir(parents=True)
     (run_dir / "config.toml").write_text(CONFIG.format(name=run, model=TINY_MODEL_TOML))
     ensure_initial_policy(run_dir, config_mod.load(run_dir / "config.toml"))
-    asyncio.run(_publish(url, [e for pair in _groups(run_dir, run)[:groups] for e in pair]))
+    pairs = _groups(run_dir, run)[:groups]
+    if bad_routing:
+        trajectory, trace = pairs[0]
+        short = [Tensor.from_numpy(t.numpy()[:-1]) for t in trace.experts]
+        pairs[0] = (trajectory, msgspec.structs.replace(trace, experts=short))
+    asyncio.run(_publish(url, [e for pair in pairs for e in pair]))
     return run_dir
 
 
@@ -213,8 +219,9 @@ def _garbage_on_every_stream(url: str, run: str) -> None:
 
 def test_resume_after_redis_lost_the_newest_commit(tmp_path: Path, redis_url: str, run_name: str) -> None:
     """Step 2 is in the log but Redis lost it, and every stream holds entries that are not events:
-    the trainer resumes at 2 without reusing a seq, puts version 2 back on the bus, and finishes."""
-    run_dir = _prepare(tmp_path, redis_url, run_name)
+    the trainer resumes at 2 without reusing a seq, puts version 2 back on the bus, and finishes.
+    One group's routing trace does not fit its tokens: that group is dropped, not trained without R3."""
+    run_dir = _prepare(tmp_path, redis_url, run_name, bad_routing=True)
     crashed = _trainer(run_dir, redis_url, "2:acked")
     assert crashed.returncode == -9, crashed.stderr[-2000:]
     asyncio.run(_archive_everything(run_dir, redis_url, run_name))
@@ -237,6 +244,9 @@ def test_resume_after_redis_lost_the_newest_commit(tmp_path: Path, redis_url: st
     assert [c.step for c in commits] == [1, 2, 3]
     trained = [g for c in commits for g in c.groups]
     assert len(trained) == len(set(trained)) == 6
+    # The group whose trace does not fit its tokens was dropped, with the reason; R3 ran every step.
+    assert [(d.group_id, d.reason.split(":")[0]) for c in commits for d in c.dropped] == [("0-0-0", "bad routing")]
+    assert all(c.metrics["router_replay"] == 1.0 for c in commits)
     dead = client.xrange(stream_key(run_name, DEAD))
     assert len(dead) >= 3 * len(STREAMS)  # the archiver dead-lettered every bad entry
 
