@@ -13,8 +13,9 @@ Async gate (rollout.async_level = a). Let c be the newest policy version that is
 (the `version` of the newest StepCommitted; 0 before any commit, version 0 being the initial
 policy) and live in this worker's engine: a commit counts once its weights are loaded here, so no
 round is sampled under weights older than the gate assumes. A worker splits its groups into rounds
-of R = min(rollout.concurrency, ceil(trainer.batch_groups / rollout.workers)) groups, R being its
-share of one trainer batch; round r is meant for the step that turns version r into r + 1. Its
+of R = ceil(trainer.batch_groups / rollout.workers) groups, R being its share of one trainer batch
+(with concurrency below R, a round takes several waves: were R capped at concurrency, each commit
+would release fewer groups than the next step needs, and the run would stall); round r is meant for the step that turns version r into r + 1. Its
 g-th group (counting from 0 in this process) belongs to round r(g) = c0 + g // R, c0 being c when
 the process started its first group, and may start only when
 
@@ -98,7 +99,7 @@ class RolloutWorker:
         self.env = make_env(config.env, config.rollout.max_tokens)
         self.blobs = BlobStore(self.run_dir / "blobs")
         r = config.rollout
-        self.round_size = min(r.concurrency, math.ceil(config.trainer.batch_groups / r.workers))
+        self.round_size = math.ceil(config.trainer.batch_groups / r.workers)
         self.publisher = None
         self.seq_base = 0
         self.engine = None

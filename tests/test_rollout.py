@@ -155,6 +155,25 @@ async def test_async_gate(redis_url: str, run_name: str, tmp_path, async_level: 
     assert all(s.spans == [(0, 1)] for g in groups[before_commit:] for s in g.samples)
 
 
+async def test_each_commit_releases_a_whole_batch_share(redis_url: str, run_name: str, tmp_path) -> None:
+    """concurrency 2 < batch_groups 3: rounds still hold a whole batch, so commits never starve the trainer."""
+    run_dir = make_run(tmp_path, run_name, async_level=1, concurrency=2, batch_groups=3, max_tokens=3)
+    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
+    model = initial_model(run_dir)
+    await publish_weights(redis_url, run_dir, 0, model, commit=False)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    await wait_for(redis_url, run_name, 6)  # two batches before any commit (async_level 1)
+    await asyncio.sleep(0.5)
+    assert worker.started == 6 and not worker.in_flight
+    await publish_weights(redis_url, run_dir, 1, model, commit=True)
+    await wait_for(redis_url, run_name, 9)  # one more batch per commit
+    await asyncio.sleep(0.5)
+    assert worker.started == 9
+    stop.set()
+    await asyncio.wait_for(task, 20)
+
+
 async def test_new_weights_reach_the_running_worker(redis_url: str, run_name: str, tmp_path) -> None:
     run_dir = make_run(tmp_path, run_name, async_level=100)
     worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
