@@ -7,7 +7,7 @@ any role fails (then prints that role's last log lines and exits non-zero).
 
 Run directory:
     config.toml      the config as given (the run's identity; --resume checks it)
-    bus_url          where the live bus is (removed when the run stops)
+    bus_url          where the live bus is, password included (mode 0600; removed when the run stops)
     log/             the archiver's event log       blobs/   weights, checkpoints, big traces
     redis/           embedded Redis (AOF)           roles/<role>.log   each process's output
 Roles reach each other only through the bus and these files, so `reel role NAME --run DIR`
@@ -114,9 +114,12 @@ def bus_for(run_dir: Path, config: Config) -> Iterator[str]:
     """The run's bus URL; starts (and finally stops) the embedded Redis when bus.url is empty."""
     url_file = run_dir / "bus_url"
     if config.bus.url:
-        url_file.write_text(config.bus.url)
+        from runtime.bus_access import bus_url
+
+        url = bus_url(config)
+        _write_private(url_file, url)  # it holds the password
         try:
-            yield config.bus.url
+            yield url
         finally:
             url_file.unlink(missing_ok=True)
         return
@@ -124,12 +127,19 @@ def bus_for(run_dir: Path, config: Config) -> Iterator[str]:
 
     server = EmbeddedRedis(run_dir)
     url = server.start()
-    url_file.write_text(url)
+    _write_private(url_file, url)
     try:
         yield url
     finally:
         url_file.unlink(missing_ok=True)
         server.stop()
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)  # an older file may have had a wider mode
+        f.write(text)
 
 
 def _read_bus_url(run_dir: Path) -> str:
@@ -239,7 +249,9 @@ class Supervisor:
         self.vllm_port = free_port() if serves_vllm_locally(config) else None
 
     def _start(self, name: str, role: str, *extra: str, threads: int = 1, env: dict[str, str] | None = None) -> None:
-        argv = [sys.executable, "-m", "runtime.cli", "role", role, "--run", str(self.run_dir), "--bus", self.url, *extra]
+        argv = [sys.executable, "-m", "runtime.cli", "role", role, "--run", str(self.run_dir), *extra]
+        # The bus URL (maybe with a password) goes by environment: argv is public to `ps`.
+        env = {"REEL_BUS_URL": self.url, **(env or {})}
         self.roles[name] = RoleProcess(name, argv, self.run_dir / "roles" / f"{name}.log", threads, env)
 
     def _start_vllm_when_ready(self) -> None:
