@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     role.add_argument("name", choices=["trainer", "rollout", "archiver"])
     role.add_argument("--run", required=True, dest="run_dir", help="run directory")
     role.add_argument("--worker", type=int, default=0, help="rollout worker index")
-XX
+    role.add_argument("--bus", default=None, help="Redis URL (default: REEL_BUS_URL, else the run dir's bus_url); "
+                      "argv is visible to every user, so pass a URL with a password through REEL_BUS_URL")
     role.set_defaults(handler="runtime.launch:main_role")
 
     config = sub.add_parser("config", help="inspect a config")
