@@ -93,6 +93,10 @@ class Trainer:
         self.blobs = BlobStore(run_dir / "blobs")
         self.committed_groups = set()
         self.pending = {}
+        # A loss window the launcher found on resume (runtime/bus_loss.py): recorded in the next commit.
+        self.bus_loss = {key: float(os.environ[env]) for key, env in (
+            ("bus_lost_events", "REEL_BUS_LOST_EVENTS"), ("bus_lost_window_s", "REEL_BUS_LOST_WINDOW_S"))
+            if os.environ.get(env)}
 
     async def run_until_done(self, stop: asyncio.Event) -> None:
         self.redis = connect(self.url)
@@ -138,13 +142,14 @@ class Trainer:
             StepCommitted, step=step, version=step, groups=used, dropped=dropped, loss=result.loss,
             grad_norm=result.grad_norm, weights_sha256=result.weights_sha256,
             timing=StepTiming(wait=waited, compute=computed - started - waited, publish=time.perf_counter() - computed),
-            metrics=result.metrics, staleness=result.staleness, checkpoint=ckpt,
+            metrics={**result.metrics, **self.bus_loss}, staleness=result.staleness, checkpoint=ckpt,
             config_hash=config_hash(self.config), code_version=code_version(),
         )
         await self.publisher.publish_atomic([
             self.publisher.stamp(WeightsPublished, version=step, step=step, weights=weights), commit,
         ])
         self._crash_point(step, "committed")
+        self.bus_loss = {}
         self.committed_groups.update(used)
         self.committed_groups.update(d.group_id for d in dropped)
         await self.consumer.ack([d for _, part in collected.groups + collected.dropped for d in part.deliveries()])

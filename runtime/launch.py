@@ -63,7 +63,17 @@ def main_run(args: argparse.Namespace) -> int:
     run_dir = Path(args.out) if args.out else Path(config.run.out_dir) / config.run.name
     prepare_run_dir(run_dir, text, config, resume=args.resume)
     with bus_for(run_dir, config) as url:
-        return Supervisor(run_dir, url, config, live=not args.no_live and sys.stdout.isatty()).run()
+        supervisor = Supervisor(run_dir, url, config, live=not args.no_live and sys.stdout.isatty())
+        if args.resume:  # before any role publishes: new entries would hide the gap
+            from runtime.bus_loss import describe, find_loss_window
+
+            window = find_loss_window(url, config.run.name, run_dir)
+            if window is not None:
+                print(f"reel: {describe(window)}", file=sys.stderr, flush=True)
+                # ... and a metric: the trainer's next StepCommitted carries it (metrics.bus_lost_*).
+                supervisor.trainer_env = {"REEL_BUS_LOST_EVENTS": str(window.events),
+                                          "REEL_BUS_LOST_WINDOW_S": str(window.seconds)}
+        return supervisor.run()
 
 
 def main_role(args: argparse.Namespace) -> int:
@@ -239,6 +249,7 @@ class Supervisor:
     roles: dict[str, RoleProcess]
     progress: Progress
     vllm_port: int | None  # the local `vllm serve` (engine.vllm_server = "local"), started once init/ exists
+    trainer_env: dict[str, str]  # set before run(): what the trainer must record (a bus loss window)
 
     def __init__(self, run_dir: Path, url: str, config: Config, *, live: bool):
         self.run_dir = run_dir
@@ -247,11 +258,12 @@ class Supervisor:
         self.roles = {}
         self.progress = Progress(url, config, live=live)
         self.vllm_port = free_port() if serves_vllm_locally(config) else None
+        self.trainer_env = {}
 
     def _start(self, name: str, role: str, *extra: str, threads: int = 1, env: dict[str, str] | None = None) -> None:
         argv = [sys.executable, "-m", "runtime.cli", "role", role, "--run", str(self.run_dir), *extra]
         # The bus URL (maybe with a password) goes by environment: argv is public to `ps`.
-        env = {"REEL_BUS_URL": self.url, **(env or {})}
+        env = {"REEL_BUS_URL": self.url, **(self.trainer_env if role == "trainer" else {}), **(env or {})}
         self.roles[name] = RoleProcess(name, argv, self.run_dir / "roles" / f"{name}.log", threads, env)
 
     def _start_vllm_when_ready(self) -> None:
