@@ -28,7 +28,7 @@ from runtime.cli import main
 
 pytestmark = pytest.mark.slow
 
-STEPS = 10
+STEPS = 16
 CONFIG = """
 [run]
 name = "chaos"
