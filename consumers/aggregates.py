@@ -87,6 +87,7 @@ class Snapshot(msgspec.Struct, frozen=True):
     workers: list[WorkerView]
     tokens_per_s: float  # sum over workers
     recent_steps: list[StepRow]
+    bus_lost_events: int = 0  # logged events Redis lost, as commits after a resume recorded them
 
 
 def idle_share(timing: StepTiming) -> float | None:
@@ -149,6 +150,7 @@ class RunAggregates:
         self._groups_trained = 0
         self._staleness: Counter[int] = Counter()
         self._dropped: Counter[str] = Counter()
+        self._bus_lost_events = 0
         self._workers: dict[str, WorkerStats] = {}
         # latest
         self._finished: str | None = None
@@ -176,6 +178,7 @@ class RunAggregates:
                 self._groups_trained += row.groups
                 self._staleness.update(event.staleness)
                 self._dropped.update(row.dropped_by_reason)
+                self._bus_lost_events += int(event.metrics.get("bus_lost_events", 0))
                 return row
             case WeightsPublished():
                 self._policy_version = max(event.version, self._policy_version or 0)
@@ -217,4 +220,5 @@ class RunAggregates:
             staleness=dict(sorted(self._staleness.items())), dropped=dict(sorted(self._dropped.items())),
             dead_letters=self._dead_letters, workers=workers,
             tokens_per_s=sum(w.tokens_per_s for w in workers), recent_steps=steps,
+            bus_lost_events=self._bus_lost_events,
         )

@@ -96,6 +96,9 @@ class SnapshotCollector(Collector):
                       s.run, {None: s.groups_trained})
         yield _family(CounterMetricFamily, "reel_dead_letters", "Entries in the run's dead-letter stream.",
                       s.run, {None: s.dead_letters})
+        yield _family(CounterMetricFamily, "reel_bus_lost_events",
+                      "Logged events Redis lost (e.g. its last second after a crash), found when the run resumed.",
+                      s.run, {None: s.bus_lost_events})
 
 
 def _fmt(value: float | int | None, pct: bool = False) -> str:

@@ -77,7 +77,8 @@ def _synthetic_run(run: str) -> list:
         _weights(run, 1), _weights(run, 2),
         _stats(run, "rollout:0", 100.0, 1), _stats(run, "rollout:1", 50.0, 2),
         _step(run, 2, ["g4"], dropped=[("g9", "off_policy")], staleness={1: 20, 2: 20}, timing=(0.0, 1.0, 1.0),
-              metrics={"reward_mean": 0.6, "kl_k1": 0.01, "kl_k3": 0.002, "ratio_mean": 1.01, "other": 5.0}),
+              metrics={"reward_mean": 0.6, "kl_k1": 0.01, "kl_k3": 0.002, "ratio_mean": 1.01, "other": 5.0,
+                       "bus_lost_events": 7.0}),
         RunFinished(run=run, producer="launcher:0", seq=next(_seq), reason="done"),
     ]
 
@@ -272,6 +273,7 @@ async def test_prometheus_endpoint(redis_url: str, run_name: str):
         assert value[("reel_groups_dropped_total", (("reason", "stale"), run))] == 2
         assert value[("reel_staleness_tokens_total", (run, ("versions_behind", "1")))] == 50
         assert value[("reel_dead_letters_total", (run,))] == 0
+        assert value[("reel_bus_lost_events_total", (run,))] == 7  # step 2 was committed after a resume
         expected = {"reel_reward_mean", "reel_reward_p50", "reel_reward_p90", "reel_mismatch_kl_k1",
                     "reel_mismatch_kl_k2", "reel_mismatch_kl_k3", "reel_importance_ratio_mean",
                     "reel_importance_ratio_min", "reel_importance_ratio_max", "reel_trainer_idle_ratio",
