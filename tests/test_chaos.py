@@ -68,12 +68,17 @@ class Launch:
         deadline = time.monotonic() + PHASE_TIMEOUT_S
         while len(_commits(run_dir)) < at_least:
             assert self.proc.poll() is None, self.finish()
-            assert time.monotonic() < deadline, f"no step {at_least} within {PHASE_TIMEOUT_S} s"
+            assert time.monotonic() < deadline, f"no step {at_least} within {PHASE_TIMEOUT_S} s\n" + _role_logs(run_dir)
             time.sleep(0.2)
 
     def finish(self) -> str:
         self.output += self.proc.communicate(timeout=PHASE_TIMEOUT_S)[0]
         return self.output
+
+
+def _role_logs(run_dir: Path, lines: int = 15) -> str:
+    return "\n".join(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+                     for log in sorted((run_dir / "roles").glob("*.log")))
 
 
 class AofWatch:
