@@ -50,6 +50,7 @@ import numpy as np
 
 from bus.blobs import BlobStore
 from bus.events import RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished, WorkerStats
+from bus.log import LogError, RunLog
 from bus.seqs import recover_seq
 from bus.streams import Publisher, connect
 from bus.tail import Tail
@@ -123,6 +124,9 @@ class RolloutWorker:
         redis = connect(self.url)
         try:
             self.seq_base = await self._recover_seq(redis)
+            # Redis may have lost the newest commits (its last second) while the log kept them: a
+            # gate on the bus alone would wait for versions the trainer will never commit again.
+            self.committed = await asyncio.to_thread(newest_logged_commit, self.run_dir)
             self.publisher = Publisher(redis, self.run_name, self.name, self.seq_base)
             self._background = [asyncio.create_task(self._follow_weights(), name="follow-weights"),
                                 asyncio.create_task(self._follow_steps(), name="follow-steps"),
@@ -318,6 +322,17 @@ async def _read_to_end(tail: Tail, block_ms: int) -> list:
         batch = await tail.read(count=_READ, block_ms=0)
         events += [e for _, _, e in batch]
     return events
+
+
+def newest_logged_commit(run_dir: Path) -> int:
+    """Version of the newest StepCommitted in the run's log (0 if none)."""
+    try:
+        with RunLog(run_dir, readonly=True) as run_log:
+            if "steps" not in run_log.names():
+                return 0
+            return max((e.version for _, e in run_log.events("steps") if isinstance(e, StepCommitted)), default=0)
+    except LogError:
+        return 0  # no log yet
 
 
 def group_seed(run_seed: int, worker: int, seq_base: int, counter: int) -> int:
