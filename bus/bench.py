@@ -1,13 +1,16 @@
 """`reel bench bus` and `reel bench log`: Reel's delivery and persistence against the raw medium.
 
 bus: one realistic Trajectory event (8 samples x 1024 tokens, int32 ids + float32 logprobs,
-     ~67 KB). Baseline: redis-py pipelined XADD of its bytes. Reel: Publisher -> a GroupConsumer
-     (read + ack, in its own process, like the trainer) and the archiver (its own process, acks
-     once fdatasync'd); an event counts once both groups have acknowledged it. Both against one
-     EmbeddedRedis (unix socket, AOF everysec, no AOF rewrites) in a temp dir, both publishing
-     from uvloop like the roles do. ratio = Reel events/s / raw events/s. In Reel each event
-     crosses Redis three times (in once, out to two groups) and reaches the disk twice (AOF and
-     log), all on the same cores: `cpus` is in the output because the ratio depends on it.
+     ~67 KB). Reel: Publisher -> a GroupConsumer (read + ack, in its own process, like the
+     trainer) and the archiver (its own process, acks once fdatasync'd); an event counts once both
+     groups have acknowledged it. Baseline: the same work raw with plain redis-py: pipelined XADD
+     of the event's bytes, two consumer groups in their own processes each reading with
+     XREADGROUP and acking, one of them first appending the bytes to a file with fdatasync; so
+     ratio = Reel events/s / raw events/s measures Reel's own overhead. The old baseline, a bare
+     pipelined XADD with no readers, stays in the output (raw_xadd_events_per_s, ratio_vs_xadd).
+     All against one EmbeddedRedis (unix socket, AOF everysec, no AOF rewrites) in a temp dir,
+     publishing from uvloop like the roles do; `cpus` is in the output because the ratio depends
+     on it. `--partitions P`: bus/bench_cluster.py.
 log: StreamLog.append_batch (framing, CRC, group commit: one fdatasync per batch) MB/s over a raw
      sequential write + one fdatasync per batch of the same bytes, to the same directory.
 
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import subprocess
@@ -34,12 +36,14 @@ import redis
 import redis.asyncio
 import uvloop
 
-from bus.events import STREAMS, Sample, Tensor, Trajectory, encode, stream_key
+from bus.events import STREAMS, Sample, Tensor, Trajectory, encode
+from bus.jsonout import print_json
 from bus.log import StreamLog
+from bus.partitions import lane_key, lanes, worker_partition
 from bus.server import EmbeddedRedis
 from bus.streams import GroupConsumer, Publisher, connect
 
-__all__ = ["bench_bus", "bench_log", "trajectory"]
+__all__ = ["bench_bus", "bench_log", "trajectory", "reel_pipeline", "consume", "raw_read"]
 
 _PIPELINE = 50  # events per pipelined round trip (baseline and Publisher alike)
 _ARCHIVER = "consumers.archiver:main"
@@ -66,23 +70,30 @@ def trajectory(seq: int = 0, samples: int = 8, tokens: int = 1024) -> Trajectory
 # -- bench bus ------------------------------------------------------------------------------------
 
 def bench_bus(args: argparse.Namespace) -> int:
+    if getattr(args, "partitions", 0):
+        from bus.bench_cluster import bench_bus_partitions
+
+        return bench_bus_partitions(args)
     n, rounds = (300, 1) if args.quick else (3000, 3)
     event = trajectory()
-    raw, reel, published = [], [], []
+    xadd, raw, reel, published = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="reel-bench-bus-") as tmp, EmbeddedRedis(Path(tmp)) as server:
         _no_aof_rewrites(server.url)
         for r in range(rounds):
-            raw.append(uvloop.run(_raw_xadd(server.url, encode(event), n)))
-            done, publish = _reel_pipeline(server.url, Path(tmp) / f"run{r}", f"bench{r}", event, n)
+            xadd.append(uvloop.run(_raw_xadd(server.url, encode(event), n)))
+            raw.append(_raw_groups(server.url, Path(tmp) / f"raw{r}", encode(event), n))
+            done, publish = reel_pipeline(server.url, Path(tmp) / f"run{r}", f"bench{r}", event, n)
             reel.append(done)
             published.append(publish)
-    print(json.dumps({
+    print_json({
         "bench": "bus", "events": n, "event_bytes": len(encode(event)), "rounds": rounds, "cpus": os.cpu_count(),
         "raw_events_per_s": round(max(raw)), "reel_events_per_s": round(max(reel)),
         # how fast the Reel publisher got its events out, while the two readers ran beside it
         "reel_publish_events_per_s": round(published[reel.index(max(reel))]),
         "ratio": round(max(reel) / max(raw), 3),
-    }))
+        # the baseline before: a bare pipelined XADD, no readers (Redis does a third of the work)
+        "raw_xadd_events_per_s": round(max(xadd)), "ratio_vs_xadd": round(max(reel) / max(xadd), 3),
+    })
     return 0
 
 
@@ -110,21 +121,91 @@ async def _raw_xadd(url: str, data: bytes, n: int) -> float:
         await client.aclose()
 
 
-def _reel_pipeline(url: str, run_dir: Path, run: str, event: Trajectory, n: int) -> tuple[float, float]:
-    """(events/s until the consumer and the archiver have acked the last, events/s published)."""
-    run_dir.mkdir()
-    children = {run_dir / "consumer.log": _child(run_dir / "consumer.log", "bus.bench:consume", url, run, str(n)),
-                run_dir / "archiver.log": _child(run_dir / "archiver.log", _ARCHIVER, str(run_dir), url, run)}
+def _raw_groups(url: str, out: Path, data: bytes, n: int) -> float:
+    """The baseline: events/s until two raw consumer groups (one fdatasyncing a file) acked the last."""
+    out.mkdir()
+    key = f"raw:{out.name}"
+    children = {out / "reader.log": _child(out / "reader.log", "bus.bench:raw_read", url, key, "reader", str(n), ""),
+                out / "writer.log": _child(out / "writer.log", "bus.bench:raw_read", url, key, "writer", str(n),
+                                           str(out / "events.bin"))}
     try:
-        rates = uvloop.run(_publish_and_wait(url, run, event, n, children))
+        rate = uvloop.run(_raw_publish_and_wait(url, key, data, n, children))
     finally:
-        for child in children.values():
-            child.terminate()
-            child.wait(timeout=30)
+        _stop(children)
+    if (out / "events.bin").stat().st_size != len(data) * n:
+        raise RuntimeError(f"bench bus: the raw writer wrote {(out / 'events.bin').stat().st_size} bytes, not {n} events")
+    return rate
+
+
+async def _raw_publish_and_wait(url: str, key: str, data: bytes, n: int,
+                                children: dict[Path, subprocess.Popen]) -> float:
+    client = redis.asyncio.from_url(url)
+    try:
+        await _wait_for_groups(client, [key], children)
+        start = time.perf_counter()
+        for i in range(0, n, _PIPELINE):
+            pipe = client.pipeline(transaction=False)
+            for _ in range(min(_PIPELINE, n - i)):
+                pipe.xadd(key, {b"e": data})
+            last = (await pipe.execute())[-1].decode()
+        await _wait_acked(client, {key: last}, children)
+        rate = n / (time.perf_counter() - start)
+        await client.delete(key)
+        return rate
+    finally:
+        await client.aclose()
+
+
+def raw_read(url: str, key: str, group: str, n: str, path: str) -> int:
+    """A raw baseline reader: XREADGROUP, (append to `path` + fdatasync,) XACK, until n are acked."""
+
+    async def read() -> None:
+        client = redis.asyncio.from_url(url)
+        out = open(path, "ab") if path else None
+        try:
+            await client.xgroup_create(key, group, id="0", mkstream=True)
+            done = 0
+            while done < int(n):
+                reply = await client.xreadgroup(group, "c", {key: ">"}, count=256 if out else 100, block=200)
+                for _, entries in reply or ():
+                    if out is not None:
+                        out.write(b"".join(fields[b"e"] for _, fields in entries))
+                        out.flush()
+                        os.fdatasync(out.fileno())
+                    await client.xack(key, group, *(entry_id for entry_id, _ in entries))
+                    done += len(entries)
+        finally:
+            if out is not None:
+                out.close()
+            await client.aclose()
+
+    uvloop.run(read())
+    return 0
+
+
+def reel_pipeline(url: str, run_dir: Path, run: str, event: Trajectory, n: int,
+                  partitions: int = 1) -> tuple[float, float]:
+    """(events/s until the consumer and the archiver have acked the last, events/s published).
+    With partitions > 1, one publisher per partition sends n / partitions events, all at once."""
+    run_dir.mkdir()
+    children = {run_dir / "consumer.log": _child(run_dir / "consumer.log", "bus.bench:consume", url, run, str(n),
+                                                 str(partitions)),
+                run_dir / "archiver.log": _child(run_dir / "archiver.log", _ARCHIVER, str(run_dir), url, run,
+                                                 str(partitions))}
+    try:
+        rates = uvloop.run(_publish_and_wait(url, run, event, n, partitions, children))
+    finally:
+        _stop(children)
     with StreamLog(run_dir / "log" / "trajectories", readonly=True) as log:
         if len(log) != n:
             raise RuntimeError(f"bench bus: the archiver logged {len(log)} of {n} events")
     return rates
+
+
+def _stop(children: dict[Path, subprocess.Popen]) -> None:
+    for child in children.values():
+        child.terminate()
+        child.wait(timeout=30)
 
 
 def _child(output: Path, target: str, *argv: str) -> subprocess.Popen:
@@ -133,29 +214,49 @@ def _child(output: Path, target: str, *argv: str) -> subprocess.Popen:
                                 stdout=out, stderr=subprocess.STDOUT)
 
 
-async def _publish_and_wait(url: str, run: str, event: Trajectory, n: int,
+async def _publish_and_wait(url: str, run: str, event: Trajectory, n: int, partitions: int,
                             children: dict[Path, subprocess.Popen]) -> tuple[float, float]:
-    key = stream_key(run, "trajectories")
     client = connect(url)
     try:
-        while len(await client.xinfo_groups(key) if await client.exists(key) else []) < 2:
-            _check_alive(children)
-            await asyncio.sleep(0.02)  # both children have created their groups
-        publisher = Publisher(client, run, "rollout:0")
+        keys = [lane_key(run, lane) for lane in lanes(["trajectories"], partitions)]
+        await _wait_for_groups(client, keys, children)
         fields = {f: getattr(event, f) for f in event.__struct_fields__ if f not in ("run", "producer", "seq")}
+
+        async def publish(worker: int) -> str:
+            publisher = Publisher(client, run, f"rollout:{worker}", partition=worker_partition(worker, partitions))
+            mine = n // partitions + (worker < n % partitions)
+            for i in range(0, mine, _PIPELINE):
+                ids = await publisher.publish([publisher.stamp(Trajectory, **fields)
+                                               for _ in range(min(_PIPELINE, mine - i))])
+            return ids[-1]
+
         start = time.perf_counter()
-        for i in range(0, n, _PIPELINE):
-            ids = await publisher.publish([publisher.stamp(Trajectory, **fields) for _ in range(min(_PIPELINE, n - i))])
+        lasts = await asyncio.gather(*(publish(w) for w in range(partitions)))
         published = time.perf_counter() - start
-        while not all(g["pending"] == 0 and g["last-delivered-id"].decode() == ids[-1]
-                      for g in await client.xinfo_groups(key)):
-            _check_alive(children)
-            await asyncio.sleep(0.005)
+        await _wait_acked(client, dict(zip(keys, lasts)), children)
         done = time.perf_counter() - start
-        await client.delete(*(stream_key(run, s) for s in STREAMS))  # keeps AOF rewrites small
+        for key in keys + [lane_key(run, lane) for lane in STREAMS if lane != "trajectories"]:
+            await client.delete(key)  # keeps AOF rewrites small (one key at a time: a cluster has many slots)
         return n / done, n / published
     finally:
         await client.aclose()
+
+
+async def _wait_for_groups(client: redis.asyncio.Redis, keys: list[str], children: dict[Path, subprocess.Popen]) -> None:
+    """Until both readers have created their group on every key."""
+    for key in keys:
+        while len(await client.xinfo_groups(key) if await client.exists(key) else []) < 2:
+            _check_alive(children)
+            await asyncio.sleep(0.02)
+
+
+async def _wait_acked(client: redis.asyncio.Redis, lasts: dict[str, str], children: dict[Path, subprocess.Popen]) -> None:
+    """Until every group on each key has read up to its last entry and acked everything."""
+    for key, last in lasts.items():
+        while not all(g["pending"] == 0 and g["last-delivered-id"].decode() == last
+                      for g in await client.xinfo_groups(key)):
+            _check_alive(children)
+            await asyncio.sleep(0.005)
 
 
 def _check_alive(children: dict[Path, subprocess.Popen]) -> None:
@@ -165,11 +266,12 @@ def _check_alive(children: dict[Path, subprocess.Popen]) -> None:
                                f"{output.read_text()[-2000:]}")
 
 
-def consume(url: str, run: str, n: str) -> int:
+def consume(url: str, run: str, n: str, partitions: str = "1") -> int:
     """The trainer-like reader of `reel bench bus`: read and ack n trajectories."""
 
     async def run_consumer() -> None:
-        async with GroupConsumer(url, run, "trainer", "bench", ["trajectories"], block_ms=200) as consumer:
+        async with GroupConsumer(url, run, "trainer", "bench", ["trajectories"], block_ms=200,
+                                 partitions=int(partitions)) as consumer:
             done = 0
             while done < int(n):
                 deliveries = await consumer.read(count=100)
@@ -192,11 +294,11 @@ def bench_log(args: argparse.Namespace) -> int:
             raw.append(_raw_write(Path(tmp) / f"raw{r}", data, per_batch, batches))
             logged.append(_log_append(Path(tmp) / f"log{r}", data, per_batch, batches))
     total = len(data) * per_batch * batches
-    print(json.dumps({
+    print_json({
         "bench": "log", "bytes_per_round": total, "record_bytes": len(data), "records_per_fdatasync": per_batch,
         "rounds": rounds, "raw_mb_per_s": round(max(raw) / 1e6, 1), "log_mb_per_s": round(max(logged) / 1e6, 1),
         "ratio": round(max(logged) / max(raw), 3),
-    }))
+    })
     return 0
 
 

@@ -4,11 +4,9 @@ An event carries a `BlobRef(uri, sha256, nbytes)` claim check; `get` verifies th
 before returning anything, so a reader never uses bytes other than the ones the producer named.
 
 Backends subclass `BlobBackend` (put + unverified read; verification lives in the base class so no
-backend can skip it). `BlobStore` is the local/shared-filesystem backend (`file://` URIs); a
-Mooncake store backend would be another subclass in its own module.
-
-Layout: root/<sha[:2]>/<sha>. A put writes a temp file in root, fsyncs it, renames it into place and
-fsyncs the directory, so a blob is either absent or complete.
+backend can skip it), one module each in bus/blob_backends/: `file` (local or shared filesystem,
+`file://` URIs; every run directory's blobs/) and `mooncake` (a Mooncake store, `mooncake://`).
+`bus.blob_backends.open_blobs` picks one for a run.
 
     ReelError
      └── BlobError   missing, corrupted or unwritable blob; bad key
@@ -17,28 +15,23 @@ fsyncs the directory, so a blob is either absent or complete.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 from bus.errors import ReelError
 from bus.events import BlobRef
-from bus.logformat import fsync_dir
 
-__all__ = ["BlobError", "BlobBackend", "BlobStore"]
+__all__ = ["BlobError", "BlobBackend", "check_key"]
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_CHUNK = 8 << 20
 
 
 class BlobError(ReelError):
     """A blob is missing, fails its hash check, cannot be written, or its key is not a sha256."""
 
 
-def _check_key(sha256: str) -> str:
+def check_key(sha256: str) -> str:
     # Keys become path components: only 64 lowercase hex chars can never escape the store.
     if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
         raise BlobError(f"blob key {sha256!r} is not a sha256 (64 lowercase hex characters)")
@@ -58,7 +51,7 @@ class BlobBackend(ABC):
 
     def get(self, ref: BlobRef) -> bytes:
         """The blob's bytes after checking size and sha256 against `ref`."""
-        _check_key(ref.sha256)
+        check_key(ref.sha256)
         data = self.read(ref)
         if len(data) != ref.nbytes:
             raise BlobError(f"blob {ref.sha256} ({ref.uri}) has {len(data)} bytes, its reference says {ref.nbytes}")
@@ -66,83 +59,3 @@ class BlobBackend(ABC):
         if actual != ref.sha256:
             raise BlobError(f"blob {ref.sha256} ({ref.uri}) is corrupted: its bytes hash to {actual}")
         return data
-
-
-class BlobStore(BlobBackend):
-    """Blobs as files under `root` (run_dir/"blobs"), addressed by sha256."""
-
-    def __init__(self, root: Path):
-        self.root = Path(root).absolute()
-
-    def path(self, ref: BlobRef) -> Path:
-        """Where the blob lives (or would live) in this store."""
-        sha = _check_key(ref.sha256)
-        return self.root / sha[:2] / sha
-
-    def put(self, data: bytes | Path) -> BlobRef:
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".put-")
-            os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide blobs from other users of a shared store
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    digest, nbytes = self._copy(data, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                ref = BlobRef(uri="", sha256=digest, nbytes=nbytes)
-                final = self.path(ref)
-                if final.is_file() and final.stat().st_size == nbytes:
-                    os.unlink(tmp)  # already stored: content addressing makes put idempotent
-                else:
-                    self._make_dir(final.parent)
-                    os.replace(tmp, final)
-                    fsync_dir(final.parent)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-                raise
-        except OSError as exc:
-            raise BlobError(f"cannot write a blob to {self.root}: {exc}") from exc
-        return BlobRef(uri=final.as_uri(), sha256=digest, nbytes=nbytes)
-
-    def read(self, ref: BlobRef) -> bytes:
-        """From this store by hash first (the run dir may have moved), then the ref's own file."""
-        candidates = [self.path(ref)]
-        uri = urlparse(ref.uri)
-        if uri.scheme == "file":
-            elsewhere = Path(unquote(uri.path))
-            # Only a file named like a blob of this hash, in another store's layout, is accepted.
-            if elsewhere.name == ref.sha256 and elsewhere.parent.name == ref.sha256[:2]:
-                candidates.append(elsewhere)
-        elif uri.scheme:
-            raise BlobError(f"blob {ref.sha256} is in a {uri.scheme}:// store; this store reads file:// only")
-        for path in candidates:
-            try:
-                return path.read_bytes()
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                raise BlobError(f"cannot read blob {ref.sha256} at {path}: {exc}") from exc
-        raise BlobError(f"blob {ref.sha256} not found in {self.root}" +
-                        (f" nor at {candidates[1]}" if len(candidates) > 1 else ""))
-
-    @staticmethod
-    def _copy(data: bytes | Path, f) -> tuple[str, int]:
-        sha = hashlib.sha256()
-        if isinstance(data, Path):
-            nbytes = 0
-            with open(data, "rb") as src:
-                while chunk := src.read(_CHUNK):
-                    sha.update(chunk)
-                    f.write(chunk)
-                    nbytes += len(chunk)
-            return sha.hexdigest(), nbytes
-        sha.update(data)
-        f.write(data)
-        return sha.hexdigest(), len(data)
-
-    def _make_dir(self, shard: Path) -> None:
-        if not shard.is_dir():
-            shard.mkdir(exist_ok=True)
-            fsync_dir(self.root)
-

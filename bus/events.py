@@ -206,6 +206,7 @@ class RunFinished(Event, tag="run_finished"):
     """Launcher -> everyone: the run is over."""
 
     reason: str
+    dead_letters: int = 0  # entries ever dead-lettered, so a finished run's log knows them (metrics)
 
 
 AnyEvent = Union[

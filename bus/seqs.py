@@ -29,9 +29,9 @@ _key_decoder = msgspec.msgpack.Decoder(_Key)
 
 
 async def recover_seq(redis: redis.asyncio.Redis, run_dir: Path, run: str, producer: str,
-                      streams: Iterable[str]) -> int:
+                      streams: Iterable[str], partitions: int = 1) -> int:
     """max(next seq on the bus, next seq in the log's `streams`, those `producer` publishes on)."""
-    on_bus = await recover_next_seq(redis, run, producer)
+    on_bus = await recover_next_seq(redis, run, producer, partitions)
     in_log = await asyncio.to_thread(next_seq_in_log, run_dir, producer, tuple(streams))
     return max(on_bus, in_log)
 

@@ -1,6 +1,7 @@
 """Redis Streams: publisher, consumer groups, recovery, dead letters, safe trimming (watchers: bus/tail.py).
 
-An entry has one field `e` = bus.events.encode(event), at stream_key(run, name). Needs Redis >= 6.2
+An entry has one field `e` = bus.events.encode(event), at lane_key(run, lane) (bus/partitions.py:
+stream_key(run, name) unless the stream is split into partitions). Needs Redis >= 6.2
 (XAUTOCLAIM, XTRIM MINID, exclusive ranges) and nothing newer.
 
     ReelError
@@ -32,19 +33,20 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.exceptions import ConnectionError, RedisError, ResponseError, TimeoutError
 
+from bus.cluster import SlotReader, cluster_client, cluster_from_env, is_cluster
 from bus.errors import ReelError
-from bus.events import (STREAM_OF, STREAMS, AnyEvent, Event, MalformedEvent, decode, encode, event_key,
-                        stream_key)
+from bus.events import STREAM_OF, STREAMS, AnyEvent, Event, MalformedEvent, decode, encode, event_key
+from bus.partitions import lane_key, lane_of, lanes, seq_keys, slot_key
 
 __all__ = ["BusError", "connect", "Publisher", "recover_next_seq", "Delivery", "GroupConsumer", "safe_trim",
-           "DEAD", "FIELD"]
+           "DEAD", "FIELD", "dead_letters_added"]
 
 log = logging.getLogger(__name__)
 E = TypeVar("E", bound=Event)
 _Raw = tuple[str, str, "dict | None", int]  # (stream, entry id, fields, deliveries) as read
 
-DEAD = "dead"  # dead-letter stream name: stream_key(run, DEAD)
-_SEQ = "seq"  # sorted set at stream_key(run, _SEQ): producer -> highest seq it has published
+DEAD = "dead"  # dead-letter stream name, one per slot: slot_key(<the dead entry's key>, DEAD)
+_SEQ = "seq"  # sorted set per slot, slot_key(<key>, _SEQ): producer -> highest seq it has published there
 FIELD = b"e"  # the one field of an entry: the encoded event
 READ_MARGIN_S = 10.0  # a blocking reader's socket timeout = BLOCK + this
 _DEDUPE_KEYS = 1 << 20  # (producer, seq) keys a consumer remembers
@@ -56,14 +58,18 @@ class BusError(ReelError):
     """A Redis command failed; the message names the server and the stream or operation."""
 
 
-def connect(url: str, *, socket_timeout: float | None = 5.0, retries: int = 0) -> redis.asyncio.Redis:
+def connect(url: str, *, socket_timeout: float | None = 5.0, retries: int = 0,
+            cluster: bool | None = None) -> redis.asyncio.Redis:
     """A client for redis://, rediss:// (TLS), unix:// URLs, with user:password for ACLs.
 
     No retries by default: see the module docstring. Connecting is lazy; the first command that
-    cannot reach the server raises BusError naming it.
+    cannot reach the server raises BusError naming it. `cluster` (default: REEL_BUS_CLUSTER=1)
+    gives redis-py's cluster client, which follows MOVED; `url` then names any node.
     """
     backoff = ExponentialWithJitterBackoff(base=0.05, cap=1.0) if retries else NoBackoff()
     try:
+        if cluster_from_env() if cluster is None else cluster:
+            return cluster_client(url, socket_timeout=socket_timeout, retry=Retry(backoff, retries))
         return redis.asyncio.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5.0,
                                       retry=Retry(backoff, retries))
     except ValueError as exc:
@@ -76,6 +82,8 @@ def _redact(url: str) -> str:
 
 
 def _where(client: redis.asyncio.Redis) -> str:
+    if is_cluster(client):
+        return f"Redis Cluster via {', '.join(client.nodes_manager.startup_nodes)}"
     kwargs = client.connection_pool.connection_kwargs
     if "path" in kwargs:
         return f"Redis at unix:{kwargs['path']}"
@@ -104,11 +112,13 @@ def by_stream(reply: list | None) -> Iterator[tuple[str, list]]:
 class Publisher:
     """Stamps events with (run, producer, seq) and XADDs them, one round trip per batch."""
 
-    def __init__(self, redis: redis.asyncio.Redis, run: str, producer: str, next_seq: int = 0):
+    def __init__(self, redis: redis.asyncio.Redis, run: str, producer: str, next_seq: int = 0,
+                 partition: int | None = None):
         self.redis = redis
         self.run = run
         self.producer = producer
         self.next_seq = next_seq  # never reused: recover it with recover_next_seq after a restart
+        self.partition = partition  # of the split streams (bus/partitions.py); None: not split
         self._spare: bytearray | None = None  # encoding buffer, back after each successful batch
 
     def stamp(self, cls: type[E], **fields: Any) -> E:
@@ -130,7 +140,7 @@ class Publisher:
         marks: dict[str, int] = {}
         for event in events:
             marks[event.producer] = max(marks.get(event.producer, -1), event.seq)
-        keys = [stream_key(self.run, STREAM_OF[type(event)]) for event in events]
+        keys = [lane_key(self.run, lane_of(STREAM_OF[type(event)], self.partition)) for event in events]
         # One buffer, reused from batch to batch: a new bytes object per event would be memory the
         # allocator handed back to the kernel since the last batch, one page fault per 4 KB. It is
         # reused only once Redis has answered every command (so it has read every byte); a batch
@@ -144,8 +154,9 @@ class Publisher:
         data = memoryview(buffer)
         pipe = self.redis.pipeline(transaction=transaction)
         # The seq high-water mark goes first, so a batch cut short makes a restart skip seqs rather
-        # than reuse one; GT (Redis 6.2) keeps it monotonic when batches land out of order.
-        pipe.zadd(stream_key(self.run, _SEQ), marks, gt=True)
+        # than reuse one; GT (Redis 6.2) keeps it monotonic when batches land out of order. It sits
+        # in the first event's slot, so a MULTI/EXEC on one partition stays in one cluster slot.
+        pipe.zadd(slot_key(keys[0], _SEQ), marks, gt=True)
         for key, start, end in zip(keys, [0, *ends], ends):
             pipe.xadd(key, {FIELD: data[start:end]})
         with boundary(self.redis, f"XADD of {len(events)} events to {', '.join(sorted(set(keys)))}"):
@@ -173,19 +184,34 @@ class _Stamp(msgspec.Struct):
 _stamp_decoder = msgspec.msgpack.Decoder(_Stamp)
 
 
-async def recover_next_seq(redis: redis.asyncio.Redis, run: str, producer: str) -> int:
+async def dead_letters_added(redis: redis.asyncio.Redis, run: str, partitions: int = 1) -> int:
+    """Entries ever added to the run's dead-letter streams (one per slot): XINFO's entries-added
+    (Redis 7), which trimming does not lower, else XLEN (Reel never trims a dead-letter stream)."""
+    total = 0
+    for key in seq_keys(run, DEAD, partitions):
+        with boundary(redis, f"XINFO STREAM on {key}"):
+            if await redis.exists(key):
+                info = await redis.xinfo_stream(key)
+                total += int(info.get("entries-added", info["length"]))
+    return total
+
+
+async def recover_next_seq(redis: redis.asyncio.Redis, run: str, producer: str, partitions: int = 1) -> int:
     """1 + the highest seq `producer` published in the run (0 if none).
 
-    Publisher records each producer's high-water mark next to the streams, so trimming cannot make
-    a seq reusable; for a producer without a mark, each stream is scanned back to its latest entry.
+    Publisher records each producer's high-water mark next to the streams (one mark per slot it
+    wrote to), so trimming cannot make a seq reusable; for a producer without a mark, each stream
+    is scanned back to its latest entry.
     """
-    with boundary(redis, f"ZSCORE on {stream_key(run, _SEQ)}"):
-        mark = await redis.zscore(stream_key(run, _SEQ), producer)
-    if mark is not None:
-        return int(mark) + 1
+    marks = []
+    for mark_key in seq_keys(run, _SEQ, partitions):
+        with boundary(redis, f"ZSCORE on {mark_key}"):
+            marks.append(await redis.zscore(mark_key, producer))
+    if any(mark is not None for mark in marks):
+        return int(max(mark for mark in marks if mark is not None)) + 1
     best = -1
-    for stream in STREAMS:
-        key = stream_key(run, stream)
+    for lane in lanes(STREAMS, partitions):
+        key = lane_key(run, lane)
         end = "+"
         while True:
             with boundary(redis, f"XREVRANGE on {key}"):
@@ -207,7 +233,7 @@ def _try_stamp(fields: dict) -> _Stamp | None:
 
 
 class Delivery(msgspec.Struct, frozen=True):
-    stream: str  # short name, e.g. "trajectories"
+    stream: str  # lane (bus/partitions.py): short name, e.g. "trajectories", or "trajectories/2"
     entry_id: str
     event: AnyEvent
     deliveries: int  # times Redis has delivered this entry to the group, this one included
@@ -223,24 +249,27 @@ class GroupConsumer:
     entries (blocking up to block_ms; 0 = do not block). Every delivery must be acked, failed or
     dead-lettered; a failed one comes back after claim_idle_ms. An entry delivered more than
     max_deliveries times, or one that does not decode, goes to the dead-letter stream instead.
+    With `partitions` > 1 a split stream is read on all of its lanes (bus/partitions.py).
     """
 
     def __init__(self, url: str, run: str, group: str, consumer: str, streams: list[str], *,
-                 block_ms: int = 1000, claim_idle_ms: int = 30_000, max_deliveries: int = 5):
+                 block_ms: int = 1000, claim_idle_ms: int = 30_000, max_deliveries: int = 5,
+                 partitions: int = 1):
         # what to read
         self.url = url
         self.run = run
         self.group = group
         self.consumer = consumer
-        self.streams = list(streams)
+        self.streams = lanes(streams, partitions)
         self.block_ms = block_ms
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
-        self._key = {stream: stream_key(run, stream) for stream in self.streams}
+        self._key = {stream: lane_key(run, stream) for stream in self.streams}
         self._name = {key: stream for stream, key in self._key.items()}
         # set by start()
         self._redis: redis.asyncio.Redis | None = None  # acks, claims, dead letters
         self._reader: redis.asyncio.Redis | None = None  # blocking XREADGROUP only
+        self._slots: SlotReader | None = None  # one XREADGROUP per cluster slot
         # read state
         self._history: dict[str, str] = {}  # stream -> cursor through our own pending entries
         self._claim_from: dict[str, str] = {}  # stream -> XAUTOCLAIM cursor
@@ -263,7 +292,9 @@ class GroupConsumer:
     async def start(self) -> None:
         """Create the group on each stream if missing (from the start, MKSTREAM); open connections."""
         self._redis = connect(self.url, retries=2)
+        # No retries here: a retried XREADGROUP ">" would strand the entries of the lost reply.
         self._reader = connect(self.url, socket_timeout=self.block_ms / 1000 + READ_MARGIN_S)
+        self._slots = SlotReader(is_cluster(self._reader))
         for key in self._key.values():
             with boundary(self._redis, f"XGROUP CREATE {self.group} on {key}"):
                 try:
@@ -356,8 +387,10 @@ class GroupConsumer:
         ids = {key: ">" for key in self._key.values()}
         try:
             with boundary(self._reader, f"XREADGROUP on {', '.join(ids)}"):
-                reply = await self._reader.xreadgroup(self.group, self.consumer, ids, count=count,
-                                                      block=self.block_ms or None)
+                reply = await self._slots.read(
+                    lambda some, block: self._reader.xreadgroup(self.group, self.consumer, some, count=count,
+                                                                block=block),
+                    ids, self.block_ms or None)
         except BusError as exc:
             if not isinstance(exc.__cause__, (ConnectionError, TimeoutError)):
                 raise
@@ -428,8 +461,8 @@ class GroupConsumer:
             await pipe.execute()
 
     async def _dead(self, stream: str, entry_id: str, raw: bytes, reason: str) -> None:
-        """Move an entry to the dead-letter stream and ack it, atomically (same hash slot)."""
-        dead_key = stream_key(self.run, DEAD)
+        """Move an entry to the dead-letter stream and ack it, atomically (the lane's slot)."""
+        dead_key = slot_key(self._key[stream], DEAD)
         pipe = self._redis.pipeline(transaction=True)
         pipe.xadd(dead_key, {"stream": stream, "entry_id": entry_id, "raw": raw, "reason": reason,
                              "group": self.group, "consumer": self.consumer})
@@ -467,9 +500,9 @@ return redis.call('XTRIM', KEYS[1], 'MINID', floor)
 async def safe_trim(redis: redis.asyncio.Redis, run: str, stream: str) -> int:
     """Drop entries every group has acknowledged; returns how many were dropped.
 
-    Trim point = min over groups of (oldest pending id, else last-delivered id); a stream without
-    groups is never trimmed.
+    `stream` is a lane (bus/partitions.py). Trim point = min over groups of (oldest pending id,
+    else last-delivered id); a stream without groups is never trimmed.
     """
-    key = stream_key(run, stream)
+    key = lane_key(run, stream)
     with boundary(redis, f"safe trim of {key}"):
         return int(await redis.eval(_SAFE_TRIM, 1, key))

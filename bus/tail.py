@@ -8,7 +8,9 @@ import logging
 
 import redis.asyncio
 
-from bus.events import AnyEvent, MalformedEvent, decode, stream_key
+from bus.cluster import SlotReader, is_cluster
+from bus.events import AnyEvent, MalformedEvent, decode
+from bus.partitions import lane_key, lanes
 from bus.streams import FIELD, READ_MARGIN_S, as_str, boundary, by_stream, connect
 
 __all__ = ["Tail"]
@@ -19,15 +21,17 @@ log = logging.getLogger(__name__)
 class Tail:
     """A watcher: plain XREAD from "0" (everything), "$" (what arrives after the first read()
     starts) or an entry id (what follows it); any number of tails can attach. Entries that do not
-    decode are skipped with a warning (consumer groups dead-letter them)."""
+    decode are skipped with a warning (consumer groups dead-letter them). A split stream is
+    followed on all of its lanes (bus/partitions.py); what read() returns names the lane."""
 
-    def __init__(self, url: str, run: str, streams: list[str], start: str = "0"):
+    def __init__(self, url: str, run: str, streams: list[str], start: str = "0", partitions: int = 1):
         self.url = url
         self.run = run
-        self._name = {stream_key(run, stream): stream for stream in streams}
+        self._name = {lane_key(run, lane): lane for lane in lanes(streams, partitions)}
         self._cursor = {key: start for key in self._name}  # key -> last entry id read
         self._redis: redis.asyncio.Redis | None = None
         self._timeout = 0.0  # socket timeout of _redis; must exceed BLOCK
+        self._slots: SlotReader | None = None  # one XREAD per cluster slot
 
     async def __aenter__(self) -> Tail:
         return self
@@ -46,7 +50,8 @@ class Tail:
         if "$" in self._cursor.values():
             await self._resolve_now(client)
         with boundary(client, f"XREAD on {', '.join(self._cursor)}"):
-            reply = await client.xread(self._cursor, count=count, block=block_ms or None)
+            reply = await self._slots.read(lambda some, block: client.xread(some, count=count, block=block),
+                                           dict(self._cursor), block_ms or None)
         out = []
         for key, entries in by_stream(reply):
             for entry_id, fields in entries:
@@ -62,6 +67,7 @@ class Tail:
         if self._redis is None or self._timeout < timeout:
             await self.close()
             self._redis, self._timeout = connect(self.url, socket_timeout=timeout, retries=2), timeout
+            self._slots = SlotReader(is_cluster(self._redis))
         return self._redis
 
     async def _resolve_now(self, client: redis.asyncio.Redis) -> None:

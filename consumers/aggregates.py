@@ -12,9 +12,15 @@ Figures and where they come from:
     mismatch         StepCommitted.metrics of the latest step (MISMATCH_KEYS; absent keys stay absent)
     staleness        StepCommitted.staleness summed over steps (versions behind -> tokens)
     idle ratio       StepCommitted.timing: sum(wait) / sum(wait + compute + publish), last `window_steps`
-    dropped          StepCommitted.dropped counted by reason
+    published        Trajectory events per worker: each is one group put on the bus
+    dropped          StepCommitted.dropped counted by reason code (DROP_REASONS; the text stays in the log)
     workers          latest WorkerStats per worker; lag = latest WeightsPublished.version - its version
-    dead letters     set from outside (the `dead` stream holds raw entries, not events)
+    dead letters     set from outside while live (the `dead` stream holds raw entries, not events),
+                     from RunFinished.dead_letters in a finished run's log; never lowered
+
+Published groups = trained + dropped + unused: a group is unused while it waits for the trainer,
+and at the end of a run the groups rollout made for versions the trainer never reached stay unused
+(e.g. 1952 published, 1920 trained, 32 unused on examples/reverse_text.toml).
 """
 
 from __future__ import annotations
@@ -29,7 +35,17 @@ from bus.events import (
     WorkerStats, event_key,
 )
 
-__all__ = ["MISMATCH_KEYS", "RunAggregates", "Snapshot", "StepRow", "WorkerView", "idle_share", "step_row"]
+__all__ = ["DROP_REASONS", "MISMATCH_KEYS", "drop_reason_code", "RunAggregates", "Snapshot", "StepRow", "WorkerView", "idle_share", "step_row"]
+
+# Reason codes of dropped groups: the trainer writes "CODE: details" (consumers/trainer.py); the
+# code is the metrics label (a small fixed set), an unknown code counts as "other".
+DROP_REASONS = ("stale", "bad_routing", "other")
+
+
+def drop_reason_code(reason: str) -> str:
+    code = reason.split(":", 1)[0].strip()
+    return code if code in DROP_REASONS else "other"
+
 
 # StepCommitted.metrics keys the trainer writes for train/inference mismatch (runtime/loss.py).
 MISMATCH_KEYS = ("kl_k1", "kl_k2", "kl_k3", "ratio_mean", "ratio_min", "ratio_max", "ratio_frac_outside",
@@ -50,7 +66,7 @@ class StepRow(msgspec.Struct, frozen=True):
     idle_share: float | None
     groups: int
     dropped: int
-    dropped_by_reason: dict[str, int]
+    dropped_by_reason: dict[str, int]  # by reason code (DROP_REASONS)
     timing: StepTiming
 
 
@@ -61,7 +77,6 @@ class WorkerView(msgspec.Struct, frozen=True):
     waiting: int
     policy_version: int
     version_lag: int | None  # None until a WeightsPublished was seen
-    groups_published: int
     idle_share: float
 
 
@@ -70,7 +85,8 @@ class Snapshot(msgspec.Struct, frozen=True):
     finished: str | None  # RunFinished.reason once the run is over
     step: int | None  # latest committed trainer step
     policy_version: int | None  # latest published weights version
-    groups_seen: int  # Trajectory events (distinct)
+    groups_seen: int  # Trajectory events (distinct): groups published by all workers
+    groups_published: dict[str, int]  # worker -> Trajectory events it published (distinct)
     groups_trained: int  # group ids in StepCommitted.groups, summed
     window_groups: int  # groups in the reward window (<= RunAggregates.window_groups)
     reward_mean: float | None
@@ -82,8 +98,8 @@ class Snapshot(msgspec.Struct, frozen=True):
     mismatch: dict[str, float]  # latest step's MISMATCH_KEYS that were present
     idle_ratio: float | None
     staleness: dict[int, int]
-    dropped: dict[str, int]
-    dead_letters: int | None  # None when unknown (no bus to ask)
+    dropped: dict[str, int]  # every code of DROP_REASONS, from 0
+    dead_letters: int | None  # None when unknown (a log without RunFinished and no bus to ask)
     workers: list[WorkerView]
     tokens_per_s: float  # sum over workers
     recent_steps: list[StepRow]
@@ -110,7 +126,7 @@ def step_row(event: StepCommitted, group_rewards: dict[str, float]) -> StepRow:
         step=event.step, version=event.version, loss=event.loss, grad_norm=event.grad_norm, reward=reward,
         metrics=dict(event.metrics), staleness=dict(event.staleness), staleness_mean=staleness_mean,
         idle_share=idle_share(event.timing), groups=len(event.groups), dropped=len(event.dropped),
-        dropped_by_reason=dict(Counter(d.reason for d in event.dropped)), timing=event.timing,
+        dropped_by_reason=dict(Counter(drop_reason_code(d.reason) for d in event.dropped)), timing=event.timing,
     )
 
 
@@ -146,10 +162,10 @@ class RunAggregates:
         self._seen = _Bounded(remember)  # event keys already applied
         self._reward_of_group = _Bounded(remember)  # group id -> mean reward
         # cumulative
-        self._groups_seen = 0
+        self._published: Counter[str] = Counter()
         self._groups_trained = 0
         self._staleness: Counter[int] = Counter()
-        self._dropped: Counter[str] = Counter()
+        self._dropped: Counter[str] = Counter({code: 0 for code in DROP_REASONS})
         self._bus_lost_events = 0
         self._workers: dict[str, WorkerStats] = {}
         # latest
@@ -171,7 +187,7 @@ class RunAggregates:
                 if reward is not None:
                     self._group_rewards.append(reward)
                     self._reward_of_group.put(event.group_id, reward)
-                self._groups_seen += 1
+                self._published[event.worker] += 1
             case StepCommitted():
                 row = step_row(event, self._reward_of_group.items)
                 self._recent_steps.append(row)
@@ -186,10 +202,12 @@ class RunAggregates:
                 self._workers[event.worker] = event
             case RunFinished():
                 self._finished = event.reason
+                self.set_dead_letters(event.dead_letters)
         return None
 
     def set_dead_letters(self, count: int) -> None:
-        self._dead_letters = count
+        """A count of entries ever dead-lettered; a lower one than already known is stale."""
+        self._dead_letters = max(count, self._dead_letters or 0)
 
     def snapshot(self) -> Snapshot:
         rewards = np.asarray(self._group_rewards, dtype=np.float64)
@@ -204,20 +222,21 @@ class RunAggregates:
                 worker=w.worker, tokens_per_s=w.tokens_per_s, running=w.running, waiting=w.waiting,
                 policy_version=w.policy_version,
                 version_lag=None if self._policy_version is None else self._policy_version - w.policy_version,
-                groups_published=w.groups_published, idle_share=w.idle_share,
+                idle_share=w.idle_share,
             )
             for w in sorted(self._workers.values(), key=lambda w: w.worker)
         ]
         return Snapshot(
             run=self.run, finished=self._finished, step=last.step if last else None,
-            policy_version=self._policy_version, groups_seen=self._groups_seen,
+            policy_version=self._policy_version, groups_seen=sum(self._published.values()),
+            groups_published=dict(sorted(self._published.items())),
             groups_trained=self._groups_trained, window_groups=int(rewards.size),
             reward_mean=float(rewards.mean()) if rewards.size else None, reward_p50=p50, reward_p90=p90,
             step_reward=last.reward if last else None, loss=last.loss if last else None,
             grad_norm=last.grad_norm if last else None,
             mismatch={k: last.metrics[k] for k in MISMATCH_KEYS if k in last.metrics} if last else {},
             idle_ratio=wait / (wait + busy) if wait + busy > 0 else None,
-            staleness=dict(sorted(self._staleness.items())), dropped=dict(sorted(self._dropped.items())),
+            staleness=dict(sorted(self._staleness.items())), dropped=dict(self._dropped),
             dead_letters=self._dead_letters, workers=workers,
             tokens_per_s=sum(w.tokens_per_s for w in workers), recent_steps=steps,
             bus_lost_events=self._bus_lost_events,

@@ -9,6 +9,8 @@ pending. Each round:
     skip    entries at or before their stream's last logged entry id: logged by a predecessor that
             died before acking them
     dead    entries that are not Reel events -> the dead-letter stream (acked there, not logged)
+    blobs   with a blob store other than the run's blobs/ (Mooncake), copy every blob the round's
+            events name into blobs/ first: replay never depends on a live store
     log     append per stream: one write + one fdatasync per stream per round (group commit)
     ack     XACK only now: a crash before this re-delivers the entries, and `skip` drops the repeats
     trim    every trim_every_s, safe_trim (never past what any group has not acknowledged)
@@ -17,6 +19,13 @@ A full disk (ENOSPC, EDQUOT, EFBIG) stops the archiver before `ack`: it says so 
 same round every DISK_FULL_RETRY_S, and goes on when space is freed; the entries wait on the bus.
 
 It stops when `stop` is set, or once it has logged a RunFinished and a read finds nothing new.
+
+Partitions (bus.partitions = P > 1, bus/partitions.py): the archiver reads every lane and logs a
+split stream's lanes into the one log stream of their event stream, in order of arrival per lane.
+Log entry ids must increase within a log stream, and two partitions' ids interleave, so a record
+keeps its Redis id unless that is not after the log's last one, in which case it gets the next id
+after it. The log therefore cannot say by id whether a re-delivered entry of a split stream is
+logged; its (producer, seq) index can, and is built once, when a restart finds such entries pending.
 
 Why not GroupConsumer: it dedupes on (producer, seq) and acks the repeat, so an event published
 twice (a retried XADD) would be twice in the stream but once in the log; and it hands out decoded
@@ -40,8 +49,14 @@ import msgspec
 import redis.asyncio
 from redis.exceptions import RedisError, ResponseError
 
-from bus.events import STREAMS, MalformedEvent, RunFinished, decode, stream_key
+from bus.cluster import SlotReader, is_cluster
+from bus.blob_backends.file import BlobStore
+from bus.blobs import BlobBackend
+from bus.events import STREAMS, AnyEvent, BlobRef, MalformedEvent, RoutingTrace, RunFinished, StepCommitted, \
+    WeightsPublished, decode
 from bus.log import LogError, RunLog
+from bus.logformat import entry_order
+from bus.partitions import lane_key, lanes, slot_key, stream_of
 from bus.streams import DEAD, FIELD, READ_MARGIN_S, BusError, connect, safe_trim
 
 __all__ = ["Archiver", "main", "GROUP", "CONSUMER"]
@@ -53,33 +68,37 @@ CONSUMER = "archiver"
 DISK_FULL_RETRY_S = 2.0  # how often a full disk is tried again
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
-Entry = tuple[str, str, dict | None]  # (stream, entry id, fields; None if deleted while pending)
+Entry = tuple[str, str, dict | None]  # (lane, entry id, fields; None if deleted while pending)
 
 
 class _Round(msgspec.Struct):
     """One read's worth of work."""
 
     entries: list[Entry]  # all of them are acked once the records are durable
-    records: dict[str, list[tuple[str, bytes]]] = {}  # stream -> (entry id, event bytes) to log
-    dead: list[tuple[str, str, bytes, str]] = []  # (stream, entry id, raw, reason)
+    records: dict[str, list[tuple[str, bytes]]] = {}  # log stream -> (log entry id, event bytes) to log
+    dead: list[tuple[str, str, bytes, str]] = []  # (lane, entry id, raw, reason)
     finished: bool = False  # a RunFinished is among the records
+    blobs: list[BlobRef] = []  # named by the records' events, to copy into the run's blobs/
 
 
 class Archiver:
-    """Group `archiver` on all of a run's event streams -> RunLog(run_dir)."""
+    """Group `archiver` on all of a run's event streams (every lane of each) -> RunLog(run_dir)."""
 
     def __init__(self, run_dir: Path, bus_url: str, run: str, *, batch: int = 256, block_ms: int = 500,
-                 trim_every_s: float = 10.0, segment_bytes: int = 64 << 20):
+                 trim_every_s: float = 10.0, segment_bytes: int = 64 << 20, partitions: int = 1,
+                 blobs: BlobBackend | None = None):
         # what to archive, and where
         self.run_dir = Path(run_dir)
         self.bus_url = bus_url
         self.run_name = run
-        self.streams = list(STREAMS)
+        self.streams = lanes(STREAMS, partitions)
         # knobs
         self.batch = batch  # entries per stream per read
         self.block_ms = block_ms
         self.trim_every_s = trim_every_s
         self.segment_bytes = segment_bytes
+        self.blobs = blobs  # the run's store when it is not the run dir's blobs/ (whose copy we keep)
+        self.files = BlobStore(self.run_dir / "blobs")
         # set by run()
         self.redis: redis.asyncio.Redis | None = None
         self.log: RunLog | None = None
@@ -87,21 +106,27 @@ class Archiver:
         self.archived = 0  # events logged by this process
         self.repeats = 0  # re-delivered entries found already logged
         self.finished = False  # a RunFinished has been logged
-        self._key = {stream: stream_key(run, stream) for stream in self.streams}
+        self._key = {stream: lane_key(run, stream) for stream in self.streams}
         self._name = {key: stream for stream, key in self._key.items()}
         self._history: dict[str, str] | None = {s: "0" for s in self.streams}  # pending-list cursors
+        self._slots: SlotReader | None = None  # set by run(): one XREADGROUP per cluster slot
+        self._split = {stream_of(lane) for lane in self.streams if lane != stream_of(lane)}  # log streams of >1 lane
+        self._last_id: dict[str, str | None] = {}  # split log stream -> last log entry id given out
 
     async def run(self, stop: asyncio.Event) -> None:
         self.log = RunLog(self.run_dir, self.segment_bytes)
         # No retries (connect's default): see _read.
         self.redis = connect(self.bus_url, socket_timeout=self.block_ms / 1000 + READ_MARGIN_S)
+        self._slots = SlotReader(is_cluster(self.redis))
         disk = ThreadPoolExecutor(1, thread_name_prefix="archiver-disk")  # fdatasync off the event loop
         writing: asyncio.Future | None = None  # the previous round's append, on the disk thread
         written: _Round | None = None
         try:
             await self._create_groups()
+            self._last_id = {s: self.log.stream(s).last_entry_id() for s in self._split}
+            await self._index_split_logs()
             log.info("archiving run %s into %s, after %s", self.run_name, self.log.root,
-                     {s: self.log.stream(s).last_entry_id() for s in self.streams})
+                     {s: self.log.stream(s).last_entry_id() for s in STREAMS})
             next_trim = time.monotonic() + self.trim_every_s
             while not stop.is_set():
                 # Rounds overlap: while one is written, the next read takes what is there without blocking.
@@ -114,7 +139,7 @@ class Archiver:
                 if entries:
                     written = self._prepare(entries)
                     await self._dead_letter(written.dead)
-                    writing = asyncio.ensure_future(self._write(disk, written.records, stop))
+                    writing = asyncio.ensure_future(self._write(disk, written, stop))
                 elif self.finished and blocking:
                     log.info("run %s finished and every stream is drained: %d events logged, %d repeats "
                              "skipped", self.run_name, self.archived, self.repeats)
@@ -141,6 +166,19 @@ class Archiver:
                     if "BUSYGROUP" not in str(exc):
                         raise
 
+    async def _index_split_logs(self) -> None:
+        """Build the (producer, seq) index of a split stream's log when a predecessor left entries
+        of it pending: only that index tells whether they were logged (module docstring). Before
+        any append, so the disk thread is idle."""
+        pending = [lane for lane in self.streams if stream_of(lane) in self._split]
+        pipe = self.redis.pipeline(transaction=False)
+        for lane in pending:
+            pipe.xpending(self._key[lane], GROUP)
+        with self._bus(f"XPENDING on {', '.join(self._key[lane] for lane in pending)}"):
+            summaries = await pipe.execute() if pending else []
+        for stream in {stream_of(lane) for lane, summary in zip(pending, summaries) if summary["pending"]}:
+            self.log.stream(stream).lookup("", -1)  # builds the index; kept current by later appends
+
     async def _read(self, block: bool) -> list[Entry]:
         """Our pending entries (left by a predecessor) until there are none, then new ones.
 
@@ -152,8 +190,9 @@ class Archiver:
         cursors = self._history or {stream: ">" for stream in self.streams}
         ids = {self._key[stream]: cursor for stream, cursor in cursors.items()}
         with self._bus(f"XREADGROUP on {', '.join(ids)}"):
-            reply = await self.redis.xreadgroup(GROUP, CONSUMER, ids, count=self.batch,
-                                                block=self.block_ms if block and not self._history else None)
+            reply = await self._slots.read(
+                lambda some, block_ms: self.redis.xreadgroup(GROUP, CONSUMER, some, count=self.batch, block=block_ms),
+                ids, self.block_ms if block and not self._history else None)
         entries = [(self._name[key.decode()], entry_id.decode(), fields)
                    for key, entries in reply or () for entry_id, fields in entries]
         if self._history:
@@ -168,26 +207,49 @@ class Archiver:
         """Sort a read into records to log and entries to dead-letter; drop repeats."""
         round_ = _Round(entries)
         repeats = 0
-        for stream, entry_id, fields in entries:
-            if self.log.stream(stream).covers(entry_id):
+        redelivered = self._history is not None  # this read came from our pending list
+        for lane, entry_id, fields in entries:
+            stream = stream_of(lane)
+            if stream not in self._split and self.log.stream(stream).covers(entry_id):
                 repeats += 1
                 continue
             if not fields:  # trimmed or deleted by hand while pending: a gap we can only report
-                log.error("entry %s of %s was deleted before it was archived", entry_id, self._key[stream])
+                log.error("entry %s of %s was deleted before it was archived", entry_id, self._key[lane])
                 continue
             data = fields.get(FIELD)
             try:
                 if data is None:
                     raise MalformedEvent(f"entry has no '{FIELD.decode()}' field")
-                round_.finished |= isinstance(decode(data), RunFinished)
+                event = decode(data)
             except MalformedEvent as exc:
-                round_.dead.append((stream, entry_id, data or msgspec.msgpack.encode(fields), f"undecodable: {exc}"))
+                round_.dead.append((lane, entry_id, data or msgspec.msgpack.encode(fields), f"undecodable: {exc}"))
                 continue
+            if redelivered and stream in self._split and self.log.stream(stream).lookup(event.producer, event.seq):
+                repeats += 1
+                continue
+            round_.finished |= isinstance(event, RunFinished)
+            if self.blobs is not None:
+                round_.blobs += blob_refs(event)
             round_.records.setdefault(stream, []).append((entry_id, data))
+        for stream in self._split & round_.records.keys():
+            round_.records[stream] = self._log_ids(stream, round_.records[stream])
         if repeats:  # only right after a restart
             log.info("%d re-delivered entries were already logged; acking them", repeats)
             self.repeats += repeats
         return round_
+
+    def _log_ids(self, stream: str, records: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        """A split stream's records in Redis id order, each with an id after the log's last one."""
+        out = []
+        last = self._last_id[stream]
+        for entry_id, data in sorted(records, key=lambda record: entry_order(record[0])):
+            if last is not None and entry_order(entry_id) <= entry_order(last):
+                ms, seq = entry_order(last)
+                entry_id = f"{ms}-{seq + 1}"
+            out.append((entry_id, data))
+            last = entry_id
+        self._last_id[stream] = last
+        return out
 
     async def _done(self, round_: _Round) -> None:
         """The round is durable: count it and ack every entry it read."""
@@ -195,8 +257,7 @@ class Archiver:
         self.finished |= round_.finished
         await self._ack(round_.entries)
 
-    async def _write(self, disk: ThreadPoolExecutor, records: dict[str, list[tuple[str, bytes]]],
-                     stop: asyncio.Event) -> bool:
+    async def _write(self, disk: ThreadPoolExecutor, round_: _Round, stop: asyncio.Event) -> bool:
         """Append a round on the disk thread; True once durable, False if stopped while the disk is full.
 
         A full disk stops the archiver acking (entries stay pending on the bus, where the trainer
@@ -204,7 +265,7 @@ class Archiver:
         waited = 0.0
         while True:
             try:
-                await asyncio.get_running_loop().run_in_executor(disk, self._append, records)
+                await asyncio.get_running_loop().run_in_executor(disk, self._append, round_)
                 if waited:
                     log.warning("log %s is writable again after %.0f s; archiving resumes", self.log.root, waited)
                 return True
@@ -220,8 +281,11 @@ class Archiver:
                 return False
             waited += DISK_FULL_RETRY_S
 
-    def _append(self, records: dict[str, list[tuple[str, bytes]]]) -> None:
-        for stream, batch in records.items():
+    def _append(self, round_: _Round) -> None:
+        for ref in round_.blobs:
+            if not self.files.path(ref).is_file():
+                self.files.put(self.blobs.get(ref))  # get checks the sha256 the event names
+        for stream, batch in round_.records.items():
             stream_log = self.log.stream(stream)
             # After a failed append (disk full) some segments of the batch may be durable already.
             stream_log.append_batch([(entry_id, data) for entry_id, data in batch if not stream_log.covers(entry_id)])
@@ -237,18 +301,20 @@ class Archiver:
             await pipe.execute()
 
     async def _dead_letter(self, dead: list[tuple[str, str, bytes, str]]) -> None:
-        """Same fields as GroupConsumer's dead letters; XADD and XACK in one MULTI (same slot)."""
-        if not dead:
-            return
-        dead_key = stream_key(self.run_name, DEAD)
-        pipe = self.redis.pipeline(transaction=True)
-        for stream, entry_id, raw, reason in dead:
-            pipe.xadd(dead_key, {"stream": stream, "entry_id": entry_id, "raw": raw, "reason": reason,
-                                 "group": GROUP, "consumer": CONSUMER})
-            pipe.xack(self._key[stream], GROUP, entry_id)
-            log.warning("dead letter: %s %s of run %s: %s", stream, entry_id, self.run_name, reason)
-        with self._bus(f"dead-lettering {len(dead)} entries to {dead_key}"):
-            await pipe.execute()
+        """Same fields as GroupConsumer's dead letters; XADD and XACK in one MULTI per slot (the
+        dead-letter stream next to each lane)."""
+        by_slot: dict[str, list[tuple[str, str, bytes, str]]] = {}
+        for item in dead:
+            by_slot.setdefault(slot_key(self._key[item[0]], DEAD), []).append(item)
+        for dead_key, items in by_slot.items():
+            pipe = self.redis.pipeline(transaction=True)
+            for stream, entry_id, raw, reason in items:
+                pipe.xadd(dead_key, {"stream": stream, "entry_id": entry_id, "raw": raw, "reason": reason,
+                                     "group": GROUP, "consumer": CONSUMER})
+                pipe.xack(self._key[stream], GROUP, entry_id)
+                log.warning("dead letter: %s %s of run %s: %s", stream, entry_id, self.run_name, reason)
+            with self._bus(f"dead-lettering {len(items)} entries to {dead_key}"):
+                await pipe.execute()
 
     @contextlib.contextmanager
     def _bus(self, what: str) -> Iterator[None]:
@@ -259,9 +325,27 @@ class Archiver:
                            f"({type(exc).__name__}: {exc})") from exc
 
 
-def main(run_dir: Path, bus_url: str, run: str, stop: asyncio.Event | None = None) -> int:
+def blob_refs(event: AnyEvent) -> list[BlobRef]:
+    """The blobs an event names (what a replay of the run reads)."""
+    match event:
+        case WeightsPublished():
+            return [event.weights]
+        case RoutingTrace(blob=BlobRef() as ref) | StepCommitted(checkpoint=BlobRef() as ref):
+            return [ref]
+    return []
+
+
+def main(run_dir: Path, bus_url: str, run: str, partitions: int | str = 1, stop: asyncio.Event | None = None) -> int:
     """`reel role archiver`: archive until SIGTERM/SIGINT (or `stop`), or the run finishes."""
     import uvloop
+
+    from runtime.blob_store import run_blobs
+    from runtime.config import load
+
+    path = Path(run_dir) / "config.toml"
+    config = load(path) if path.is_file() else None  # None: `reel bench bus`'s archiver
+    # Blobs in another store (Mooncake) get a copy in the run's blobs/; file blobs are there already.
+    blobs = run_blobs(Path(run_dir), config) if config and config.blobs.backend != "file" else None
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -270,7 +354,7 @@ def main(run_dir: Path, bus_url: str, run: str, stop: asyncio.Event | None = Non
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, done.set)
-        await Archiver(run_dir, bus_url, run).run(done)
+        await Archiver(run_dir, bus_url, run, partitions=int(partitions), blobs=blobs).run(done)
 
     uvloop.run(archive())
     return 0

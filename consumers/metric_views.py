@@ -2,9 +2,10 @@
 `reel top` layout. Pure: they read a snapshot and touch no bus, file or socket.
 
 Prometheus names follow the conventions: `reel_` prefix, base units, `_total` on counters, a `run`
-label on everything and a `worker` label on per-worker figures. A figure not known yet (no step
-committed, a metrics key the trainer did not write) has its family but no sample, so dashboards
-show a gap rather than a made-up zero.
+label on everything and a `worker` label on per-worker figures. Counters are exported from 0 (every
+reason code, the dead letters of a clean run) so that rate() and alerts see them, and they never
+decrease. A gauge not known yet (no step committed, a metrics key the trainer did not write) has
+its family but no sample, so dashboards show a gap rather than a made-up zero.
 """
 
 from __future__ import annotations
@@ -84,18 +85,24 @@ class SnapshotCollector(Collector):
             yield _family(GaugeMetricFamily, name, doc, s.run, {None: s.mismatch.get(key)})
         for name, doc, figure in _WORKER_GAUGES:
             yield _family(GaugeMetricFamily, name, doc, s.run, {w.worker: figure(w) for w in s.workers}, "worker")
-        yield _family(CounterMetricFamily, "reel_worker_groups_published", "Groups a rollout worker published.",
-                      s.run, {w.worker: w.groups_published for w in s.workers}, "worker")
-        yield _family(CounterMetricFamily, "reel_staleness_tokens", "Trained tokens by versions behind.",
-                      s.run, s.staleness, "versions_behind")
-        yield _family(CounterMetricFamily, "reel_groups_dropped", "Groups the trainer dropped, by reason.",
-                      s.run, s.dropped, "reason")
-        yield _family(CounterMetricFamily, "reel_groups_received", "Trajectory groups seen on the bus.",
-                      s.run, {None: s.groups_seen})
-        yield _family(CounterMetricFamily, "reel_groups_trained", "Groups used by committed steps.",
+        yield _family(CounterMetricFamily, "reel_groups_published",
+                      "Trajectory groups a rollout worker put on the bus (distinct events, counted by this "
+                      "exporter); published - trained - dropped = groups waiting for the trainer or left over at the end.",
+                      s.run, s.groups_published, "worker")
+        yield _family(CounterMetricFamily, "reel_groups_trained", "Groups in the batches of committed trainer steps.",
                       s.run, {None: s.groups_trained})
-        yield _family(CounterMetricFamily, "reel_dead_letters", "Entries in the run's dead-letter stream.",
-                      s.run, {None: s.dead_letters})
+        yield _family(CounterMetricFamily, "reel_groups_dropped",
+                      "Groups the trainer discarded without training, by reason code (stale: more versions "
+                      "behind than trainer.max_off_policy_steps; bad_routing: its routing trace does not fit its "
+                      "tokens; other); the full reason is in the steps log.",
+                      s.run, s.dropped, "reason")
+        yield _family(CounterMetricFamily, "reel_staleness_tokens",
+                      "Completion tokens of committed batches by how many policy versions behind the trainer "
+                      "they were sampled.", s.run, s.staleness, "versions_behind")
+        yield _family(CounterMetricFamily, "reel_dead_letters",
+                      "Bus entries ever moved to the run's dead-letter stream (undecodable, or out of "
+                      "deliveries; each entry's reason is in the stream); no sample when unknown (a crashed "
+                      "run's log read without its bus).", s.run, {None: s.dead_letters})
         yield _family(CounterMetricFamily, "reel_bus_lost_events",
                       "Logged events Redis lost (e.g. its last second after a crash), found when the run resumed.",
                       s.run, {None: s.bus_lost_events})
@@ -130,20 +137,20 @@ def render(s: Snapshot, where: str) -> RenderableType:
         (f"reward mean ({s.window_groups} groups)", _fmt(s.reward_mean)),
         ("reward p50 / p90", f"{_fmt(s.reward_p50)} / {_fmt(s.reward_p90)}"),
         ("trainer idle", _fmt(s.idle_ratio, pct=True)),
-        ("groups seen / trained", f"{s.groups_seen} / {s.groups_trained}"),
+        ("groups published / trained", f"{s.groups_seen} / {s.groups_trained}"),
         ("dead letters", _fmt(s.dead_letters)),
     ])
     mismatch = _pairs("mismatch", [(k, _fmt(s.mismatch.get(k))) for k in MISMATCH_KEYS])
     tokens = sum(s.staleness.values())
     staleness = _pairs("staleness (tokens)", [
         (f"{k} behind", str(n), "#" * round(20 * n / tokens)) for k, n in s.staleness.items()])
-    dropped = _pairs("dropped groups", [(reason, str(n)) for reason, n in s.dropped.items()] or [("none", "")])
+    dropped = _pairs("dropped groups", [(reason, str(n)) for reason, n in s.dropped.items()])
     workers = Table(title="rollout workers", title_justify="left", title_style="bold", box=None)
     for column in ("worker", "tokens/s", "running", "waiting", "version", "lag", "groups", "idle"):
         workers.add_column(column, justify="left" if column == "worker" else "right")
     for w in s.workers:
         workers.add_row(w.worker, f"{w.tokens_per_s:.1f}", str(w.running), str(w.waiting), str(w.policy_version),
-                        _fmt(w.version_lag), str(w.groups_published), _fmt(w.idle_share, pct=True))
+                        _fmt(w.version_lag), str(s.groups_published.get(w.worker, 0)), _fmt(w.idle_share, pct=True))
     steps = Table(title="recent steps", title_justify="left", title_style="bold", box=None)
     for column in ("step", "loss", "reward", "kl_k3", "ratio max", "staleness", "idle", "dropped"):
         steps.add_column(column, justify="right")

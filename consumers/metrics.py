@@ -21,7 +21,6 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import msgspec
-import orjson
 import redis.asyncio as aioredis
 from prometheus_client import start_http_server
 from prometheus_client.registry import CollectorRegistry
@@ -29,9 +28,10 @@ from rich.console import Console
 from rich.live import Live
 
 from bus.errors import ReelError
-from bus.events import AnyEvent, RunFinished, stream_key
+from bus.events import AnyEvent, RunFinished
+from bus.jsonout import json_line
 from bus.log import RunLog
-from bus.streams import DEAD, BusError, connect
+from bus.streams import BusError, connect, dead_letters_added
 from bus.tail import Tail
 from consumers.aggregates import MISMATCH_KEYS, RunAggregates, Snapshot, StepRow
 from consumers.metric_views import SnapshotCollector, render
@@ -51,6 +51,7 @@ class RunSource(msgspec.Struct, frozen=True):
     run: str
     bus_url: str | None  # None: read the log
     run_dir: Path | None
+    partitions: int = 1  # bus.partitions of the run
 
     def describe(self) -> str:
         """Where the figures come from, without the URL's password."""
@@ -92,11 +93,12 @@ async def locate(run_dir: str | None, bus: str | None, name: str | None) -> RunS
     config_file = directory / "config.toml"
     if not config_file.is_file():
         raise MetricsError(f"{config_file} does not exist; is {directory} a run directory?")
-    run = name or run_config.load(config_file).run.name
+    config = run_config.load(config_file)
+    run = name or config.run.name
     url_file = directory / "bus_url"
     url = bus or (url_file.read_text().strip() if url_file.is_file() else None)
     if url and not _log_finished(directory) and await _reachable(url):
-        return RunSource(run, url, directory)
+        return RunSource(run, url, directory, config.bus.partitions)
     if not (directory / "log").is_dir():
         raise MetricsError(f"{directory} has no log/ and no reachable bus (bus_url or --bus); "
                            "is the run started?")
@@ -133,23 +135,20 @@ class Watcher:
     HTTP server) always sees a consistent one.
     """
 
-    def __init__(self, url: str, run: str, *, start: str = "0", window_groups: int = 64):
+    def __init__(self, url: str, run: str, *, start: str = "0", window_groups: int = 64, partitions: int = 1):
         self.run = run
         self.aggregates = RunAggregates(run, window_groups=window_groups)
         self.snapshot = self.aggregates.snapshot()
-        self._tail = Tail(url, run, WATCH_STREAMS, start)
+        self._tail = Tail(url, run, WATCH_STREAMS, start, partitions=partitions)
         self._redis = connect(url)
+        self._partitions = partitions  # one dead-letter stream per slot
 
     async def poll(self, block_ms: int = 1000, count: int = 500) -> int:
         """Read and fold in one batch (waiting up to `block_ms`); returns how many events came."""
         batch = await self._tail.read(count=count, block_ms=block_ms)
         for _stream, _entry_id, event in batch:
             self.aggregates.apply(event)
-        try:
-            dead = await self._redis.xlen(stream_key(self.run, DEAD))
-        except (aioredis.RedisError, OSError) as exc:
-            raise BusError(f"cannot read the dead-letter stream {stream_key(self.run, DEAD)}: {exc}") from exc
-        self.aggregates.set_dead_letters(dead)
+        self.aggregates.set_dead_letters(await dead_letters_added(self._redis, self.run, self._partitions))
         self.snapshot = self.aggregates.snapshot()
         return len(batch)
 
@@ -197,7 +196,9 @@ async def serve(source: RunSource, port: int, stop: asyncio.Event, *, addr: str 
     Once the run has finished the figures are final: the bus is let go (its Redis may stop) and the
     last snapshot stays on the endpoint."""
     final = None if source.bus_url else read_log(source)
-    watcher = Watcher(source.bus_url, source.run) if source.bus_url else None
+    watcher = Watcher(source.bus_url, source.run, partitions=source.partitions) if source.bus_url else None
+    if watcher is not None:
+        await watcher.catch_up()  # the first scrape sees the run's counters, not zeros that then jump
     server = _start_exporter(port, addr, lambda: watcher.snapshot if watcher else final)
     try:
         if watcher is not None:
@@ -235,7 +236,7 @@ def export_jsonl(run_dir: Path, out: Path) -> int:
             for event in log_events(run_dir, ["trajectories", "steps"]):
                 row = aggregates.apply(event)
                 if row is not None:
-                    f.write(orjson.dumps(_export_row(row), option=orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE))
+                    f.write(json_line(_export_row(row)))
                     lines += 1
     except OSError as exc:
         raise MetricsError(f"cannot write {out}: {exc.strerror}") from exc
@@ -251,7 +252,7 @@ async def _top(args: argparse.Namespace) -> int:
     if source.bus_url is None:
         console.print(render(read_log(source), source.describe()))
         return 0
-    watcher = Watcher(source.bus_url, source.run)
+    watcher = Watcher(source.bus_url, source.run, partitions=source.partitions)
     try:
         await watcher.catch_up()
         if args.once or watcher.snapshot.finished is not None:

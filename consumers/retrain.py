@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bus.blobs import BlobStore
+from bus.blob_backends.file import BlobStore
 from bus.errors import ReelError
 from bus.events import AnyEvent, RunStarted, StepCommitted, StepTiming, WeightsPublished, encode
 from bus.log import RunLog

@@ -26,17 +26,19 @@ from pathlib import Path
 import redis.asyncio as aioredis
 import torch
 
-from bus.blobs import BlobStore
+from bus.blobs import BlobBackend
 from bus.errors import ReelError
 from bus.events import (
     AnyEvent, DroppedGroup, MalformedEvent, RoutingTrace, RunStarted, StepCommitted, StepTiming, Trajectory,
-    WeightsPublished, decode, stream_key,
+    WeightsPublished, decode,
 )
 from bus.log import LogCorrupted, LogError, RunLog
+from bus.partitions import lane_key, lanes
 from bus.seqs import recover_seq
 from bus.streams import FIELD, Delivery, GroupConsumer, Publisher, connect
 from runtime import checkpoint
 from runtime.batch import Group, build_batch, decode_routing, routing_problem
+from runtime.blob_store import run_blobs
 from runtime.config import Config, config_hash
 from runtime.config import load as load_config
 from runtime.groups import GroupLookup
@@ -77,7 +79,7 @@ class Trainer:
     run_dir: Path
     url: str
     run: str
-    blobs: BlobStore
+    blobs: BlobBackend
     redis: aioredis.Redis
     consumer: GroupConsumer
     publisher: Publisher
@@ -90,7 +92,7 @@ class Trainer:
         self.run_dir = run_dir
         self.url = url
         self.run = config.run.name
-        self.blobs = BlobStore(run_dir / "blobs")
+        self.blobs = run_blobs(run_dir, config)
         self.committed_groups = set()
         self.pending = {}
         # A loss window the launcher found on resume (runtime/bus_loss.py): recorded in the next commit.
@@ -106,10 +108,11 @@ class Trainer:
         self.consumer = GroupConsumer(
             self.url, self.run, "trainer", "trainer-0", ["trajectories", "routing"],
             block_ms=self.config.bus.block_ms, claim_idle_ms=NEVER_RECLAIM_MS,
-            max_deliveries=self.config.bus.max_deliveries,
+            max_deliveries=self.config.bus.max_deliveries, partitions=self.config.bus.partitions,
         )
         try:
-            next_seq = await recover_seq(self.redis, self.run_dir, self.run, PRODUCER, PUBLISHED_STREAMS)
+            next_seq = await recover_seq(self.redis, self.run_dir, self.run, PRODUCER, PUBLISHED_STREAMS,
+                                         self.config.bus.partitions)
             self.publisher = Publisher(self.redis, self.run, PRODUCER, next_seq)
             await self.consumer.start()
             await self._setup_or_resume()
@@ -217,7 +220,7 @@ class Trainer:
         except (ReelError, ValueError) as exc:  # a missing or corrupted blob, bytes that do not fit the shape
             problem = f"routing trace unreadable: {exc}"
         if problem is not None:
-            return f"bad routing: {problem}"
+            return f"bad_routing: {problem}"
         part.resolved = group
         return None
 
@@ -284,14 +287,15 @@ class Trainer:
         return lookup
 
     async def _bus_events(self, stream: str, count: int | None = None) -> list[AnyEvent]:
-        """A stream's events on the bus, oldest first; entries that are not events are skipped (the
-        archiver dead-letters them), so one bad entry cannot stop a resume."""
+        """A stream's events on the bus (on each of its lanes), oldest first per lane; entries that are
+        not events are skipped (the archiver dead-letters them), so one bad entry cannot stop a resume."""
         events = []
-        for entry_id, fields in await self.redis.xrange(stream_key(self.run, stream), count=count):
-            try:
-                events.append(decode(fields.get(FIELD, b"")))
-            except MalformedEvent as exc:
-                log.warning("skipping entry %s of %s: not an event (%s)", entry_id.decode(), stream, exc)
+        for lane in lanes([stream], self.config.bus.partitions):
+            for entry_id, fields in await self.redis.xrange(lane_key(self.run, lane), count=count):
+                try:
+                    events.append(decode(fields.get(FIELD, b"")))
+                except MalformedEvent as exc:
+                    log.warning("skipping entry %s of %s: not an event (%s)", entry_id.decode(), lane, exc)
         return events
 
     async def _republish_newest_weights(self, last: int) -> None:

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
-import json
 import os
 import random
 import tempfile
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from bus.jsonout import print_json
 from producers.builtin_engine import BuiltinEngine
 from producers.engine import SamplingParams
 from runtime.model import native
@@ -62,7 +62,7 @@ def bench_engine(args: argparse.Namespace) -> int:
     tokens = prompts_n * max_tokens
     engine_tps, hf_tps = tokens / min(engine_s), tokens / min(hf_s)
     vllm_s = _time_vllm(model, prompts, max_tokens, rounds)
-    print(json.dumps({
+    print_json({
         "bench": "engine", "quick": quick, "prompts": prompts_n, "max_tokens": max_tokens, "rounds": rounds,
         "threads": torch.get_num_threads(), "native": native.usable(model, torch.zeros(1)),
         "engine_tokens_per_s": round(engine_tps, 1),
@@ -72,7 +72,7 @@ def bench_engine(args: argparse.Namespace) -> int:
         "vllm_tokens_per_s": None if vllm_s is None else round(tokens / vllm_s, 1),
         "agree": sum(a == b for a, b in zip(engine_out, hf_out)) / prompts_n,
         "ratio": round(engine_tps / hf_tps, 3),
-    }))
+    })
     return 0
 
 

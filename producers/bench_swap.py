@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -24,8 +23,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from bus.blobs import BlobStore
+from bus.blob_backends.file import BlobStore
 from bus.events import BlobRef
+from bus.jsonout import print_json
 from producers.builtin_engine import BuiltinEngine
 from producers.engine import Engine, SamplingParams
 from runtime import config as config_mod
@@ -62,7 +62,7 @@ def bench_swap(args: argparse.Namespace) -> int:
         builtin_s = asyncio.run(_time_swaps(_builtin(root / "model", blobs), versions))
         vllm_s, why_no_vllm = _vllm_swaps(root, blobs, versions)
     nbytes = versions[0].nbytes
-    print(json.dumps({
+    print_json({
         "bench": "swap", "quick": quick, "rounds": rounds, "params": sum(p.numel() for p in MoEModel(config).parameters()),
         "blob_mb": round(nbytes / 1e6, 1), "raw_read_s": round(raw_s, 4),
         "raw_read_mb_per_s": round(nbytes / 1e6 / raw_s, 1),
@@ -71,7 +71,7 @@ def bench_swap(args: argparse.Namespace) -> int:
         **({"vllm_missing": why_no_vllm} if why_no_vllm else {}),
         "vllm_ratio": None if vllm_s is None else round(raw_s / vllm_s, 3),
         "ratio": round(raw_s / builtin_s, 3),
-    }))
+    })
     return 0
 
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from safetensors.torch import save as st_save
 
-from bus.blobs import BlobStore
+from bus.blobs import BlobBackend
 from bus.events import BlobRef
 from producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
 from producers.sampling import Sampler, Uniforms
@@ -83,7 +83,7 @@ class _Sequence:
 
 class BuiltinEngine(Engine):
     def __init__(self, model: MoEModel, *, max_batch: int = 64, max_seq_len: int = 0,
-                 blobs: BlobStore | None = None, version: int = 0, max_prefill_tokens: int = 4096,
+                 blobs: BlobBackend | None = None, version: int = 0, max_prefill_tokens: int = 4096,
                  threads: int = 1):
         # Fixed at construction.
         self.model = model.eval()

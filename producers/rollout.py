@@ -48,14 +48,16 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from bus.blobs import BlobStore
+from bus.blobs import BlobBackend
 from bus.events import RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished, WorkerStats
 from bus.log import LogError, RunLog
+from bus.partitions import worker_partition
 from bus.seqs import recover_seq
 from bus.streams import Publisher, connect
 from bus.tail import Tail
 from producers.engine import Completion, Engine, EngineError, SamplingParams
 from producers.envs import Env, Prompt, make_env
+from runtime.blob_store import run_blobs
 from runtime.config import Config, load
 from runtime.initial_policy import init_dir
 
@@ -76,7 +78,7 @@ class RolloutWorker:
     run_name: str
     name: str  # producer "rollout:<index>"
     env: Env
-    blobs: BlobStore
+    blobs: BlobBackend
     round_size: int  # R of the async gate (module docstring)
     # Set when run() starts.
     publisher: Publisher | None
@@ -98,7 +100,7 @@ class RolloutWorker:
         self.run_name = config.run.name
         self.name = f"rollout:{index}"
         self.env = make_env(config.env, config.rollout.max_tokens)
-        self.blobs = BlobStore(self.run_dir / "blobs")
+        self.blobs = run_blobs(self.run_dir, config)
         r = config.rollout
         self.round_size = math.ceil(config.trainer.batch_groups / r.workers)
         self.publisher = None
@@ -127,7 +129,9 @@ class RolloutWorker:
             # Redis may have lost the newest commits (its last second) while the log kept them: a
             # gate on the bus alone would wait for versions the trainer will never commit again.
             self.committed = await asyncio.to_thread(newest_logged_commit, self.run_dir)
-            self.publisher = Publisher(redis, self.run_name, self.name, self.seq_base)
+            # Its partition's lanes share one hash tag, so publish_atomic stays in one cluster slot.
+            self.publisher = Publisher(redis, self.run_name, self.name, self.seq_base,
+                                       worker_partition(self.index, self.config.bus.partitions))
             self._background = [asyncio.create_task(self._follow_weights(), name="follow-weights"),
                                 asyncio.create_task(self._follow_steps(), name="follow-steps"),
                                 asyncio.create_task(self._report_stats(), name="worker-stats")]
@@ -146,7 +150,8 @@ class RolloutWorker:
             await self._stop_groups()  # none are left unless run() failed
             for task in self._background:
                 task.cancel()
-            await asyncio.gather(*self._background, return_exceptions=True)
+            # Bounded: a watcher blocked in a read must not keep the worker from stopping.
+            await asyncio.wait(self._background, timeout=DRAIN_TIMEOUT_S)
             if self.engine is not None:
                 await self.engine.close()
             await asyncio.shield(redis.aclose())
@@ -201,6 +206,7 @@ class RolloutWorker:
         if not self.in_flight:
             self._idle_since = time.monotonic()
         if not task.cancelled() and task.exception() is not None:
+            log.error("%s: group %s failed: %r", self.name, group_id, task.exception())  # now, not at the end
             self._failures.append(task.exception())
         self._changed.set()
 
@@ -257,7 +263,8 @@ class RolloutWorker:
         generating = [g for g in self.in_flight if g not in self._publishing]
         for group_id in generating:
             self.in_flight[group_id].cancel()
-        await asyncio.gather(*self.in_flight.values(), return_exceptions=True)
+        if self.in_flight:
+            await asyncio.wait(list(self.in_flight.values()), timeout=DRAIN_TIMEOUT_S)
         return generating
 
     # ---- background ---------------------------------------------------------------------------
@@ -311,7 +318,8 @@ class RolloutWorker:
 
     async def _recover_seq(self, redis) -> int:
         # Entries the archiver made durable may be trimmed from the bus; the log still has them.
-        return await recover_seq(redis, self.run_dir, self.run_name, self.name, _PUBLISHED_STREAMS)
+        return await recover_seq(redis, self.run_dir, self.run_name, self.name, _PUBLISHED_STREAMS,
+                                 self.config.bus.partitions)
 
 
 async def _read_to_end(tail: Tail, block_ms: int) -> list:
@@ -341,7 +349,7 @@ def group_seed(run_seed: int, worker: int, seq_base: int, counter: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 2
 
 
-def make_engine(config: Config, model_dir: Path, blobs: BlobStore, worker: int = 0) -> Engine:
+def make_engine(config: Config, model_dir: Path, blobs: BlobBackend, worker: int = 0) -> Engine:
     """The configured engine for the model in `model_dir` (HF layout); version -1 until weights arrive.
 
     vLLM runs as `vllm serve` servers reached over HTTP when REEL_VLLM_URL is set (the Slurm job's
@@ -379,6 +387,7 @@ def main(run_dir: Path, bus_url: str, worker: int) -> int:
     """`reel role rollout`: run worker `worker` of the run in `run_dir` until SIGTERM/SIGINT."""
     config = load(Path(run_dir) / "config.toml")
     logging.basicConfig(level=config.log.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # else a line per vLLM request
     import torch
 
     torch.set_num_threads(int(os.environ.get("REEL_TORCH_THREADS", "1")))

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgspec
 import numpy as np
 
-from bus.blobs import BlobStore
+from bus.blob_backends.file import BlobStore
 from bus.events import BlobRef
 from producers.engine import Completion, EngineClosed, EngineError, SamplingParams
 from producers.vllm import LOAD_WEIGHTS, VLLMEngineBase, cache_salt, policy_version, sampling_options
@@ -72,6 +72,7 @@ CONTROL_TIMEOUT_S = 1800.0  # a pause, a weight load or a wait for another worke
 ABORT_TIMEOUT_S = 5.0
 STARTUP_TIMEOUT_S = 900.0  # vLLM imports and loads for minutes (a busy CPU machine, or a big checkpoint)
 HEALTH_POLL_S = 2.0
+KEEPALIVE_S = 1.0  # idle connections kept at most this long (uvicorn closes them after 5 s)
 VERSION_POLL_S = 0.5
 
 
@@ -193,7 +194,10 @@ class VLLMHTTPEngine(VLLMEngineBase):
             return
         # The servers are cluster-internal: no proxy from the environment; requests queue at the server,
         # not in the client (no connection limit).
-        client = self._client = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_connections=None))
+        # Idle connections are dropped well before uvicorn's 5 s keep-alive ends them: reusing one the
+        # server is closing fails the request ("Server disconnected"), which happens between steps.
+        client = self._client = httpx.AsyncClient(
+            trust_env=False, limits=httpx.Limits(max_connections=None, keepalive_expiry=KEEPALIVE_S))
         try:
             await asyncio.gather(*(self._wait_healthy(s) for s in dict.fromkeys([self.url, *self.servers])))
         except BaseException:

@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 import torch
 
-from bus.blobs import BlobStore
+from bus.blob_backends.file import BlobStore
 from bus.errors import ReelError
 from bus.events import StepCommitted
 from bus.log import RunLog
@@ -104,6 +104,7 @@ class StepReport(msgspec.Struct, kw_only=True):
 
 class Recomputed(msgspec.Struct, kw_only=True):
     bitwise: bool
+    mismatch: str | None  # why not bitwise, None when bitwise
     kl: KL
     kl_without_router_replay: KL
     kl_without_fp8_alignment: KL | None
@@ -177,14 +178,8 @@ def replay_step(run: Run, step: int, on_step: OnStep | None = None) -> tuple[Ste
     if on_step is not None:
         on_step(step)
     weights_match = result.weights_sha256 == commit.weights_sha256
-    mismatch = None
-    try:
-        check_reproduced(commit, result, run.config)
-    except ReplayMismatch as exc:
-        mismatch = str(exc)
-    bitwise = reproduces(commit, result)
-    if not bitwise and mismatch is None:
-        mismatch = f"step {step} re-executed to the same weights but a different loss or grad norm"
+    mismatch = mismatch_reason(commit, result, run)
+    bitwise = mismatch is None
     cfg = run.config.trainer
     report = StepReport(
         step=step, bitwise=bitwise, mismatch=mismatch, loss=result.loss, logged_loss=commit.loss,
@@ -217,14 +212,26 @@ def replay_range(run: Run, first: int, last: int, *, recompute: bool,
         analysis = analyse_batch(state, build_batch(run.lookup.groups_of(commit)), run.config)
         state, result, _ = _timed_step(state, commit, run)
         agreement = analysis.router_agreement
+        mismatch = mismatch_reason(commit, result, run)
         rows[i].recomputed = Recomputed(
-            bitwise=reproduces(commit, result), kl=analysis.kl,
+            bitwise=mismatch is None, mismatch=mismatch, kl=analysis.kl,
             kl_without_router_replay=analysis.kl_without_router_replay,
             kl_without_fp8_alignment=analysis.kl_without_fp8_alignment,
             router_agreement_mean=float(np.mean(agreement)) if agreement else None)
         if on_step is not None:
             on_step(step)
     return rows
+
+
+def mismatch_reason(commit: StepCommitted, result: StepResult, run: Run) -> str | None:
+    """Why a re-executed step differs from its commit (config hash, code version), None when bitwise."""
+    if reproduces(commit, result):
+        return None
+    try:
+        check_reproduced(commit, result, run.config)
+    except ReplayMismatch as exc:
+        return str(exc)
+    return f"step {commit.step} re-executed to the same weights but a different loss or grad norm"
 
 
 def reproduces(commit: StepCommitted, result: StepResult) -> bool:

@@ -1,8 +1,8 @@
 """`reel replay step N` and `reel replay range A..B`: parse, run replay/analysis.py, print, plot.
 
-`step` exits 1 when the step did not reproduce bitwise (the report says why); errors that stop the
-replay (a step not in the log, a damaged record, a catch-up step that does not reproduce) are
-ReelErrors, one line on stderr.
+`step` (and `range --recompute`) exit 1 when a step did not reproduce bitwise, with the reason on
+stderr; errors that stop the replay (a step not in the log, a damaged record, a catch-up step that
+does not reproduce) are ReelErrors, one line on stderr and exit 2 (runtime/cli.py).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import msgspec
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bus.errors import ReelError
+from bus.jsonout import print_json
 from replay import report as report_mod
 from replay.analysis import OnStep, Run, replay_range, replay_step
 from replay.console import print_view
@@ -34,12 +34,15 @@ def main_step(args: argparse.Namespace) -> int:
     with _progress(run, first=args.step, last=args.step) as on_step:
         report, analysis = replay_step(run, args.step, on_step)
     if args.json:
-        print(msgspec.json.encode(report).decode())
+        print_json(report)
     else:
         print_view(report_mod.step_view(report))
     if args.plot:
         report_mod.plot_step(report, analysis, Path(args.plot))
-    return 0 if report.bitwise else 1
+    if not report.bitwise:
+        print(f"reel: step {report.step} did not reproduce: {report.mismatch}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main_range(args: argparse.Namespace) -> int:
@@ -51,16 +54,15 @@ def main_range(args: argparse.Namespace) -> int:
     else:
         rows = replay_range(run, first, last, recompute=False)
     if args.json:
-        print(msgspec.json.encode({"first": first, "last": last, "steps": rows}).decode())
+        print_json({"first": first, "last": last, "steps": rows})
     else:
         print_view(report_mod.range_view(rows))
     if args.plot:
         report_mod.plot_range(rows, Path(args.plot))
-    differ = [row.step for row in rows if row.recomputed is not None and not row.recomputed.bitwise]
-    if differ:
-        print(f"reel: steps {', '.join(map(str, differ))} did not reproduce bitwise", file=sys.stderr)
-        return 1
-    return 0
+    failed = [row for row in rows if row.recomputed is not None and not row.recomputed.bitwise]
+    for row in failed:
+        print(f"reel: step {row.step} did not reproduce: {row.recomputed.mismatch}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def parse_range(text: str) -> tuple[int, int]:

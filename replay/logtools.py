@@ -15,9 +15,9 @@ from typing import Any
 
 import msgspec
 import numpy as np
-import orjson
 
 from bus.events import Tensor
+from bus.jsonout import json_line
 from bus.log import RunLog
 
 # Tensors up to this many elements are printed whole; bigger ones as a summary and a head.
@@ -46,7 +46,7 @@ def cat(args: argparse.Namespace) -> int:
         try:
             for entry_id, event in run_log.events(args.stream):
                 line = {"entry_id": entry_id, "type": type(event).__struct_config__.tag, **_readable(event)}
-                out.write(orjson.dumps(line, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE))
+                out.write(json_line(line))
             out.flush()
         except BrokenPipeError:
             # The reader (e.g. `| head`) has gone; silence the flush Python would retry at exit.

@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 
 from bus.errors import ReelError
+from bus.jsonout import print_json
 from replay.console import print_view
 from replay.simulate import Scenario, simulate
 from replay.simulate_report import Row, compare, plot, view
@@ -52,8 +53,8 @@ def main(args: argparse.Namespace) -> int:
         logged = base.pipeline == target.pipeline and _unchanged(base)
         rows = [_row(workload, base, "as logged" if logged else "scenario", target if logged else None)]
     if args.json:
-        print(msgspec.json.encode({"run": workload.run_dir, "decode": workload.decode, "trainer": workload.trainer,
-                                   "swap_s": workload.swap_s, "rows": rows}).decode())
+        print_json({"run": workload.run_dir, "decode": workload.decode, "trainer": workload.trainer,
+                    "swap_s": workload.swap_s, "rows": rows})
     else:
         print_view(view(workload, rows))
     if args.plot:

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from bus.events import StepCommitted, WorkerStats
+from bus.jsonout import print_json
 from bus.log import RunLog
 from runtime import config as config_mod
 from runtime.config import Config
@@ -47,10 +48,10 @@ def bench_async(args: argparse.Namespace) -> int:
             config = config_mod.from_dict(raw, source="bench async workload")
             results[level] = _measure(Path(tmp) / f"async{level}", config)
     sync, overlapped = results[0], results[2]
-    print(json.dumps({
+    print_json({
         "bench": "async", "steps": raw["run"]["steps"], "sync": sync, "async": overlapped,
         "ratio": round(sync["wall_s"] / overlapped["wall_s"], 3),
-    }))
+    })
     return 0
 
 

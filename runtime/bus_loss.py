@@ -11,8 +11,10 @@ from __future__ import annotations
 import msgspec
 import redis
 
-from bus.events import STREAMS, stream_key
+from bus.cluster import cluster_from_env
+from bus.events import STREAMS
 from bus.log import LogError, RunLog
+from bus.partitions import lane_key, lanes
 
 __all__ = ["LossWindow", "find_loss_window", "describe"]
 
@@ -28,18 +30,22 @@ class LossWindow(msgspec.Struct, frozen=True):
         return (self.last_ms - self.first_ms) / 1000
 
 
-def find_loss_window(url: str, run: str, run_dir) -> LossWindow | None:
-    """The logged events Redis lost, or None when the bus has everything the log has."""
+def find_loss_window(url: str, run: str, run_dir, partitions: int = 1) -> LossWindow | None:
+    """The logged events Redis lost, or None when the bus has everything the log has.
+
+    A split stream's lanes share one log stream (consumers/archiver.py): the newest of its lanes
+    on the bus marks where the log is ahead."""
     try:
         run_log = RunLog(run_dir, readonly=True)
     except LogError:
         return None  # nothing archived yet: nothing to compare
-    client = redis.Redis.from_url(url, socket_timeout=10.0)
+    client = (redis.RedisCluster if cluster_from_env() else redis.Redis).from_url(url, socket_timeout=10.0)
     events, streams, stamps = 0, [], []
     try:
         for stream in set(STREAMS) & set(run_log.names()):
-            newest = client.xrevrange(stream_key(run, stream), count=1)
-            on_bus = newest[0][0].decode() if newest else None
+            newest = [entry[0][0].decode() for lane in lanes([stream], partitions)
+                      if (entry := client.xrevrange(lane_key(run, lane), count=1))]
+            on_bus = max(newest, key=lambda i: tuple(map(int, i.split("-")))) if newest else None
             lost = [r.entry_id for r in run_log.stream(stream).records(after_entry_id=on_bus)]
             if lost:
                 events += len(lost)

@@ -6,14 +6,16 @@ expected, e.g. "trainer.batch_groups = 64 exceeds ...; lower it or raise rollout
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args, get_origin
 
 import msgspec
+import tomli_w
 
 from bus.errors import ReelError
 
@@ -41,6 +43,8 @@ class BusSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     block_ms: int = 1000  # XREADGROUP BLOCK time
     claim_idle_ms: int = 30_000  # pending entries idle this long are reclaimed (XAUTOCLAIM)
     max_deliveries: int = 5  # deliveries before an entry goes to the dead-letter stream
+    partitions: int = 1  # trajectory and routing streams split over this many hash tags (bus/partitions.py)
+    cluster: bool = False  # bus.url names a node of a Redis Cluster (also REEL_BUS_CLUSTER=1 for roles)
 
 
 class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -140,9 +144,20 @@ class TrainerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     threads: int = 0  # torch threads of the trainer (part of bit-exactness); 0 = 1
 
 
+class BlobsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    backend: Literal["file", "mooncake"] = "file"  # where weights and big routing traces go (bus/blob_backends/)
+    # Mooncake (backend = "mooncake"); the run's blobs/ still gets a copy of every blob an event names.
+    mooncake_master: str = ""  # host:port of a running master; empty = `reel run` / the Slurm job start one
+    mooncake_metadata: str = ""  # its metadata server, http://host:port/metadata (with mooncake_master)
+    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
+    mooncake_device: str = ""  # RDMA device names (protocol = "rdma"), e.g. "mlx5_0"
+    mooncake_segment_bytes: int = 1 << 30  # memory of the holder process started with the master
+    mooncake_buffer_bytes: int = 64 << 20  # each client's local transfer buffer
+
+
 class LogSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     segment_bytes: int = 64 * 1024 * 1024
-    level: str = "INFO"
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"  # Python logging level of each role
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -154,6 +169,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     rollout: RolloutSection = msgspec.field(default_factory=RolloutSection)
     env: EnvSection = msgspec.field(default_factory=EnvSection)
     trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
+    blobs: BlobsSection = msgspec.field(default_factory=BlobsSection)
     log: LogSection = msgspec.field(default_factory=LogSection)
 
 
@@ -171,7 +187,10 @@ def from_dict(raw: dict, source: str = "config") -> Config:
         config = msgspec.convert(raw, Config, strict=True)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{source}: {_name_key(str(exc))}") from exc
-    validate(config)
+    try:
+        validate(config)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None  # cross-key errors name the file too
     return config
 
 
@@ -188,13 +207,47 @@ def _name_key(message: str) -> str:
     """Turn msgspec's `... - at `$.trainer.lr`` into a message that starts with the key."""
     match = re.search(r"- at `\$\.([^`]+)`", message)
     what = message.split(" - at ")[0]
+    where = match.group(1) if match else ""
     if "Object contains unknown field" in message:
         field = re.search(r"unknown field `([^`]+)`", message)
-        where = match.group(1) + "." if match else ""
-        return f"unknown key {where}{field.group(1) if field else '?'}; remove it or check its spelling"
+        unknown = field.group(1) if field else "?"
+        key = f"{where}.{unknown}" if where else unknown
+        return f"unknown key {key}; {_suggest(where, unknown)}"
     if match:
-        return f"{match.group(1)}: {what[0].lower()}{what[1:]}"
+        kind = _field_type(where)
+        if get_origin(kind) is Literal:
+            choices = get_args(kind)
+            return f"{where}: {what[0].lower()}{what[1:]}; use one of {', '.join(map(repr, choices))}"
+        return f"{where}: {what[0].lower()}{what[1:]}"
     return what
+
+
+def _keys(struct: type) -> dict[str, object]:
+    """TOML key -> type of a config Struct's fields."""
+    return {f.encode_name: f.type for f in msgspec.structs.fields(struct)}
+
+
+def _field_type(dotted: str) -> object:
+    """The type of a config key such as `trainer.precision` (None if there is no such key)."""
+    kind: object = Config
+    for part in dotted.split("."):
+        if not (isinstance(kind, type) and issubclass(kind, msgspec.Struct)):
+            return None
+        kind = _keys(kind).get(part)
+    return kind
+
+
+def _suggest(section: str, unknown: str) -> str:
+    """"did you mean trainer.lr?" from the keys of the same section, else the same key in another."""
+    kind = _field_type(section) if section else Config
+    close = difflib.get_close_matches(unknown, list(_keys(kind)), n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {section + '.' if section else ''}{close[0]}?"
+    if section:
+        elsewhere = [f"{name}.{unknown}" for name, sub in _keys(Config).items() if unknown in _keys(sub)]
+        if elsewhere:
+            return f"did you mean {elsewhere[0]}?"
+    return "remove it or check its spelling"
 
 
 def _require(ok: bool, message: str) -> None:
@@ -256,29 +309,26 @@ def validate(c: Config) -> None:
     _require(not (c.bus.tls_ca or c.bus.tls_cert or c.bus.tls_key) or c.bus.url.startswith("rediss://"),
              "bus.tls_ca, bus.tls_cert and bus.tls_key need a rediss:// bus.url")
     _require(bool(c.bus.tls_cert) == bool(c.bus.tls_key), "bus.tls_cert and bus.tls_key go together; set both or neither")
+    _require(c.bus.partitions >= 1, f"bus.partitions = {c.bus.partitions} must be at least 1")
+    _require(not c.bus.cluster or c.bus.url.split("://")[0] in ("redis", "rediss"),
+             "bus.cluster = true needs bus.url = redis://HOST:PORT naming a node of the cluster "
+             "(the embedded Redis is not a cluster)")
+    b = c.blobs
+    _require(bool(b.mooncake_master) == bool(b.mooncake_metadata),
+             "blobs.mooncake_master and blobs.mooncake_metadata name a running store together; set both or neither")
+    _require(b.backend == "file" or c.engine.kind == "builtin",
+             'blobs.backend = "mooncake" needs engine.kind = "builtin" (vLLM loads weights from files); '
+             'use blobs.backend = "file"')
+    _require(b.mooncake_segment_bytes > 0 and b.mooncake_buffer_bytes > 0,
+             "blobs.mooncake_segment_bytes and blobs.mooncake_buffer_bytes must be > 0")
     from runtime.vllm_args import validate_engine  # here: vllm_args imports this module
 
     validate_engine(c)
 
 
 def to_toml(c: Config) -> str:
-    """The resolved config (defaults filled in) as TOML text."""
-    lines: list[str] = []
-    for section, value in msgspec.structs.asdict(c).items():
-        lines.append(f"[{section}]")
-        for key, v in msgspec.to_builtins(value).items():
-            name = "from" if key == "from_dir" else key
-            lines.append(f"{name} = {_toml_value(v)}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml_value(v: object) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return repr(v)
+    """The resolved config (defaults filled in) as TOML text that `loads` reads back to `c`."""
+    return tomli_w.dumps(msgspec.to_builtins(c))
 
 
 def config_hash(c: Config) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from bus.blobs import BlobStore
+from bus.blobs import BlobBackend
 from bus.errors import ReelError
 from bus.events import AnyEvent, RoutingTrace, StepCommitted, Trajectory
 from bus.log import RunLog
@@ -23,15 +23,15 @@ class MissingGroup(ReelError):
 class GroupLookup:
     trajectories: dict[str, Trajectory]
     routing: dict[str, RoutingTrace]
-    blobs: BlobStore
+    blobs: BlobBackend
 
-    def __init__(self, blobs: BlobStore):
+    def __init__(self, blobs: BlobBackend):
         self.trajectories = {}
         self.routing = {}
         self.blobs = blobs
 
     @classmethod
-    def from_log(cls, log: RunLog, blobs: BlobStore) -> GroupLookup:
+    def from_log(cls, log: RunLog, blobs: BlobBackend) -> GroupLookup:
         lookup = cls(blobs)
         for stream in ("trajectories", "routing"):
             lookup.add(event for _, event in log.events(stream))

@@ -38,6 +38,7 @@ from pathlib import Path
 from bus.errors import ReelError
 from runtime import config as config_mod
 from runtime import vllm_args
+from runtime.blob_store import mooncake_for
 from runtime.config import Config
 from runtime.progress import Progress
 
@@ -59,15 +60,16 @@ def main_run(args: argparse.Namespace) -> int:
     config = config_mod.load(args.config)  # every config error surfaces before anything is written
     if serves_vllm_locally(config):
         vllm_args.check_local_server(config)
+    use_cluster_client(config)
     text = Path(args.config).read_text()
     run_dir = Path(args.out) if args.out else Path(config.run.out_dir) / config.run.name
     prepare_run_dir(run_dir, text, config, resume=args.resume)
-    with bus_for(run_dir, config) as url:
+    with bus_for(run_dir, config) as url, mooncake_for(run_dir, config):
         supervisor = Supervisor(run_dir, url, config, live=not args.no_live and sys.stdout.isatty())
         if args.resume:  # before any role publishes: new entries would hide the gap
             from runtime.bus_loss import describe, find_loss_window
 
-            window = find_loss_window(url, config.run.name, run_dir)
+            window = find_loss_window(url, config.run.name, run_dir, config.bus.partitions)
             if window is not None:
                 print(f"reel: {describe(window)}", file=sys.stderr, flush=True)
                 # ... and a metric: the trainer's next StepCommitted carries it (metrics.bus_lost_*).
@@ -79,14 +81,24 @@ def main_run(args: argparse.Namespace) -> int:
 def main_role(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     config = load_run_config(run_dir)
+    use_cluster_client(config)
     url = args.bus or os.environ.get("REEL_BUS_URL") or _read_bus_url(run_dir)
     module, function = ROLE_ENTRY[args.name].split(":")
     entry = getattr(importlib.import_module(module), function)
     if args.name == "rollout":
         return int(entry(run_dir, url, args.worker) or 0)
     if args.name == "archiver":
-        return int(entry(run_dir, url, config.run.name) or 0)
+        return int(entry(run_dir, url, config.run.name, config.bus.partitions) or 0)
     return int(entry(run_dir, url) or 0)
+
+
+def use_cluster_client(config: Config) -> None:
+    """bus.cluster = true: every bus client of this process and of the roles it starts is a cluster
+    client (bus.streams.connect reads REEL_BUS_CLUSTER)."""
+    from bus.cluster import CLUSTER_ENV
+
+    if config.bus.cluster:
+        os.environ[CLUSTER_ENV] = "1"
 
 
 def load_run_config(run_dir: Path) -> Config:
@@ -161,22 +173,23 @@ def _read_bus_url(run_dir: Path) -> str:
         ) from None
 
 
-def announce_finished(url: str, run: str, reason: str, run_dir: Path | None = None) -> None:
+def announce_finished(url: str, run: str, reason: str, partitions: int = 1, run_dir: Path | None = None) -> None:
     """Publish RunFinished; the archiver exits once it has logged it and drained every stream."""
     import asyncio
 
     from bus.events import RunFinished
     from bus.seqs import recover_seq
-    from bus.streams import Publisher, connect, recover_next_seq
+    from bus.streams import Publisher, connect, dead_letters_added, recover_next_seq
 
     async def publish() -> None:
         redis = connect(url)
         try:
             producer = "launcher:0"
-            seq = (await recover_seq(redis, run_dir, run, producer, ["control"]) if run_dir is not None
-                   else await recover_next_seq(redis, run, producer))
+            seq = (await recover_seq(redis, run_dir, run, producer, ["control"], partitions) if run_dir is not None
+                   else await recover_next_seq(redis, run, producer, partitions))
             publisher = Publisher(redis, run, producer, seq)
-            await publisher.publish([publisher.stamp(RunFinished, reason=reason)])
+            dead = await dead_letters_added(redis, run, partitions)
+            await publisher.publish([publisher.stamp(RunFinished, reason=reason, dead_letters=dead)])
         finally:
             await redis.aclose()
 
@@ -316,7 +329,7 @@ class Supervisor:
     def _finish(self) -> int:
         """The trainer committed its last step: announce the end, let the archiver drain, stop workers."""
         self.progress.finish(self.run_dir)
-        announce_finished(self.url, self.config.run.name, "completed", self.run_dir)
+        announce_finished(self.url, self.config.run.name, "completed", self.config.bus.partitions, self.run_dir)
         code = self.roles["archiver"].wait(timeout=120.0)
         self._stop_all()
         if code != 0:

@@ -44,7 +44,6 @@ class Progress:
         self._started = time.monotonic()
 
     def __enter__(self) -> Progress:
-        self._client = redis.Redis.from_url(self.url, socket_timeout=5.0)
         if self.live:
             self._live = Live(self._table(), console=self._console, refresh_per_second=2, transient=False)
             self._live.__enter__()
@@ -53,14 +52,19 @@ class Progress:
     def __exit__(self, *exc: object) -> None:
         if self._live is not None:
             self._live.__exit__(*exc)
+        self._close()
+
+    def _close(self) -> None:
+        # A closed cluster client cannot be used again (a plain one reconnects): drop it.
         if self._client is not None:
             self._client.close()
+            self._client = None
 
     def refresh(self) -> None:
         """Read what is new on the bus and redraw; a bus hiccup only delays the view."""
         try:
             new_steps = self._read()
-        except redis.RedisError:
+        except (redis.RedisError, redis.RedisClusterException):  # the latter: no cluster node answers
             return
         if self._live is not None:
             self._live.update(self._table())
@@ -70,6 +74,7 @@ class Progress:
 
     def finish(self, run_dir: Path) -> None:
         self.refresh()
+        self._close()
         minutes = (time.monotonic() - self._started) / 60
         if self.steps:
             first, last = self.steps[0], self.steps[-1]
@@ -81,7 +86,11 @@ class Progress:
             )
 
     def _read(self) -> list[StepCommitted]:
-        assert self._client is not None
+        if self._client is None:
+            from bus.cluster import cluster_from_env  # bus.cluster = true: the launcher set REEL_BUS_CLUSTER
+
+            client_class = redis.RedisCluster if cluster_from_env() else redis.Redis
+            self._client = client_class.from_url(self.url, socket_timeout=5.0)
         new_steps: list[StepCommitted] = []
         for stream in ("steps", "control"):
             entries = self._client.xrange(stream_key(self.config.run.name, stream), min=f"({self._cursor[stream]}"

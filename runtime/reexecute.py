@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bus.blobs import BlobStore
+from bus.blobs import BlobBackend
 from bus.errors import ReelError
 from bus.events import StepCommitted
 from runtime import checkpoint
@@ -37,7 +37,7 @@ def newest_checkpoint(commits: dict[int, StepCommitted], at_or_before: int) -> S
     return max(candidates, key=lambda c: c.step) if candidates else None
 
 
-def restore_state(run_dir: Path, config: Config, blobs: BlobStore, commits: dict[int, StepCommitted],
+def restore_state(run_dir: Path, config: Config, blobs: BlobBackend, commits: dict[int, StepCommitted],
                   upto: int) -> TrainState:
     """The state after step `upto` (0 = initial), from the newest checkpoint at or before it."""
     state = initial_state(run_dir, config)

@@ -7,7 +7,7 @@ submits it (with --dry-run it prints the script and touches nothing). One het gr
     1.. rollout  built-in engine: the rollout workers; vLLM: one pool (`rollout`) or two
                  (`prefill`, `decode`) of `vllm serve` nodes (runtime/vllm_args.py)
     last trainer torchrun over its nodes, `reel role trainer`
-The job id goes to RUN_DIR/slurm_job_id; `reel launch status|cancel RUN_DIR` wrap squeue/scancel.
+The job id goes to RUN_DIR/slurm_job_id; `reel launch status|cancel --run RUN_DIR` wrap squeue/scancel.
 
 Errors: a config or flag combination that cannot run is a ConfigError (exit 2) naming the key or
 flag; a Slurm command that is missing or fails is a SlurmError (exit 1).
@@ -83,7 +83,7 @@ def main_submit(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir)  # made by this call and holds nothing else: let a fixed retry reuse it
         raise
     print(f"reel: submitted Slurm job {job}; run directory {run_dir}\n"
-          f"reel: follow it with `reel launch status {run_dir}`; its output is {run_dir}/slurm/job-{job}.out")
+          f"reel: follow it with `reel launch status --run {run_dir}`; its output is {run_dir}/slurm/job-{job}.out")
     return 0
 
 
@@ -149,7 +149,7 @@ def render(c: Config, run_dir: Path, opts: JobOptions) -> str:
     pools = vllm_args.pools(c, opts.rollout_nodes) if vllm else []
     components = _components(c, opts, pools)
     trainer = len(components) - 1
-    lines = [*_control_lines(), *_trainer_lines(c, opts, trainer)]
+    lines = [*_control_lines(c), *_blob_store_lines(c), *_trainer_lines(c, opts, trainer)]
     worker = ["env", "OMP_NUM_THREADS=1", "REEL_TORCH_THREADS=1", "bash", "-c",
               'exec "$REEL" role rollout --run "$RUN_DIR" --worker "$SLURM_PROCID"']
     if vllm:
@@ -161,6 +161,8 @@ def render(c: Config, run_dir: Path, opts: JobOptions) -> str:
                              [f"--nodes={opts.rollout_nodes}", f"--ntasks={c.rollout.workers}"], worker)]
     settings = {"RUN_DIR": str(run_dir), "RUN_NAME": c.run.name, **_binaries(c),
                 "FINISHER": "trainer", "DRAINER": "archiver"}
+    if c.bus.cluster:  # every role's bus client follows the cluster's MOVED replies
+        settings |= {"REEL_BUS_URL": c.bus.url, "REEL_BUS_CLUSTER": "1"}
     return job_script(header=_header(c, run_dir, components, vllm), components=components, opts=opts,
                       job_name=f"reel-{c.run.name}", output=f"{run_dir}/slurm/job-%j.out", chdir=str(run_dir),
                       settings=settings, body="\n".join(lines))
@@ -171,6 +173,10 @@ def _components(c: Config, opts: JobOptions, pools: list[Pool]) -> list[Componen
     vllm = bool(pools)
     control = ["redis-server (ops/redis/redis.conf: AOF, fsync every second; a password made for this job; "
                "bound to this node's address)", "the archiver", "the metrics exporter"]
+    if c.bus.cluster:
+        control[0] = f"no Redis: the bus is the Redis Cluster at bus.url ({c.bus.partitions} partition(s))"
+    if c.blobs.backend == "mooncake" and not c.blobs.mooncake_master:
+        control.append("the Mooncake blob store (master + holder)")
     if c.engine.kv_connector == "MooncakeStoreConnector":
         control.append("the Mooncake store master")
     if c.engine.pd_disaggregation:
@@ -194,8 +200,12 @@ def _components(c: Config, opts: JobOptions, pools: list[Pool]) -> list[Componen
     return components
 
 
-def _control_lines() -> list[str]:
-    return ["# het group 0: control", "start_bus 0", 'wait_until "the bus" bus_ok',
+def _control_lines(c: Config) -> list[str]:
+    # With bus.cluster the bus is the Redis Cluster of bus.url (REEL_BUS_URL in the settings); the
+    # URL may hold a password, hence the umask.
+    bus = ["BUS_HOST=$(group_addr 0 0)", '(umask 077; printf \'%s\\n\' "$REEL_BUS_URL" > "$RUN_DIR/bus_url")'] \
+        if c.bus.cluster else ["start_bus 0"]
+    return ["# het group 0: control", *bus, 'wait_until "the bus" bus_ok',
             start_line("archiver", 0, "archiver.log", ["--nodes=1", "--ntasks=1"],
                        [Expand("$REEL"), "role", "archiver", "--run", Expand("$RUN_DIR")]),
             "METRICS_PORT=$((PORT_BASE + 1))",
@@ -203,6 +213,31 @@ def _control_lines() -> list[str]:
                        [Expand("$REEL"), "metrics", "serve", "--run", Expand("$RUN_DIR"),
                         "--port", Expand("$METRICS_PORT")]),
             'echo "reel: metrics at http://$BUS_HOST:$METRICS_PORT/metrics"', ""]
+
+
+def _blob_store_lines(c: Config) -> list[str]:
+    """blobs.backend = "mooncake" without a running store: a master and a holder on the control node."""
+    b = c.blobs
+    if b.backend != "mooncake" or b.mooncake_master:
+        return []
+    device = [f"--device_names={b.mooncake_device}"] if b.mooncake_device else []
+    return ["# the run's Mooncake blob store: its master, and the holder that owns the memory blobs live in",
+            "BLOB_HOST=$(group_addr 0 0) BLOB_MASTER_PORT=$((PORT_BASE + 5)) BLOB_META_PORT=$((PORT_BASE + 6))",
+            'export REEL_MOONCAKE_MASTER="$BLOB_HOST:$BLOB_MASTER_PORT"',
+            'export REEL_MOONCAKE_METADATA="http://$BLOB_HOST:$BLOB_META_PORT/metadata"',
+            start_line("blob-master", 0, "blob-master.log", ["--nodes=1", "--ntasks=1"],
+                       [Expand("$MOONCAKE_MASTER"), Expand("--rpc_address=$BLOB_HOST"),
+                        Expand("--rpc_port=$BLOB_MASTER_PORT"), "--enable_http_metadata_server=true",
+                        Expand("--http_metadata_server_host=$BLOB_HOST"),
+                        Expand("--http_metadata_server_port=$BLOB_META_PORT"), Expand("--metrics_host=$BLOB_HOST"),
+                        Expand("--metrics_port=$((PORT_BASE + 7))")]),
+            start_line("blob-holder", 0, "blob-holder.log", ["--nodes=1", "--ntasks=1"],
+                       [Expand("$MOONCAKE_CLIENT"), f"--global_segment_size={b.mooncake_segment_bytes}",
+                        "--local_buffer_size=0", Expand("--master_server_address=$REEL_MOONCAKE_MASTER"),
+                        Expand("--metadata_server=$REEL_MOONCAKE_METADATA"), Expand("--host=$BLOB_HOST"),
+                        Expand("--port=$((PORT_BASE + 8))"), Expand("--http_port=$((PORT_BASE + 9))"),
+                        f"--protocol={b.mooncake_protocol}", *device]),
+            ""]
 
 
 def _trainer_lines(c: Config, opts: JobOptions, group: int) -> list[str]:
@@ -226,8 +261,10 @@ def _binaries(c: Config) -> dict[str, str]:
         found["VLLM"] = beside_python("vllm")
     if c.engine.pd_disaggregation:
         found["VLLM_ROUTER"] = beside_python("vllm-router")
-    if c.engine.kv_connector == "MooncakeStoreConnector":
+    if c.engine.kv_connector == "MooncakeStoreConnector" or c.blobs.backend == "mooncake":
         found["MOONCAKE_MASTER"] = beside_python("mooncake_master")
+    if c.blobs.backend == "mooncake":
+        found["MOONCAKE_CLIENT"] = beside_python("mooncake_client")
     return found
 
 
@@ -250,8 +287,9 @@ def check(c: Config, run_dir: Path, opts: JobOptions) -> None:
     """Refuse a job that cannot run, naming the key or flag to change."""
     _require(SAFE_PATH.fullmatch(str(run_dir)) is not None,
              f"--run-dir {run_dir} has characters a job script cannot carry; use letters, digits and _ . / + -")
-    _require(not c.bus.url, f"bus.url = {c.bus.url!r}: `reel launch slurm` starts the run's own Redis on the "
-                            f"control node; remove bus.url")
+    _require(not c.bus.url or c.bus.cluster, f"bus.url = {c.bus.url!r}: `reel launch slurm` starts the run's own "
+                                             f"Redis on the control node; remove bus.url (or set bus.cluster = true "
+                                             f"to use the Redis Cluster it names)")
     for flag, text in (("--time", opts.time), ("--partition", opts.partition), ("--account", opts.account)):
         _require(text is None or re.fullmatch(r"[A-Za-z0-9_:.,-]+", text) is not None,
                  f"{flag} {text!r} is not a Slurm {flag[2:]} (letters, digits and _ : . , - only)")

@@ -55,6 +55,15 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory):
         proc.wait(timeout=10)
 
 
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """A real three-master Redis Cluster (bus/local_cluster.py), created once per test session."""
+    from bus.local_cluster import LocalCluster
+
+    with LocalCluster(tmp_path_factory.mktemp("cluster"), _redis_binary()) as cluster:
+        yield cluster
+
+
 @pytest.fixture
 def run_name(request: pytest.FixtureRequest) -> str:
     """A run name unique to the test, so tests sharing the Redis server never see each other's streams."""

@@ -15,6 +15,7 @@ calls it.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bus.blobs import BlobStore
+from bus.blob_backends.file import BlobStore
 from bus.events import (
     AnyEvent, RoutingTrace, RunStarted, Sample, StepCommitted, StepTiming, Tensor, Trajectory, WeightsPublished,
     encode,
@@ -50,6 +51,26 @@ head_dim = 8
 num_experts = 4
 num_experts_per_tok = 2
 """
+
+# The run of the tests that start real `reel run` processes (with TINY_MODEL_TOML); see e2e_config.
+E2E: dict[str, dict[str, Any]] = {
+    "init": {"warmup_steps": 30},
+    "env": {"min_len": 2, "max_len": 4},
+    "rollout": {"concurrency": 4, "group_size": 4, "async_level": 1, "max_tokens": 6},
+    "trainer": {"batch_groups": 4, "checkpoint_every": 2, "max_off_policy_steps": 2},
+}
+
+
+def e2e_config(path: Path, name: str, steps: int, overrides: dict[str, dict[str, Any]] | None = None) -> Path:
+    """Write the E2E run config (any key overridden per test) as TOML to `path`; returns it."""
+    sections = {"run": {"name": name, "steps": steps}, **{s: dict(keys) for s, keys in E2E.items()}}
+    for section, keys in (overrides or {}).items():
+        sections.setdefault(section, {}).update(keys)
+    text = TINY_MODEL_TOML + "".join(f"[{section}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
+                                     for section, keys in sections.items())
+    path.write_text(text)
+    return path
+
 
 # A tiny MoE and a short run; any key can be overridden per test.
 BASE: dict[str, dict[str, Any]] = {

@@ -19,6 +19,21 @@ def test_every_example_parses(path: Path) -> None:
     assert config.loads(config.to_toml(c)) == c  # the resolved form round-trips
 
 
+# Strings a hand-written TOML writer gets wrong: newlines, quotes, backslashes, tabs, non-ASCII.
+AWKWARD = ["two\nlines", 'say "hi"', "C:\\weights\\", "tab\there", "üñí ✓", "'''\n\"\"\"", "\r\n\x7f"]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_config_show_round_trips(path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for text in AWKWARD:
+        source = config.load(path)
+        source.init.from_dir = text
+        written = tmp_path / "c.toml"
+        written.write_text(config.to_toml(source))
+        assert main(["config", "show", str(written)]) == 0
+        assert config.loads(capsys.readouterr().out) == source, text
+
+
 BROKEN = [
     ("[trainer]\nlr = \"fast\"\n", "trainer.lr"),
     ("[trainer]\nlearning_rate = 0.1\n", "trainer.learning_rate"),
@@ -28,6 +43,7 @@ BROKEN = [
     ("[env]\nname = \"chess\"\n", "env.name"),
     ("[bus]\nurl = \"http://x\"\n", "bus.url"),
     ("[run\nname = 1\n", "not valid TOML"),
+    ("[log]\nlevel = \"LOUD\"\n", "log.level"),
 ]
 
 
@@ -55,3 +71,25 @@ def test_config_show_prints_defaults(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_missing_config_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["config", "show", str(tmp_path / "nope.toml")]) == 2
     assert "nope.toml" in capsys.readouterr().err
+
+
+MISTAKES = [
+    ("[trainer]\nlrr = 0.1\n", "unknown key trainer.lrr; did you mean trainer.lr?"),
+    ("[rollout]\nlr = 0.1\n", "unknown key rollout.lr; did you mean trainer.lr?"),
+    ("[trainr]\nlr = 0.1\n", "unknown key trainr; did you mean trainer?"),
+    ("[trainer]\nxyzzy = 1\n", "unknown key trainer.xyzzy; remove it or check its spelling"),
+    ("[trainer]\nprecision = \"bf17\"\n",
+     "trainer.precision: invalid enum value 'bf17'; use one of 'fp32', 'bf16', 'fp8'"),
+    ("[engine]\nkind = 3\n", "engine.kind: expected `str`, got `int`; use one of 'builtin', 'vllm'"),
+    ("[log]\nlevel = \"info\"\n", "log.level: invalid enum value 'info'; use one of 'DEBUG', 'INFO', 'WARNING'"),
+    ("[trainer]\nbatch_groups = 1000\n", "trainer.batch_groups = 1000 exceeds"),  # cross-key: the file is named too
+]
+
+
+@pytest.mark.parametrize("text,expected", MISTAKES, ids=[e.split(";")[0] for _, e in MISTAKES])
+def test_mistakes_get_a_suggestion(tmp_path: Path, text: str, expected: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(config.ConfigError) as err:
+        config.load(path)
+    assert str(err.value).startswith(f"{path}: ") and expected in str(err.value)

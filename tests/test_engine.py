@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from bus.blobs import BlobError, BlobStore
+from bus.blob_backends.file import BlobStore
+from bus.blobs import BlobError
 from bus.events import BlobRef
 from producers.builtin_engine import BuiltinEngine
 from producers.engine import EngineClosed, EngineError, SamplingParams

@@ -18,14 +18,15 @@ from prometheus_client.registry import CollectorRegistry
 
 from bus.events import (
     STREAM_OF, STREAMS, BlobRef, DroppedGroup, RunFinished, Sample, StepCommitted, StepTiming, Tensor,
-    Trajectory, WeightsPublished, WorkerStats, encode, stream_key,
+    Trajectory, WeightsPublished, WorkerStats, decode, encode, stream_key,
 )
 from bus.log import RunLog
-from bus.streams import GroupConsumer, Publisher, connect
+from bus.streams import DEAD, GroupConsumer, Publisher, connect
 from consumers.aggregates import RunAggregates
 from consumers.metric_views import SnapshotCollector
 from consumers.metrics import MetricsError, RunSource, Watcher, locate, read_log, serve
 from runtime import cli
+from runtime.launch import announce_finished
 
 _seq = itertools.count()
 
@@ -65,6 +66,9 @@ def _stats(run: str, worker: str, tokens_per_s: float, version: int) -> WorkerSt
                        running=3, waiting=1, policy_version=version, groups_published=7)
 
 
+STALE = "stale: 3 versions behind > max_off_policy_steps = 1"  # the trainer's "CODE: details" reason text
+
+
 def _synthetic_run(run: str) -> list:
     """Four groups (mean rewards 0.5, 1, 0, 0.5), two steps, two workers, then RunFinished."""
     t1 = _traj(run, "g1", [1.0, 0.0])
@@ -72,14 +76,14 @@ def _synthetic_run(run: str) -> list:
         _weights(run, 0), t1, t1,  # the duplicate delivery must not count
         _traj(run, "g2", [1.0, 1.0]), _traj(run, "g3", [0.0, 0.0]), _traj(run, "g4", [0.5, 0.5]),
         _stats(run, "rollout:0", 10.0, 0),
-        _step(run, 1, ["g1", "g2"], dropped=[("g3", "stale"), ("g4", "stale")], staleness={0: 10, 1: 30},
+        _step(run, 1, ["g1", "g2"], dropped=[("g3", STALE), ("g4", STALE)], staleness={0: 10, 1: 30},
               timing=(1.0, 3.0, 0.0)),
         _weights(run, 1), _weights(run, 2),
         _stats(run, "rollout:0", 100.0, 1), _stats(run, "rollout:1", 50.0, 2),
-        _step(run, 2, ["g4"], dropped=[("g9", "off_policy")], staleness={1: 20, 2: 20}, timing=(0.0, 1.0, 1.0),
+        _step(run, 2, ["g4"], dropped=[("g9", "off_policy: a reason without a code")], staleness={1: 20, 2: 20}, timing=(0.0, 1.0, 1.0),
               metrics={"reward_mean": 0.6, "kl_k1": 0.01, "kl_k3": 0.002, "ratio_mean": 1.01, "other": 5.0,
                        "bus_lost_events": 7.0}),
-        RunFinished(run=run, producer="launcher:0", seq=next(_seq), reason="done"),
+        RunFinished(run=run, producer="launcher:0", seq=next(_seq), reason="done", dead_letters=3),
     ]
 
 
@@ -87,10 +91,10 @@ def test_aggregates_hand_checked():
     agg = RunAggregates(window_groups=3, window_steps=20)
     for event in _synthetic_run("r"):
         agg.apply(event)
-    agg.set_dead_letters(2)
+    agg.set_dead_letters(2)  # a stale count below RunFinished's 3: the counter does not go down
     s = agg.snapshot()
     assert s.run == "r" and s.finished == "done"
-    assert s.groups_seen == 4 and s.groups_trained == 3
+    assert s.groups_seen == 4 and s.groups_published == {"rollout:0": 4} and s.groups_trained == 3
     # window = last 3 groups: 1, 0, 0.5 -> mean 0.5, p50 0.5, p90 = 0.5 + 0.8 * 0.5 (linear)
     assert s.window_groups == 3
     assert s.reward_mean == pytest.approx(0.5)
@@ -102,8 +106,8 @@ def test_aggregates_hand_checked():
     assert s.mismatch == {"kl_k1": 0.01, "kl_k3": 0.002, "ratio_mean": 1.01}  # missing keys stay missing
     assert s.idle_ratio == pytest.approx(1.0 / 6.0)  # waits 1 + 0 over totals 4 + 2
     assert s.staleness == {0: 10, 1: 50, 2: 20}
-    assert s.dropped == {"off_policy": 1, "stale": 2}
-    assert s.dead_letters == 2
+    assert s.dropped == {"stale": 2, "other": 1}  # reason codes; the text stays in the log
+    assert s.dead_letters == 3
     assert [(w.worker, w.tokens_per_s, w.version_lag) for w in s.workers] == [("rollout:0", 100.0, 1),
                                                                                ("rollout:1", 50.0, 0)]
     assert s.tokens_per_s == 150.0
@@ -119,6 +123,7 @@ def test_aggregates_empty_and_idle_window():
     s = RunAggregates().snapshot()
     assert s.step is None and s.reward_mean is None and s.reward_p90 is None and s.idle_ratio is None
     assert s.mismatch == {} and s.workers == [] and s.dead_letters is None
+    assert s.dropped == {"stale": 0, "other": 0} and s.groups_published == {}  # counters start at 0
     agg = RunAggregates(window_steps=1)
     agg.apply(_step("r", 1, [], timing=(1.0, 1.0, 0.0)))
     agg.apply(_step("r", 2, [], timing=(0.0, 0.0, 0.0)))  # a zero-length step has no idle share
@@ -168,7 +173,8 @@ def test_finished_run_reads_the_log(tmp_path: Path, redis_url: str, capsys: pyte
     assert s.finished == "done" and s.step == 2 and s.groups_seen == 4 and s.staleness == {0: 10, 1: 50, 2: 20}
     assert cli.main(["top", "--run", str(run_dir), "--once"]) == 0
     shown = capsys.readouterr().out
-    assert "finished: done" in shown and "rollout:1" in shown and "off_policy" in shown
+    assert s.dead_letters == 3  # from RunFinished: the log alone knows them
+    assert "finished: done" in shown and "rollout:1" in shown and "other" in shown
 
 
 def test_locate_without_a_live_bus(tmp_path: Path, capsys: pytest.CaptureFixture):
@@ -217,10 +223,14 @@ async def test_watchers_see_every_step_and_create_no_group(redis_url: str, run_n
                 assert [r.step for r in watcher.snapshot.recent_steps] == ([3] if watcher is late else [1, 2, 3])
                 assert watcher.snapshot.dead_letters == 1
             s = first.snapshot
-            assert s.groups_seen == 4 and s.dropped == {"off_policy": 1, "stale": 2}
+            assert s.groups_seen == 4 and s.dropped == {"stale": 2, "other": 1}
             assert s.staleness == {0: 10, 1: 50, 2: 20, 3: 4} and s.finished is None
             client = connect(redis_url)
-            try:  # watchers read with plain XREAD: the only groups are the two consumers'
+            try:
+                await client.xtrim(stream_key(run_name, DEAD), maxlen=0)  # the counter must not go down
+                await first.poll(block_ms=0)
+                assert first.snapshot.dead_letters == 1
+                # watchers read with plain XREAD: the only groups are the two consumers'
                 for stream in STREAMS:
                     groups = {g["name"].decode() for g in await client.xinfo_groups(stream_key(run_name, stream))}
                     assert groups == ({"trainer", "archiver"} if stream in ("trajectories", "routing")
@@ -271,14 +281,18 @@ async def test_prometheus_endpoint(redis_url: str, run_name: str):
         assert value[("reel_worker_tokens_per_second", (run, ("worker", "rollout:1")))] == 50.0
         assert value[("reel_worker_version_lag", (run, ("worker", "rollout:0")))] == 1
         assert value[("reel_groups_dropped_total", (("reason", "stale"), run))] == 2
+        assert value[("reel_groups_dropped_total", (("reason", "other"), run))] == 1
+        assert value[("reel_groups_published_total", (run, ("worker", "rollout:0")))] == 4
+        assert value[("reel_groups_trained_total", (run,))] == 3
         assert value[("reel_staleness_tokens_total", (run, ("versions_behind", "1")))] == 50
-        assert value[("reel_dead_letters_total", (run,))] == 0
+        assert value[("reel_dead_letters_total", (run,))] == 3
         assert value[("reel_bus_lost_events_total", (run,))] == 7  # step 2 was committed after a resume
         expected = {"reel_reward_mean", "reel_reward_p50", "reel_reward_p90", "reel_mismatch_kl_k1",
                     "reel_mismatch_kl_k2", "reel_mismatch_kl_k3", "reel_importance_ratio_mean",
                     "reel_importance_ratio_min", "reel_importance_ratio_max", "reel_trainer_idle_ratio",
                     "reel_trainer_step", "reel_policy_version", "reel_worker_tokens_per_second",
-                    "reel_worker_version_lag", "reel_groups_dropped", "reel_dead_letters", "reel_staleness_tokens"}
+                    "reel_worker_version_lag", "reel_groups_dropped", "reel_dead_letters", "reel_staleness_tokens",
+                    "reel_groups_published", "reel_groups_trained"}
         assert expected <= set(families)
         assert not families["reel_mismatch_kl_k2"].samples  # the trainer did not write it: no sample
     finally:
@@ -347,3 +361,29 @@ async def test_prometheus_endpoint_binds_loopback_by_default(tmp_path: Path):
     finally:
         stop.set()
         await asyncio.wait_for(server, 5)
+
+
+def test_run_finished_carries_the_dead_letters(redis_url: str, run_name: str, tmp_path: Path):
+    """The launcher counts the dead letters into RunFinished, so a finished run's log knows them."""
+    async def dead_letter_twice() -> None:
+        client = connect(redis_url)
+        try:
+            for i in range(2):
+                await client.xadd(stream_key(run_name, DEAD), {"stream": "trajectories", "reason": f"test {i}"})
+        finally:
+            await client.aclose()
+
+    asyncio.run(dead_letter_twice())
+    announce_finished(redis_url, run_name, "done")
+
+    async def read_control() -> list:
+        client = connect(redis_url)
+        try:
+            return [decode(fields[b"e"]) for _, fields in await client.xrange(stream_key(run_name, "control"))]
+        finally:
+            await client.aclose()
+
+    finished = [e for e in asyncio.run(read_control()) if isinstance(e, RunFinished)]
+    assert [(e.reason, e.dead_letters) for e in finished] == [("done", 2)]
+    _write_run_dir(tmp_path / "run", run_name, finished)
+    assert read_log(asyncio.run(locate(str(tmp_path / "run"), None, None))).dead_letters == 2

@@ -150,19 +150,19 @@ def test_tampered_trajectory_is_detected_not_replayed(runs, tmp_path, capsys):
         f.write(bytes([byte[0] ^ 0x01]))
     with pytest.raises(LogCorrupted, match=f"byte {record.offset} of segment {record.segment}"):
         Run(run_dir)
-    assert reel(["replay", "step", "1", "--run", str(run_dir), "--json"]) == 1
+    assert reel(["replay", "step", "1", "--run", str(run_dir), "--json"]) == 2  # an error, not "did not reproduce"
     captured = capsys.readouterr()
     assert captured.out == "" and "corrupted" in captured.err and record.segment.name in captured.err
 
 
 def test_step_outside_the_log_names_the_range(runs, capsys):
     for step in ("0", "5"):
-        assert reel(["replay", "step", step, "--run", str(runs["main"])]) == 1
+        assert reel(["replay", "step", step, "--run", str(runs["main"])]) == 2
         assert capsys.readouterr().err.strip() == (
             f"reel: step {step} is not in the log of {runs['main']}, which holds steps 1..4")
-    assert reel(["replay", "range", "3..9", "--run", str(runs["main"])]) == 1
+    assert reel(["replay", "range", "3..9", "--run", str(runs["main"])]) == 2
     assert "step 5 (of the range 3..9) is not in the log" in capsys.readouterr().err
-    assert reel(["replay", "range", "3-4", "--run", str(runs["main"])]) == 1
+    assert reel(["replay", "range", "3-4", "--run", str(runs["main"])]) == 2
     assert "must be A..B" in capsys.readouterr().err
     with pytest.raises(StepNotLogged):
         replay_step(Run(runs["main"]), 7)
@@ -174,9 +174,18 @@ def test_changed_config_is_named(runs, tmp_path, capsys):
     config = run_dir / "config.toml"
     config.write_text(config.read_text().replace("lr = 0.001", "lr = 0.002"))
     # Step 3 starts from the checkpoint of step 2: it runs, and says why it differs.
-    code, out = _json(capsys, "replay", "step", "3", "--run", str(run_dir), "--json")
+    code = reel(["replay", "step", "3", "--run", str(run_dir), "--json"])
+    captured = capsys.readouterr()
+    out = orjson.loads(captured.out)
     assert code == 1 and out["bitwise"] is False and out["weights_sha256_match"] is False
     assert "config hash" in out["mismatch"] and out["logged_loss"] == out["loss"]  # lr acts after the loss
+    assert captured.err.startswith("reel: step 3 did not reproduce: ") and "config hash" in captured.err
+    # range --recompute: the same verdict, exit 1, the reason per step on stderr.
+    code = reel(["replay", "range", "3..3", "--run", str(run_dir), "--recompute", "--json"])
+    captured = capsys.readouterr()
+    recomputed = orjson.loads(captured.out)["steps"][0]["recomputed"]
+    assert code == 1 and recomputed["bitwise"] is False and "config hash" in recomputed["mismatch"]
+    assert captured.err.startswith("reel: step 3 did not reproduce: ")
     # Step 4 needs step 3 re-executed first: that catch-up step must reproduce, so it raises.
     with pytest.raises(ReplayMismatch, match="step 3 re-executed to different weights .*config hash"):
         replay_step(Run(run_dir), 4)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from bus.blobs import BlobStore
+from bus.blob_backends.file import BlobStore
 from bus.events import (
     RoutingTrace, StepCommitted, StepTiming, Trajectory, WeightsPublished, WorkerStats, decode, stream_key,
 )

@@ -14,36 +14,13 @@ import pytest
 
 from bus.events import StepCommitted, Trajectory, WeightsPublished
 from bus.log import RunLog
-from runbuilder import TINY_MODEL_TOML
+from runbuilder import e2e_config
 from runtime.cli import main
 
 pytestmark = pytest.mark.slow
 
-TINY = """
-[run]
-name = "{name}"
-steps = {steps}
-{model}[init]
-warmup_steps = 30
-[env]
-min_len = 2
-max_len = 4
-[rollout]
-concurrency = 4
-group_size = 4
-async_level = 1
-max_tokens = 6
-[trainer]
-batch_groups = 4
-checkpoint_every = 2
-max_off_policy_steps = 2
-"""
-
-
 def _config(tmp_path: Path, name: str, steps: int) -> Path:
-    path = tmp_path / f"{name}.toml"
-    path.write_text(TINY.format(name=name, steps=steps, model=TINY_MODEL_TOML))
-    return path
+    return e2e_config(tmp_path / f"{name}.toml", name, steps)
 
 
 def _commits(run_dir: Path) -> list[StepCommitted]:

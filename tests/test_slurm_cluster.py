@@ -87,7 +87,7 @@ def test_finisher_exit_0_ends_the_job_and_stops_the_rest(tmp_path: Path, capsys:
     serve, marks = serving(tmp_path)
     job = slurm.submit(tmp_path, trivial_job(tmp_path, serve, 'sleep 2; echo "task $SLURM_PROCID of second"'))
     assert (tmp_path / "slurm_job_id").read_text().strip() == job
-    assert main(["launch", "status", str(tmp_path)]) == 0
+    assert main(["launch", "status", "--run", str(tmp_path)]) == 0
     assert f"job {job}" in capsys.readouterr().out
     states = wait_done(job, 60)
     assert states == [("COMPLETED", "0:0")] * 2
@@ -96,7 +96,7 @@ def test_finisher_exit_0_ends_the_job_and_stops_the_rest(tmp_path: Path, capsys:
     assert stopped_by_term(marks) == 1
     assert [(tmp_path / "roles" / f"second-{t}.log").read_text().strip() for t in (0, 1)] == \
         ["task 0 of second", "task 1 of second"]
-    assert main(["launch", "status", str(tmp_path)]) == 0
+    assert main(["launch", "status", "--run", str(tmp_path)]) == 0
     assert "COMPLETED" in capsys.readouterr().out
 
 
@@ -124,7 +124,7 @@ def test_cancel_stops_every_component_with_sigterm(tmp_path: Path, capsys: pytes
                                                           text=True).stdout.split()):
         assert time.monotonic() < deadline, "Slurm never listed the job's steps"
         time.sleep(0.2)
-    assert main(["launch", "cancel", str(tmp_path)]) == 0
+    assert main(["launch", "cancel", "--run", str(tmp_path)]) == 0
     assert f"cancelled Slurm job {job}" in capsys.readouterr().out
     states = wait_done(job, 60)
     assert {state for state, _ in states} == {"CANCELLED"}

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from bus.errors import ReelError
 from runtime import config, slurm, vllm_args
 from runtime.cli import main
 from runtime.config import ConfigError
@@ -269,7 +270,7 @@ def test_without_slurm_submit_fails_clearly_and_leaves_no_run_dir(
 
 @pytest.mark.parametrize("verb", ["status", "cancel"])
 def test_status_and_cancel_need_a_submitted_run(tmp_path: Path, capsys: pytest.CaptureFixture[str], verb: str) -> None:
-    assert main(["launch", verb, str(tmp_path)]) == 1
+    assert main(["launch", verb, "--run", str(tmp_path)]) == 1
     assert "no slurm_job_id" in capsys.readouterr().err
 
 
@@ -313,3 +314,24 @@ def test_production_redis_conf_is_durable_and_needs_the_password(tmp_path: Path)
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_partitioned_run_on_a_redis_cluster_with_mooncake_blobs(tmp_path: Path) -> None:
+    script = render('[bus]\nurl = "redis://10.0.0.5:7000"\ncluster = true\npartitions = 4\n'
+                    '[blobs]\nbackend = "mooncake"\nmooncake_protocol = "rdma"\nmooncake_device = "mlx5_0"\n'
+                    '[rollout]\nworkers = 2\n', tmp_path)
+    bash_ok(script)
+    assert "export REEL_BUS_CLUSTER=1" in script and "export REEL_BUS_URL=redis://10.0.0.5:7000" in script
+    assert "start_bus" not in script.split("# het group 0: control")[1]  # no Redis of its own
+    master, = commands(script, "blob-master")
+    holder, = commands(script, "blob-holder")
+    assert "--rpc_port=$BLOB_MASTER_PORT" in master and "--enable_http_metadata_server=true" in master
+    assert "--global_segment_size=1073741824" in holder and "--protocol=rdma" in holder
+    assert "--device_names=mlx5_0" in holder and "--local_buffer_size=0" in holder
+    assert 'export REEL_MOONCAKE_MASTER="$BLOB_HOST:$BLOB_MASTER_PORT"' in script
+    assert script.index("blob-holder") < script.index("start trainer")  # the store is up before any role
+
+
+def test_slurm_refuses_a_bus_url_that_is_not_a_cluster(tmp_path: Path) -> None:
+    with pytest.raises(ReelError, match="bus.cluster = true"):
+        render('[bus]\nurl = "redis://10.0.0.5:7000"\n', tmp_path)

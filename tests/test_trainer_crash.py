@@ -245,7 +245,7 @@ def test_resume_after_redis_lost_the_newest_commit(tmp_path: Path, redis_url: st
     trained = [g for c in commits for g in c.groups]
     assert len(trained) == len(set(trained)) == 6
     # The group whose trace does not fit its tokens was dropped, with the reason; R3 ran every step.
-    assert [(d.group_id, d.reason.split(":")[0]) for c in commits for d in c.dropped] == [("0-0-0", "bad routing")]
+    assert [(d.group_id, d.reason.split(":")[0]) for c in commits for d in c.dropped] == [("0-0-0", "bad_routing")]
     assert all(c.metrics["router_replay"] == 1.0 for c in commits)
     dead = client.xrange(stream_key(run_name, DEAD))
     assert len(dead) >= 3 * len(STREAMS)  # the archiver dead-lettered every bad entry

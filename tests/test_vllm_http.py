@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from bus.blobs import BlobStore
+from bus.blob_backends.file import BlobStore
 from producers.engine import EngineClosed, EngineError, SamplingParams
 from producers.rollout import make_engine
 from producers.vllm import LOAD_WEIGHTS, ReelWorkerExtension, known_spans

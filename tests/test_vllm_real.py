@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from bus.blobs import BlobStore
+from bus.blob_backends.file import BlobStore
 from producers.engine import Completion, EngineError, SamplingParams
 from producers.vllm import VLLMEngine
 from producers.vllm_http import VLLMHTTPEngine

@@ -17,12 +17,12 @@ L MoE layers, K top-k.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import msgspec
 import torch
 
+from bus.jsonout import print_json
 from runtime.model.config import MoEConfig
 from runtime.model.determinism import set_determinism
 from runtime.model.model import MoEModel
@@ -105,11 +105,11 @@ def bench_r3(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     main = _r3(args, BENCH_CONFIG.initializer_range)
     default = _r3(args, 0.02)
-    print(json.dumps({
+    print_json({
         "bench": "r3", "inference": "bf16", "trainer": "fp32", "init_std": BENCH_CONFIG.initializer_range, **main,
         "ratio_init_0.02": default["ratio"], "routing_disagreement_init_0.02": default["routing_disagreement"],
         "seconds": round(time.perf_counter() - t0, 2),
-    }))
+    })
     return 0
 
 
@@ -121,10 +121,10 @@ def bench_fp8(args: argparse.Namespace) -> int:
     model.precision = "fp8"
     fp8_logp, _ = score(model, tokens_BT, G, routing_BTLK)
     kl_bf16, kl_fp8 = k3(bf16_logp, infer_logp), k3(fp8_logp, infer_logp)
-    print(json.dumps({
+    print_json({
         "bench": "fp8", "inference": "fp8", "router_replay": True, "init_std": BENCH_CONFIG.initializer_range,
         "tokens": infer_logp.numel(), "entropy": round(entropy, 3),
         "kl_k3_bf16_trainer": kl_bf16, "kl_k3_fp8_trainer": kl_fp8,
         "ratio": round(kl_bf16 / max(kl_fp8, 1e-30), 2), "seconds": round(time.perf_counter() - t0, 2),
-    }))
+    })
     return 0
