@@ -106,7 +106,7 @@ def test_aggregates_hand_checked():
     assert s.mismatch == {"kl_k1": 0.01, "kl_k3": 0.002, "ratio_mean": 1.01}  # missing keys stay missing
     assert s.idle_ratio == pytest.approx(1.0 / 6.0)  # waits 1 + 0 over totals 4 + 2
     assert s.staleness == {0: 10, 1: 50, 2: 20}
-    assert s.dropped == {"stale": 2, "other": 1}  # reason codes; the text stays in the log
+    assert s.dropped == {"stale": 2, "bad_routing": 0, "other": 1}  # reason codes; the text stays in the log
     assert s.dead_letters == 3
     assert [(w.worker, w.tokens_per_s, w.version_lag) for w in s.workers] == [("rollout:0", 100.0, 1),
                                                                                ("rollout:1", 50.0, 0)]
@@ -123,7 +123,7 @@ def test_aggregates_empty_and_idle_window():
     s = RunAggregates().snapshot()
     assert s.step is None and s.reward_mean is None and s.reward_p90 is None and s.idle_ratio is None
     assert s.mismatch == {} and s.workers == [] and s.dead_letters is None
-    assert s.dropped == {"stale": 0, "other": 0} and s.groups_published == {}  # counters start at 0
+    assert s.dropped == {"stale": 0, "bad_routing": 0, "other": 0} and s.groups_published == {}  # counters start at 0
     agg = RunAggregates(window_steps=1)
     agg.apply(_step("r", 1, [], timing=(1.0, 1.0, 0.0)))
     agg.apply(_step("r", 2, [], timing=(0.0, 0.0, 0.0)))  # a zero-length step has no idle share
@@ -223,7 +223,7 @@ async def test_watchers_see_every_step_and_create_no_group(redis_url: str, run_n
                 assert [r.step for r in watcher.snapshot.recent_steps] == ([3] if watcher is late else [1, 2, 3])
                 assert watcher.snapshot.dead_letters == 1
             s = first.snapshot
-            assert s.groups_seen == 4 and s.dropped == {"stale": 2, "other": 1}
+            assert s.groups_seen == 4 and s.dropped == {"stale": 2, "bad_routing": 0, "other": 1}
             assert s.staleness == {0: 10, 1: 50, 2: 20, 3: 4} and s.finished is None
             client = connect(redis_url)
             try:
