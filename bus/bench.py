@@ -70,10 +70,6 @@ def trajectory(seq: int = 0, samples: int = 8, tokens: int = 1024) -> Trajectory
 # -- bench bus ------------------------------------------------------------------------------------
 
 def bench_bus(args: argparse.Namespace) -> int:
-    if getattr(args, "partitions", 0):
-        from bus.bench_cluster import bench_bus_partitions
-
-        return bench_bus_partitions(args)
     n, rounds = (300, 1) if args.quick else (3000, 3)
     event = trajectory()
     xadd, raw, reel, published = [], [], [], []

@@ -16,7 +16,8 @@ from pathlib import Path
 import msgspec
 
 from bus.blob_backends import open_blobs
-from bus.blob_backends.mooncake_service import MooncakeAddress, MooncakeService
+from bus.blob_backends.mooncake import MooncakeAddress
+from bus.blob_backends.mooncake_service import MooncakeService
 from bus.blobs import BlobBackend, BlobError
 from runtime.config import Config
 

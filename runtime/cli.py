@@ -18,7 +18,7 @@ from bus.events import STREAMS
 
 # `reel bench NAME` -> handler; each prints one JSON line with a `ratio` key.
 BENCHES = {
-    "bus": "bus.bench:bench_bus",
+    "bus": "bus.bench_cluster:bench_bus_any",
     "log": "bus.bench:bench_log",
     "blobs": "bus.blob_backends.bench:bench_blobs",
     "r3": "runtime.model.bench:bench_r3",

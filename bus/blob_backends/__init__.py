@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bus.blob_backends.file import BlobStore
-from bus.blob_backends.mooncake_service import MooncakeAddress
+from bus.blob_backends.mooncake import MooncakeAddress
 from bus.blobs import BlobBackend
 
 __all__ = ["open_blobs"]

@@ -16,15 +16,23 @@ import threading
 import time
 from pathlib import Path
 
-from bus.blob_backends.mooncake_service import MooncakeAddress
+import msgspec
+
 from bus.blobs import BlobBackend, BlobError
 from bus.events import BlobRef
 
-__all__ = ["MooncakeBlobs", "SCHEME"]
+__all__ = ["MooncakeAddress", "MooncakeBlobs", "SCHEME"]
 
 SCHEME = "mooncake"
 CLIENT_TTL_S = 15.0  # a bit over Mooncake's client TTL (~10 s): how long a read or write keeps trying
 _PROBE = "reel-probe"
+
+
+class MooncakeAddress(msgspec.Struct, frozen=True):
+    """Where a Mooncake store answers."""
+
+    master: str  # host:port of the master's RPC
+    metadata: str  # http://host:port/metadata (the master's HTTP metadata server)
 
 
 class MooncakeBlobs(BlobBackend):
