@@ -133,6 +133,7 @@ def train_step(state: TrainState, batch: Batch, config: Config,
     metrics = loss_mod.mismatch_metrics(logp_old_N, completion_tokens(everyone, "logp_mu_BT"), None, entropy_N)
     metrics["reward_mean"] = float(batch.rewards_B.mean())
     metrics["tokens"] = float(batch.tokens)
+    metrics["router_replay"] = float(cfg.router_replay and batch.routing_BTLK is not None)  # R3 applied, per step
     # Staleness = versions between a token's sampler and the weights this step trains (0 = on-policy).
     staleness = loss_mod.staleness_histogram(completion_tokens(everyone, "versions_BT"), state.step)
     weights = full_weights(model, world)
