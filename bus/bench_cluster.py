@@ -17,7 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from bus.bench import reel_pipeline, trajectory
+from bus.bench import bench_bus, reel_pipeline, trajectory
 from bus.cluster import CLUSTER_ENV
 from bus.errors import ReelError
 from bus.jsonout import print_json
@@ -29,6 +29,12 @@ from bus.server import redis_server_binary
 __all__ = ["bench_bus_partitions"]
 
 MASTERS = 3
+
+
+def bench_bus_any(args: argparse.Namespace) -> int:
+    """`reel bench bus`: on one Redis, or with --partitions P on a local cluster (bus.bench stays
+    free of this module, which imports it)."""
+    return bench_bus_partitions(args) if getattr(args, "partitions", 0) else bench_bus(args)
 
 
 def bench_bus_partitions(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ rewrites that block, with the same bytes in front, as part of its aligned write.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -190,16 +191,21 @@ class Appender:
                 os.close(fd)
         self._fd = self._direct = None
         if self._stage is not None:
-            self._stage.close()
+            # After a failed write (a full disk) the exception being raised still holds a view of
+            # the stage; the mapping is freed with it, and closing it here would hide that error.
+            with contextlib.suppress(BufferError):
+                self._stage.close()
             self._stage = None
 
 
 def _pwrite_exactly(fd: int, data: memoryview, offset: int) -> None:
     # A short O_DIRECT write cannot be resumed at an unaligned offset: the append fails instead, and
-    # reopening the segment cuts off whatever it left.
+    # reopening the segment cuts off whatever it left. A write cut short without an error means the
+    # disk had no room for the rest: ENOSPC, so callers can wait for space like after a failed write.
     written = os.pwrite(fd, data, offset)
     if written != len(data):
-        raise OSError(errno.EIO, f"short O_DIRECT write: {written} of {len(data)} bytes at byte {offset}")
+        raise OSError(errno.ENOSPC, f"short O_DIRECT write: {written} of {len(data)} bytes at byte {offset} "
+                                    "(no space left on the device?)")
 
 
 def fsync_dir(path: Path) -> None:

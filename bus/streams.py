@@ -8,9 +8,12 @@ stream_key(run, name) unless the stream is split into partitions). Needs Redis >
      └── BusError    a Redis command failed; the message names the server and the stream
 
 Retries: `connect` turns off redis-py's automatic retries (10 in redis-py 8) because a retried
-pipeline re-sends its XADDs after a lost reply; readers' connections keep a few (re-reading is
-harmless: a lost XREADGROUP reply leaves entries pending, to be reclaimed). A blocking reader has
-its own connection whose socket timeout exceeds BLOCK, so a quiet stream is not a timeout.
+pipeline re-sends its XADDs after a lost reply. A consumer's blocking `XREADGROUP >` is not retried
+either: a lost reply has already moved entries into the consumer's pending list, and a silent retry
+would read past them; instead the next read() walks that pending list again (XPENDING + XRANGE,
+which Redis does not count as deliveries) and hands out what this process has not. The other
+consumer commands keep a few retries (re-reading is harmless). A blocking reader has its own
+connection whose socket timeout exceeds BLOCK, so a quiet stream is not a timeout.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import msgspec
 import redis.asyncio
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ConnectionError, RedisError, ResponseError, TimeoutError
 
 from bus.cluster import SlotReader, cluster_client, cluster_from_env, is_cluster
 from bus.errors import ReelError
@@ -240,7 +243,8 @@ class GroupConsumer:
     """One consumer of a consumer group over some of a run's streams.
 
     read() returns, in order of priority: this consumer's own pending entries (left by a previous
-    process under the same consumer name), entries idle longer than claim_idle_ms in any consumer
+    process under the same consumer name, or by a lost reply; re-reading them is not a delivery, so
+    restarts never count towards max_deliveries), entries idle longer than claim_idle_ms in any consumer
     of the group (XAUTOCLAIM; so claim_idle_ms must exceed the longest processing time), then new
     entries (blocking up to block_ms; 0 = do not block). Every delivery must be acked, failed or
     dead-lettered; a failed one comes back after claim_idle_ms. An entry delivered more than
@@ -272,6 +276,7 @@ class GroupConsumer:
         self._next_claim = 0.0  # monotonic time of the next XAUTOCLAIM round
         self._seen: OrderedDict[tuple[str, int], str] = OrderedDict()  # (producer, seq) -> entry id
         self._failures: dict[str, str] = {}  # entry id -> last reason given to fail()
+        self._handed: set[str] = set()  # entry ids handed out by this process, not yet acked or failed
 
     async def __aenter__(self) -> GroupConsumer:
         try:
@@ -287,7 +292,8 @@ class GroupConsumer:
     async def start(self) -> None:
         """Create the group on each stream if missing (from the start, MKSTREAM); open connections."""
         self._redis = connect(self.url, retries=2)
-        self._reader = connect(self.url, socket_timeout=self.block_ms / 1000 + READ_MARGIN_S, retries=2)
+        # No retries here: a retried XREADGROUP ">" would strand the entries of the lost reply.
+        self._reader = connect(self.url, socket_timeout=self.block_ms / 1000 + READ_MARGIN_S)
         self._slots = SlotReader(is_cluster(self._reader))
         for key in self._key.values():
             with boundary(self._redis, f"XGROUP CREATE {self.group} on {key}"):
@@ -296,7 +302,7 @@ class GroupConsumer:
                 except ResponseError as exc:
                     if "BUSYGROUP" not in str(exc):
                         raise
-        self._history = {stream: "0" for stream in self.streams}
+        self._history = {stream: "-" for stream in self.streams}
         self._claim_from = {stream: "0-0" for stream in self.streams}
 
     async def close(self) -> None:
@@ -307,7 +313,9 @@ class GroupConsumer:
     async def read(self, count: int = 100) -> list[Delivery]:
         if self._redis is None:
             raise RuntimeError("GroupConsumer.read() called before start()")
-        raw = await self._read_history(count) if self._history else []
+        raw: list[_Raw] = []
+        while self._history and not raw:
+            raw = await self._read_history(count)
         if not raw and time.monotonic() >= self._next_claim:
             raw = await self._claim(count)
         if not raw:
@@ -323,26 +331,41 @@ class GroupConsumer:
             await self.dead_letter(delivery, f"failed {delivery.deliveries} times, last: {reason}")
         else:
             self._failures[delivery.entry_id] = reason
+            self._handed.discard(delivery.entry_id)
 
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:
         await self._dead(delivery.stream, delivery.entry_id, encode(delivery.event), reason)
 
     async def _read_history(self, count: int) -> list[_Raw]:
-        ids = {self._key[stream]: cursor for stream, cursor in self._history.items()}
-        with boundary(self._redis, f"XREADGROUP (own pending) on {', '.join(ids)}"):
-            reply = await self._slots.read(
-                lambda some, _: self._redis.xreadgroup(self.group, self.consumer, some, count=count), ids, None)
-        got = []
-        drained = set(self._history)
-        for key, entries in by_stream(reply):
-            stream = self._name[key]
-            if entries:
-                drained.discard(stream)
-                self._history[stream] = as_str(entries[-1][0])
-                got += [(stream, as_str(entry_id), fields) for entry_id, fields in entries]
-        for stream in drained:
-            del self._history[stream]
-        return [(*item, n) for item, n in zip(got, await self._delivery_counts(got))]
+        """Our own pending entries, skipping those this process holds already.
+
+        XPENDING + XRANGE rather than XREADGROUP from 0: Redis counts the latter as one more
+        delivery, and a trainer restarted five times would dead-letter a healthy pending group."""
+        streams = list(self._history)
+        pipe = self._redis.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xpending_range(self._key[stream], self.group, min=self._history[stream], max="+", count=count,
+                                consumername=self.consumer)
+        with boundary(self._redis, f"XPENDING (own) on {', '.join(self._key[s] for s in streams)}"):
+            replies = await pipe.execute()
+        pending = []
+        for stream, reply in zip(streams, replies):
+            if not reply:
+                del self._history[stream]
+                continue
+            self._history[stream] = "(" + as_str(reply[-1]["message_id"])
+            pending += [(stream, as_str(p["message_id"]), p["times_delivered"]) for p in reply
+                        if as_str(p["message_id"]) not in self._handed]
+        if not pending:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for stream, entry_id, _ in pending:
+            pipe.xrange(self._key[stream], min=entry_id, max=entry_id, count=1)
+        with boundary(self._redis, f"XRANGE (own pending) on {', '.join(self._key[s] for s in streams)}"):
+            bodies = await pipe.execute()
+        # An entry deleted while pending has no body: None, acked by _accept.
+        return [(stream, entry_id, body[0][1] if body else None, n)
+                for (stream, entry_id, n), body in zip(pending, bodies)]
 
     async def _claim(self, count: int) -> list[_Raw]:
         self._next_claim = time.monotonic() + self.claim_idle_ms / 2000
@@ -362,10 +385,19 @@ class GroupConsumer:
 
     async def _read_new(self, count: int) -> list[_Raw]:
         ids = {key: ">" for key in self._key.values()}
-        with boundary(self._reader, f"XREADGROUP on {', '.join(ids)}"):
-            reply = await self._slots.read(
-                lambda some, block: self._reader.xreadgroup(self.group, self.consumer, some, count=count, block=block),
-                ids, self.block_ms or None)
+        try:
+            with boundary(self._reader, f"XREADGROUP on {', '.join(ids)}"):
+                reply = await self._slots.read(
+                    lambda some, block: self._reader.xreadgroup(self.group, self.consumer, some, count=count,
+                                                                block=block),
+                    ids, self.block_ms or None)
+        except BusError as exc:
+            if not isinstance(exc.__cause__, (ConnectionError, TimeoutError)):
+                raise
+            # Redis may have delivered entries whose reply we lost: they are in our pending list now.
+            log.warning("%s; reading our pending entries again", exc)
+            self._history = {stream: "-" for stream in self.streams}
+            return []
         return [(self._name[key], as_str(entry_id), fields, 1)
                 for key, entries in by_stream(reply) for entry_id, fields in entries]
 
@@ -407,6 +439,7 @@ class GroupConsumer:
                 continue
             self._seen[key] = entry_id
             self._seen.move_to_end(key)
+            self._handed.add(entry_id)
             if len(self._seen) > _DEDUPE_KEYS:
                 self._seen.popitem(last=False)
             out.append(Delivery(stream, entry_id, event, deliveries))
@@ -420,6 +453,7 @@ class GroupConsumer:
         for stream, entry_id in items:
             by_stream.setdefault(stream, []).append(entry_id)
             self._failures.pop(entry_id, None)
+            self._handed.discard(entry_id)
         pipe = self._redis.pipeline(transaction=False)
         for stream, entry_ids in by_stream.items():
             pipe.xack(self._key[stream], self.group, *entry_ids)
@@ -436,6 +470,7 @@ class GroupConsumer:
         with boundary(self._redis, f"dead-lettering {entry_id} of {self._key[stream]} to {dead_key}"):
             await pipe.execute()
         self._failures.pop(entry_id, None)
+        self._handed.discard(entry_id)
         log.warning("dead letter: %s %s of run %s: %s", stream, entry_id, self.run, reason)
 
 

@@ -39,7 +39,7 @@ __all__ = ["DROP_REASONS", "MISMATCH_KEYS", "drop_reason_code", "RunAggregates",
 
 # Reason codes of dropped groups: the trainer writes "CODE: details" (consumers/trainer.py); the
 # code is the metrics label (a small fixed set), an unknown code counts as "other".
-DROP_REASONS = ("stale", "other")
+DROP_REASONS = ("stale", "bad_routing", "other")
 
 
 def drop_reason_code(reason: str) -> str:
@@ -104,6 +104,7 @@ class Snapshot(msgspec.Struct, frozen=True):
     workers: list[WorkerView]
     tokens_per_s: float  # sum over workers
     recent_steps: list[StepRow]
+    bus_lost_events: int = 0  # logged events Redis lost, as commits after a resume recorded them
 
 
 def idle_share(timing: StepTiming) -> float | None:
@@ -166,6 +167,7 @@ class RunAggregates:
         self._groups_trained = 0
         self._staleness: Counter[int] = Counter()
         self._dropped: Counter[str] = Counter({code: 0 for code in DROP_REASONS})
+        self._bus_lost_events = 0
         self._workers: dict[str, WorkerStats] = {}
         # latest
         self._finished: str | None = None
@@ -193,6 +195,7 @@ class RunAggregates:
                 self._groups_trained += row.groups
                 self._staleness.update(event.staleness)
                 self._dropped.update(row.dropped_by_reason)
+                self._bus_lost_events += int(event.metrics.get("bus_lost_events", 0))
                 return row
             case WeightsPublished():
                 self._policy_version = max(event.version, self._policy_version or 0)
@@ -237,4 +240,5 @@ class RunAggregates:
             staleness=dict(sorted(self._staleness.items())), dropped=dict(self._dropped),
             dead_letters=self._dead_letters, workers=workers,
             tokens_per_s=sum(w.tokens_per_s for w in workers), recent_steps=steps,
+            bus_lost_events=self._bus_lost_events,
         )

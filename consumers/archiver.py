@@ -15,6 +15,9 @@ pending. Each round:
     ack     XACK only now: a crash before this re-delivers the entries, and `skip` drops the repeats
     trim    every trim_every_s, safe_trim (never past what any group has not acknowledged)
 
+A full disk (ENOSPC, EDQUOT, EFBIG) stops the archiver before `ack`: it says so once, retries the
+same round every DISK_FULL_RETRY_S, and goes on when space is freed; the entries wait on the bus.
+
 It stops when `stop` is set, or once it has logged a RunFinished and a read finds nothing new.
 
 Partitions (bus.partitions = P > 1, bus/partitions.py): the archiver reads every lane and logs a
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
 import time
@@ -50,7 +54,7 @@ from bus.blob_backends.file import BlobStore
 from bus.blobs import BlobBackend
 from bus.events import STREAMS, AnyEvent, BlobRef, MalformedEvent, RoutingTrace, RunFinished, StepCommitted, \
     WeightsPublished, decode
-from bus.log import RunLog
+from bus.log import LogError, RunLog
 from bus.logformat import entry_order
 from bus.partitions import lane_key, lanes, slot_key, stream_of
 from bus.streams import DEAD, FIELD, READ_MARGIN_S, BusError, connect, safe_trim
@@ -61,6 +65,8 @@ log = logging.getLogger(__name__)
 
 GROUP = "archiver"
 CONSUMER = "archiver"
+DISK_FULL_RETRY_S = 2.0  # how often a full disk is tried again
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 Entry = tuple[str, str, dict | None]  # (lane, entry id, fields; None if deleted while pending)
 
@@ -127,13 +133,13 @@ class Archiver:
                 blocking = writing is None
                 entries = await self._read(blocking)
                 if writing is not None:
-                    await writing
-                    await self._done(written)
+                    if await writing:
+                        await self._done(written)
                     writing = None
                 if entries:
                     written = self._prepare(entries)
                     await self._dead_letter(written.dead)
-                    writing = asyncio.get_running_loop().run_in_executor(disk, self._append, written)
+                    writing = asyncio.ensure_future(self._write(disk, written, stop))
                 elif self.finished and blocking:
                     log.info("run %s finished and every stream is drained: %d events logged, %d repeats "
                              "skipped", self.run_name, self.archived, self.repeats)
@@ -142,10 +148,11 @@ class Archiver:
                     for stream in self.streams:
                         await safe_trim(self.redis, self.run_name, stream)
                     next_trim = time.monotonic() + self.trim_every_s
-            if writing is not None:
-                await writing
+            if writing is not None and await writing:
                 await self._done(written)
         finally:
+            if writing is not None:
+                writing.cancel()
             disk.shutdown(wait=True)  # even when cancelled, no append may outlive the log's fds
             self.log.close()
             await asyncio.shield(self.redis.aclose())
@@ -250,12 +257,38 @@ class Archiver:
         self.finished |= round_.finished
         await self._ack(round_.entries)
 
+    async def _write(self, disk: ThreadPoolExecutor, round_: _Round, stop: asyncio.Event) -> bool:
+        """Append a round on the disk thread; True once durable, False if stopped while the disk is full.
+
+        A full disk stops the archiver acking (entries stay pending on the bus, where the trainer
+        and workers go on) until space is freed; it never ends the run."""
+        waited = 0.0
+        while True:
+            try:
+                await asyncio.get_running_loop().run_in_executor(disk, self._append, round_)
+                if waited:
+                    log.warning("log %s is writable again after %.0f s; archiving resumes", self.log.root, waited)
+                return True
+            except LogError as exc:
+                if not isinstance(exc.__cause__, OSError) or exc.__cause__.errno not in _DISK_FULL:
+                    raise
+                if not waited:
+                    log.error("archiver of run %s: %s; not acking anything until space is freed (retrying every "
+                              "%.0f s)", self.run_name, exc, DISK_FULL_RETRY_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), DISK_FULL_RETRY_S)
+            if stop.is_set():
+                return False
+            waited += DISK_FULL_RETRY_S
+
     def _append(self, round_: _Round) -> None:
         for ref in round_.blobs:
             if not self.files.path(ref).is_file():
                 self.files.put(self.blobs.get(ref))  # get checks the sha256 the event names
         for stream, batch in round_.records.items():
-            self.log.stream(stream).append_batch(batch)
+            stream_log = self.log.stream(stream)
+            # After a failed append (disk full) some segments of the batch may be durable already.
+            stream_log.append_batch([(entry_id, data) for entry_id, data in batch if not stream_log.covers(entry_id)])
 
     async def _ack(self, entries: list[Entry]) -> None:
         by_stream: dict[str, list[str]] = {}

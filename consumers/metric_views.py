@@ -97,7 +97,8 @@ class SnapshotCollector(Collector):
                       s.run, {None: s.groups_trained})
         yield _family(CounterMetricFamily, "reel_groups_dropped",
                       "Groups the trainer discarded without training, by reason code (stale: more versions "
-                      "behind than trainer.max_off_policy_steps; other); the full reason is in the steps log.",
+                      "behind than trainer.max_off_policy_steps; bad_routing: its routing trace does not fit its "
+                      "tokens; other); the full reason is in the steps log.",
                       s.run, s.dropped, "reason")
         yield _family(CounterMetricFamily, "reel_staleness_tokens",
                       "Completion tokens of committed batches by how many policy versions behind the trainer "
@@ -106,6 +107,9 @@ class SnapshotCollector(Collector):
                       "Bus entries ever moved to the run's dead-letter stream (undecodable, or out of "
                       "deliveries; each entry's reason is in the stream); no sample when unknown (a crashed "
                       "run's log read without its bus).", s.run, {None: s.dead_letters})
+        yield _family(CounterMetricFamily, "reel_bus_lost_events",
+                      "Logged events Redis lost (e.g. its last second after a crash), found when the run resumed.",
+                      s.run, {None: s.bus_lost_events})
 
 
 def _fmt(value: float | int | None, pct: bool = False) -> str:

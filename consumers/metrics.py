@@ -190,7 +190,7 @@ def _start_exporter(port: int, addr: str, current: Callable[[], Snapshot]):
     return server
 
 
-async def serve(source: RunSource, port: int, stop: asyncio.Event, *, addr: str = "0.0.0.0") -> None:
+async def serve(source: RunSource, port: int, stop: asyncio.Event, *, addr: str = "127.0.0.1") -> None:
     """Serve the run's figures on http://addr:port/metrics until `stop` is set.
 
     Once the run has finished the figures are final: the bus is let go (its Redis may stop) and the
@@ -275,8 +275,8 @@ async def _serve(args: argparse.Namespace) -> int:
     source = await locate(args.run_dir, args.bus, None)
     stop = asyncio.Event()
     _stop_on_signals(stop)
-    print(f"reel: serving metrics of run {source.run} ({source.describe()}) on :{args.port}/metrics", flush=True)
-    await serve(source, args.port, stop)
+    print(f"reel: serving metrics of run {source.run} ({source.describe()}) on http://{args.addr}:{args.port}/metrics", flush=True)
+    await serve(source, args.port, stop, addr=args.addr)
     return 0
 
 

@@ -31,15 +31,17 @@ import redis.asyncio as aioredis
 import torch
 
 from bus.blobs import BlobBackend
+from bus.errors import ReelError
 from bus.events import (
-    AnyEvent, DroppedGroup, RoutingTrace, RunStarted, StepCommitted, StepTiming, Trajectory, WeightsPublished, decode,
-    stream_key,
+    AnyEvent, DroppedGroup, MalformedEvent, RoutingTrace, RunStarted, StepCommitted, StepTiming, Trajectory,
+    WeightsPublished, decode,
 )
 from bus.log import LogCorrupted, LogError, RunLog
 from bus.partitions import lane_key, lanes
-from bus.streams import Delivery, GroupConsumer, Publisher, connect, recover_next_seq
+from bus.seqs import recover_seq
+from bus.streams import FIELD, Delivery, GroupConsumer, Publisher, connect
 from runtime import distributed
-from runtime.batch import Group, build_batch, decode_routing
+from runtime.batch import Group, build_batch, decode_routing, routing_problem
 from runtime.blob_store import run_blobs
 from runtime.config import Config, config_hash
 from runtime.config import load as load_config
@@ -52,15 +54,20 @@ from runtime.trainer_group import TrainerGroup, run_as_group
 
 log = logging.getLogger("reel.trainer")
 PRODUCER = "trainer:0"
+PUBLISHED_STREAMS = ("control", "weights", "steps")
 NEVER_RECLAIM_MS = 7 * 24 * 3600 * 1000
 # Test hook: REEL_CRASH_AT="<step>:<stage>" kills the trainer with SIGKILL at that point.
 CRASH_STAGES = ("computed", "weights_written", "checkpoint_written", "committed", "acked")
+# Exit code of a trainer stopped (SIGTERM/SIGINT) before its last step: not a finished run, so
+# neither the launcher nor the Slurm job may announce RunFinished("completed").
+STOPPED_EXIT = 143
 
 
 @dataclass
 class PendingGroup:
     trajectory: Delivery | None = None
     routing: Delivery | None = None
+    resolved: Group | None = None  # routing decoded and checked, once both parts are here
 
     def deliveries(self) -> list[Delivery]:
         return [d for d in (self.trajectory, self.routing) if d is not None]
@@ -97,6 +104,10 @@ class Trainer:
         self.committed_groups = set()
         self.pending = {}
         self.weights = WeightHistory(self.blobs, keep=config.trainer.max_off_policy_steps + 1)
+        # A loss window the launcher found on resume (runtime/bus_loss.py): recorded in the next commit.
+        self.bus_loss = {key: float(os.environ[env]) for key, env in (
+            ("bus_lost_events", "REEL_BUS_LOST_EVENTS"), ("bus_lost_window_s", "REEL_BUS_LOST_WINDOW_S"))
+            if os.environ.get(env)}
 
     async def run_until_done(self, stop: asyncio.Event) -> None:
         self.redis = connect(self.url)
@@ -109,7 +120,9 @@ class Trainer:
             max_deliveries=self.config.bus.max_deliveries, partitions=self.config.bus.partitions,
         )
         try:
-            self.publisher = Publisher(self.redis, self.run, PRODUCER, await recover_next_seq(self.redis, self.run, PRODUCER))
+            next_seq = await recover_seq(self.redis, self.run_dir, self.run, PRODUCER, PUBLISHED_STREAMS,
+                                         self.config.bus.partitions)
+            self.publisher = Publisher(self.redis, self.run, PRODUCER, next_seq)
             await self.consumer.start()
             await self._setup_or_resume()
             while self.state.step < self.config.run.steps and not stop.is_set():
@@ -124,7 +137,7 @@ class Trainer:
         if stop.is_set():
             return
         waited = time.perf_counter() - started
-        batch = build_batch([self._resolve(gid, part) for gid, part in collected.groups])
+        batch = build_batch([part.resolved for _, part in collected.groups])
         self.state, result = await asyncio.to_thread(self.group.step, self.state, batch, self.weights.get)
         computed = time.perf_counter()
         step = self.state.step
@@ -142,13 +155,14 @@ class Trainer:
             StepCommitted, step=step, version=step, groups=used, dropped=dropped, loss=result.loss,
             grad_norm=result.grad_norm, weights_sha256=result.weights_sha256,
             timing=StepTiming(wait=waited, compute=computed - started - waited, publish=time.perf_counter() - computed),
-            metrics=result.metrics, staleness=result.staleness, checkpoint=ckpt,
+            metrics={**result.metrics, **self.bus_loss}, staleness=result.staleness, checkpoint=ckpt,
             config_hash=config_hash(self.config), code_version=code_version(), world_size=self.group.world.size,
         )
         await self.publisher.publish_atomic([
             self.publisher.stamp(WeightsPublished, version=step, step=step, weights=weights), commit,
         ])
         self._crash_point(step, "committed")
+        self.bus_loss = {}
         self.committed_groups.update(used)
         self.committed_groups.update(d.group_id for d in dropped)
         await self.consumer.ack([d for _, part in collected.groups + collected.dropped for d in part.deliveries()])
@@ -186,7 +200,7 @@ class Trainer:
         if part.trajectory is None or part.routing is None:
             return
         assert isinstance(part.trajectory.event, Trajectory)
-        reason = self._stale_reason(part.trajectory.event)
+        reason = self._stale_reason(part.trajectory.event) or self._resolve(part)
         if reason is not None:
             out.dropped.append((DroppedGroup(group_id, reason), part))
         elif len(out.groups) < self.config.trainer.batch_groups:
@@ -201,17 +215,29 @@ class Trainer:
         limit = self.config.trainer.max_off_policy_steps
         return f"stale: {behind} versions behind > max_off_policy_steps = {limit}" if behind > limit else None
 
-    def _resolve(self, group_id: str, part: PendingGroup) -> Group:
+    def _resolve(self, part: PendingGroup) -> str | None:
+        """Decode and check the group's routing into part.resolved; why it cannot be trained, if so.
+
+        A trace that does not match its tokens is dropped with its group (recorded in the commit):
+        training it without router replay would turn R3 off for the whole step."""
         assert part.trajectory is not None and part.routing is not None
         trace = part.routing.event
         assert isinstance(trace, RoutingTrace) and isinstance(part.trajectory.event, Trajectory)
-        routing = decode_routing(trace, self.blobs.get(trace.blob) if trace.blob else None)
-        return Group(part.trajectory.event, routing)
+        model = self.state.model.config
+        try:
+            blob = self.blobs.get(trace.blob) if trace.blob else None
+            group = Group(part.trajectory.event, decode_routing(trace, blob))
+            problem = routing_problem(group, len(model.moe_layers), model.num_experts_per_tok, model.num_experts)
+        except (ReelError, ValueError) as exc:  # a missing or corrupted blob, bytes that do not fit the shape
+            problem = f"routing trace unreadable: {exc}"
+        if problem is not None:
+            return f"bad_routing: {problem}"
+        part.resolved = group
+        return None
 
     async def _setup_or_resume(self) -> None:
         commits = await self._read_commits()
-        on_bus = [decode(fields[b"e"]) for _, fields in await self.redis.xrange(stream_key(self.run, "weights"))]
-        for event in logged_events(self.run_dir, "weights") + on_bus:
+        for event in logged_events(self.run_dir, "weights") + await self._bus_events("weights"):
             if isinstance(event, WeightsPublished):
                 self.weights.add(event.version, event.weights)
         await asyncio.to_thread(ensure_initial_policy, self.run_dir, self.config)
@@ -231,6 +257,7 @@ class Trainer:
             state = await asyncio.to_thread(catch_up, state, commits, last, lookup, self.config,
                                             step_fn=self.group.step)
         self.state = state
+        await self._republish_newest_weights(last)
         log.info("resumed after step %d (%d groups already committed)", last, len(self.committed_groups))
 
     async def _publish_version_zero(self) -> None:
@@ -251,16 +278,18 @@ class Trainer:
 
     async def _stream_has(self, kind: type) -> bool:
         stream = "weights" if kind is WeightsPublished else "control"
-        for _, fields in await self.redis.xrange(stream_key(self.run, stream), count=1000):
-            if isinstance(decode(fields[b"e"]), kind):
-                return True
+        if any(isinstance(e, kind) for e in await self._bus_events(stream, count=1000)):
+            return True
         return any(isinstance(e, kind) for e in logged_events(self.run_dir, stream))
 
+    # Resume reads the bus before the log: an entry archived, acked and trimmed between the two
+    # reads is in the log by the time it is read; the other way round it would be in neither.
+
     async def _read_commits(self) -> dict[int, StepCommitted]:
-        """Every StepCommitted of the run: the archived log plus what is still only on the bus."""
+        """Every StepCommitted of the run: what is still on the bus plus the archived log."""
+        on_bus = await self._bus_events("steps")
         commits = {e.step: e for e in logged_events(self.run_dir, "steps") if isinstance(e, StepCommitted)}
-        for _, fields in await self.redis.xrange(stream_key(self.run, "steps")):
-            event = decode(fields[b"e"])
+        for event in on_bus:
             if isinstance(event, StepCommitted):
                 commits.setdefault(event.step, event)
         return commits
@@ -268,11 +297,32 @@ class Trainer:
     async def _group_lookup(self) -> GroupLookup:
         lookup = GroupLookup(self.blobs)
         for stream in ("trajectories", "routing"):
+            on_bus = await self._bus_events(stream)
             lookup.add(logged_events(self.run_dir, stream))
-            for lane in lanes([stream], self.config.bus.partitions):
-                entries = await self.redis.xrange(lane_key(self.run, lane))
-                lookup.add(decode(fields[b"e"]) for _, fields in entries)
+            lookup.add(on_bus)
         return lookup
+
+    async def _bus_events(self, stream: str, count: int | None = None) -> list[AnyEvent]:
+        """A stream's events on the bus (on each of its lanes), oldest first per lane; entries that are
+        not events are skipped (the archiver dead-letters them), so one bad entry cannot stop a resume."""
+        events = []
+        for lane in lanes([stream], self.config.bus.partitions):
+            for entry_id, fields in await self.redis.xrange(lane_key(self.run, lane), count=count):
+                try:
+                    events.append(decode(fields.get(FIELD, b"")))
+                except MalformedEvent as exc:
+                    log.warning("skipping entry %s of %s: not an event (%s)", entry_id.decode(), lane, exc)
+        return events
+
+    async def _republish_newest_weights(self, last: int) -> None:
+        """Redis can lose its last second (AOF everysec) and with it WeightsPublished of the newest
+        commit, which the log still has: workers follow the bus, so it goes there again."""
+        if any(isinstance(e, WeightsPublished) and e.version >= last for e in await self._bus_events("weights")):
+            return
+        weights = await asyncio.to_thread(lambda: self.blobs.put(self.group.weights(self.state)))
+        await self.publisher.publish([self.publisher.stamp(WeightsPublished, version=last, step=last, weights=weights)])
+        log.warning("policy version %d was missing from the bus (Redis lost its last writes); published it again",
+                    last)
 
     @staticmethod
     def _crash_point(step: int, stage: str) -> None:
@@ -303,11 +353,16 @@ def main(run_dir: Path, bus_url: str) -> int:
     if world.distributed:  # the pid of each rank, for operators (and tests)
         (run_dir / "roles" / f"trainer.rank{world.rank}.pid").write_text(str(os.getpid()))
 
-    async def run(group: TrainerGroup) -> None:
+    async def run(group: TrainerGroup) -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, stop.set)
-        await Trainer(run_dir, bus_url, config, group).run_until_done(stop)
+        trainer = Trainer(run_dir, bus_url, config, group)
+        await trainer.run_until_done(stop)
+        if getattr(trainer, "state", None) is not None and trainer.state.step >= config.run.steps:
+            return 0
+        log.warning("stopped before the last step (run.steps = %d); resume the run to continue", config.run.steps)
+        return STOPPED_EXIT
 
-    return run_as_group(world, run_dir, config, lambda group: uvloop.run(run(group)) or 0)
+    return run_as_group(world, run_dir, config, lambda group: uvloop.run(run(group)))

@@ -3,7 +3,7 @@
     wait for policy version 0 (the `weights` stream) and for the `steps` stream to be read
     loop: wait for room (concurrency, async gate) -> start a group
           a group: seeded prompt -> episodes (producers/episode.py: engine turns, env turns) -> rewards ->
-                   one Publisher.publish([Trajectory, RoutingTrace])
+                   one Publisher.publish_atomic([Trajectory, RoutingTrace]) (MULTI: both or neither)
     background: newest WeightsPublished -> fetch + verify the blob -> engine.update_weights (in place,
                 between two decode steps); StepCommitted -> last committed version; WorkerStats
     stop: start nothing new, finish in-flight groups for up to DRAIN_TIMEOUT_S, log the rest as
@@ -13,8 +13,9 @@ Async gate (rollout.async_level = a). Let c be the newest policy version that is
 (the `version` of the newest StepCommitted; 0 before any commit, version 0 being the initial
 policy) and live in this worker's engine: a commit counts once its weights are loaded here, so no
 round is sampled under weights older than the gate assumes. A worker splits its groups into rounds
-of R = min(rollout.concurrency, ceil(trainer.batch_groups / rollout.workers)) groups, R being its
-share of one trainer batch; round r is meant for the step that turns version r into r + 1. Its
+of R = ceil(trainer.batch_groups / rollout.workers) groups, R being its share of one trainer batch
+(with concurrency below R, a round takes several waves: were R capped at concurrency, each commit
+would release fewer groups than the next step needs, and the run would stall); round r is meant for the step that turns version r into r + 1. Its
 g-th group (counting from 0 in this process) belongs to round r(g) = c0 + g // R, c0 being c when
 the process started its first group, and may start only when
 
@@ -51,7 +52,8 @@ from bus.blobs import BlobBackend
 from bus.events import RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished, WorkerStats
 from bus.log import LogError, RunLog
 from bus.partitions import worker_partition
-from bus.streams import Publisher, connect, recover_next_seq
+from bus.seqs import recover_seq
+from bus.streams import Publisher, connect
 from bus.tail import Tail
 from producers.engine import Engine, EngineError, SamplingParams
 from producers.envs import Env, env_for
@@ -101,7 +103,7 @@ class RolloutWorker:
         self.env = env_for(config)
         self.blobs = run_blobs(self.run_dir, config)
         r = config.rollout
-        self.round_size = min(r.concurrency, math.ceil(config.trainer.batch_groups / r.workers))
+        self.round_size = math.ceil(config.trainer.batch_groups / r.workers)
         self.publisher = None
         self.seq_base = 0
         self.engine = None
@@ -125,6 +127,10 @@ class RolloutWorker:
         redis = connect(self.url)
         try:
             self.seq_base = await self._recover_seq(redis)
+            # Redis may have lost the newest commits (its last second) while the log kept them: a
+            # gate on the bus alone would wait for versions the trainer will never commit again.
+            self.committed = await asyncio.to_thread(newest_logged_commit, self.run_dir)
+            # Its partition's lanes share one hash tag, so publish_atomic stays in one cluster slot.
             self.publisher = Publisher(redis, self.run_name, self.name, self.seq_base,
                                        worker_partition(self.index, self.config.bus.partitions))
             self._background = [asyncio.create_task(self._follow_weights(), name="follow-weights"),
@@ -225,7 +231,7 @@ class RolloutWorker:
                  else self.publisher.stamp(RoutingTrace, group_id=group_id, experts=experts))
         self._publishing.add(group_id)
         try:
-            await self.publisher.publish([trajectory, trace])
+            await self.publisher.publish_atomic([trajectory, trace])
         finally:
             self._publishing.discard(group_id)
         self.published += 1
@@ -306,10 +312,9 @@ class RolloutWorker:
                 busy_s=s.busy_s, swap_s=swaps)])
 
     async def _recover_seq(self, redis) -> int:
-        on_bus = await recover_next_seq(redis, self.run_name, self.name, self.config.bus.partitions)
         # Entries the archiver made durable may be trimmed from the bus; the log still has them.
-        in_log = await asyncio.to_thread(next_seq_in_log, self.run_dir, self.name)
-        return max(on_bus, in_log)
+        return await recover_seq(redis, self.run_dir, self.run_name, self.name, _PUBLISHED_STREAMS,
+                                 self.config.bus.partitions)
 
 
 def _sample(e: Episode) -> Sample:
@@ -329,30 +334,15 @@ async def _read_to_end(tail: Tail, block_ms: int) -> list:
     return events
 
 
-class _Key(msgspec.Struct):
-    producer: str
-    seq: int
-
-
-_key_decoder = msgspec.msgpack.Decoder(_Key)
-
-
-def next_seq_in_log(run_dir: Path, producer: str) -> int:
-    """1 + the highest seq of `producer` in the run's on-disk log (0 if none)."""
+def newest_logged_commit(run_dir: Path) -> int:
+    """Version of the newest StepCommitted in the run's log (0 if none)."""
     try:
-        run_log = RunLog(run_dir, readonly=True)
+        with RunLog(run_dir, readonly=True) as run_log:
+            if "steps" not in run_log.names():
+                return 0
+            return max((e.version for _, e in run_log.events("steps") if isinstance(e, StepCommitted)), default=0)
     except LogError:
         return 0  # no log yet
-    best = -1
-    try:
-        for stream in set(_PUBLISHED_STREAMS) & set(run_log.names()):
-            for record in run_log.stream(stream).records():
-                key = _key_decoder.decode(record.data)
-                if key.producer == producer:
-                    best = max(best, key.seq)
-    finally:
-        run_log.close()
-    return best + 1
 
 
 def group_seed(run_seed: int, worker: int, seq_base: int, counter: int) -> int:

@@ -55,6 +55,20 @@ def decode_routing(trace: RoutingTrace, blob_bytes: bytes | None) -> list[np.nda
     return [t.numpy() for t in msgspec.msgpack.decode(blob_bytes, type=list[Tensor])]
 
 
+def routing_problem(group: Group, moe_layers: int, top_k: int, num_experts: int) -> str | None:
+    """Why a group's routing cannot be replayed (it must then be dropped), or None when it can."""
+    traj = group.trajectory
+    if len(group.routing) != len(traj.samples):
+        return f"routing trace has {len(group.routing)} samples, the trajectory {len(traj.samples)}"
+    for i, (sample, ids) in enumerate(zip(traj.samples, group.routing)):
+        want = (len(traj.prompt.numpy()) + len(sample.tokens.numpy()) - 1, moe_layers, top_k)
+        if tuple(ids.shape) != want:
+            return f"routing of sample {i} has shape {list(ids.shape)}, its tokens need {list(want)}"
+        if ids.size and int(ids.max()) >= num_experts:
+            return f"routing of sample {i} names expert {int(ids.max())} of {num_experts}"
+    return None
+
+
 def token_versions(spans: list[tuple[int, int]], length: int) -> np.ndarray:
     """Policy version of each completion token from its spans [(first_token, version)]."""
     versions = np.zeros(length, dtype=np.int64)
@@ -90,6 +104,13 @@ def build_batch(groups: list[Group]) -> Batch:
     lengths = [len(p) + len(c) - 1 for p, c, *_ in rows]
     B, T = len(rows), max(lengths)
     has_routing = all(r[4] is not None and len(r[4]) == n for r, n in zip(rows, lengths))
+    if not has_routing and any(r[4] is not None and len(r[4]) for r in rows):
+        # Router replay would silently be off for every group of the step: refuse instead (the
+        # trainer drops a group whose routing fails routing_problem before it gets here).
+        row_groups = [g.trajectory.group_id for g in groups for _ in g.trajectory.samples]
+        bad = next(g for g, r, n in zip(row_groups, rows, lengths) if r[4] is None or len(r[4]) != n)
+        raise ValueError(f"group {bad} has no routing that matches its tokens while others have; "
+                         "drop it (runtime.batch.routing_problem) or drop every trace")
     input_ids = np.zeros((B, T), np.int64)
     mask = np.zeros((B, T), np.int64)
     targets = np.zeros((B, T), np.int64)

@@ -18,7 +18,7 @@ from bus.events import STREAMS
 
 # `reel bench NAME` -> handler; each prints one JSON line with a `ratio` key.
 BENCHES = {
-    "bus": "bus.bench:bench_bus",
+    "bus": "bus.bench_cluster:bench_bus_any",
     "log": "bus.bench:bench_log",
     "blobs": "bus.blob_backends.bench:bench_blobs",
     "r3": "runtime.model.bench:bench_r3",
@@ -81,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     role.add_argument("name", choices=["trainer", "rollout", "archiver"], help="which role to start")
     role.add_argument("--run", required=True, dest="run_dir", help="run directory")
     role.add_argument("--worker", type=int, default=0, help="rollout worker index")
-    role.add_argument("--bus", default=None, help="Redis URL (default: REEL_BUS_URL or the run's embedded Redis)")
+    role.add_argument("--bus", default=None, help="Redis URL (default: REEL_BUS_URL, else the run dir's bus_url); "
+                      "argv is visible to every user, so pass a URL with a password through REEL_BUS_URL")
     role.set_defaults(handler="runtime.launch:main_role")
 
     config = _command(sub, "config", "inspect a config", "reel config show examples/reverse_text.toml")
@@ -203,12 +204,15 @@ def _parser() -> argparse.ArgumentParser:
 
     metrics = _command(sub, "metrics", "export a run's metrics", "reel metrics serve --run runs/reverse_text")
     metrics_sub = metrics.add_subparsers(dest="metrics_command", required=True, metavar="COMMAND")
-    serve = _command(metrics_sub, "serve", "serve Prometheus text exposition on :PORT/metrics",
+    serve = _command(metrics_sub, "serve", "serve Prometheus text exposition on ADDR:PORT/metrics (127.0.0.1 by default)",
                      "reel metrics serve --run runs/reverse_text",
                      "prometheus --config.file=ops/prometheus/prometheus.yml  # scrapes :9464")
     serve.add_argument("--run", required=True, dest="run_dir", help="run directory")
     serve.add_argument("--port", type=int, default=9464, help="HTTP port")
     serve.add_argument("--bus", default=None, help="Redis URL (default: the run directory's bus)")
+    serve.add_argument("--addr", default="127.0.0.1",
+                       help="interface to bind (default 127.0.0.1, this machine only; 0.0.0.0 = every interface); "
+                            "it serves figures only (no events, weights or secrets), unauthenticated")
     serve.set_defaults(handler="consumers.metrics:main_serve")
     export = _command(metrics_sub, "export", "write one JSON line per step",
                       "reel metrics export --run runs/reverse_text --jsonl steps.jsonl")
@@ -267,8 +271,6 @@ def config_show(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    if args.name == "bus" and args.partitions:  # the same pipeline on a local Redis Cluster
-        return _call("bus.bench_cluster:bench_bus_partitions", args)
     return _call(BENCHES[args.name], args)
 
 

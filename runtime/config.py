@@ -40,7 +40,11 @@ class RunSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class BusSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    url: str = ""  # redis:// | rediss:// | unix://; empty = embedded Redis in the run dir
+    url: str = ""  # redis:// | rediss:// | unix://, with an ACL user but no password; empty = embedded Redis
+    password_file: str = ""  # file (mode 0600) with the Redis password; REEL_BUS_PASSWORD overrides it
+    tls_ca: str = ""  # rediss://: CA certificate(s) that signed the server's certificate
+    tls_cert: str = ""  # rediss://: client certificate, for servers that require one (with tls_key)
+    tls_key: str = ""  # rediss://: the client certificate's private key
     block_ms: int = 1000  # XREADGROUP BLOCK time
     claim_idle_ms: int = 30_000  # pending entries idle this long are reclaimed (XAUTOCLAIM)
     max_deliveries: int = 5  # deliveries before an entry goes to the dead-letter stream
@@ -319,6 +323,12 @@ def validate(c: Config) -> None:
         _require(m.num_experts <= 65535, "model.num_experts must fit in uint16 (<= 65535)")
     _require(c.bus.url == "" or c.bus.url.split("://")[0] in ("redis", "rediss", "unix"),
              f"bus.url = {c.bus.url!r} must start with redis://, rediss:// or unix:// (or be empty)")
+    _require(":" not in c.bus.url.split("://")[-1].rpartition("@")[0],
+             "bus.url holds a password, which would be copied into the run's log: remove it and put it in "
+             "bus.password_file (mode 0600) or REEL_BUS_PASSWORD")
+    _require(not (c.bus.tls_ca or c.bus.tls_cert or c.bus.tls_key) or c.bus.url.startswith("rediss://"),
+             "bus.tls_ca, bus.tls_cert and bus.tls_key need a rediss:// bus.url")
+    _require(bool(c.bus.tls_cert) == bool(c.bus.tls_key), "bus.tls_cert and bus.tls_key go together; set both or neither")
     _require(c.bus.partitions >= 1, f"bus.partitions = {c.bus.partitions} must be at least 1")
     _require(not c.bus.cluster or c.bus.url.split("://")[0] in ("redis", "rediss"),
              "bus.cluster = true needs bus.url = redis://HOST:PORT naming a node of the cluster "

@@ -49,8 +49,10 @@ class GroupLookup:
         if trajectory is None:
             raise MissingGroup(f"group {group_id} used by {where} is not in the run's log; the log is incomplete")
         trace = self.routing.get(group_id)
-        routing = [] if trace is None else decode_routing(trace, self.blobs.get(trace.blob) if trace.blob else None)
-        return Group(trajectory, routing)
+        if trace is None:  # every trained group had its trace: without it the step cannot be re-executed
+            raise MissingGroup(f"the routing trace of group {group_id} used by {where} is not in the run's log; "
+                               "the log is incomplete")
+        return Group(trajectory, decode_routing(trace, self.blobs.get(trace.blob) if trace.blob else None))
 
     def groups_of(self, commit: StepCommitted) -> list[Group]:
         return [self.group(g, where=f"step {commit.step}") for g in commit.groups]

@@ -7,7 +7,7 @@ any role fails (then prints that role's last log lines and exits non-zero).
 
 Run directory:
     config.toml      the config as given (the run's identity; --resume checks it)
-    bus_url          where the live bus is (removed when the run stops)
+    bus_url          where the live bus is, password included (mode 0600; removed when the run stops)
     log/             the archiver's event log       blobs/   weights, checkpoints, big traces
     redis/           embedded Redis (AOF)           roles/<role>.log   each process's output
 Roles reach each other only through the bus and these files, so `reel role NAME --run DIR`
@@ -67,7 +67,17 @@ def main_run(args: argparse.Namespace) -> int:
     run_dir = Path(args.out) if args.out else Path(config.run.out_dir) / config.run.name
     prepare_run_dir(run_dir, text, config, resume=args.resume)
     with bus_for(run_dir, config) as url, mooncake_for(run_dir, config):
-        return Supervisor(run_dir, url, config, live=not args.no_live and sys.stdout.isatty()).run()
+        supervisor = Supervisor(run_dir, url, config, live=not args.no_live and sys.stdout.isatty())
+        if args.resume:  # before any role publishes: new entries would hide the gap
+            from runtime.bus_loss import describe, find_loss_window
+
+            window = find_loss_window(url, config.run.name, run_dir, config.bus.partitions)
+            if window is not None:
+                print(f"reel: {describe(window)}", file=sys.stderr, flush=True)
+                # ... and a metric: the trainer's next StepCommitted carries it (metrics.bus_lost_*).
+                supervisor.trainer_env = {"REEL_BUS_LOST_EVENTS": str(window.events),
+                                          "REEL_BUS_LOST_WINDOW_S": str(window.seconds)}
+        return supervisor.run()
 
 
 def main_role(args: argparse.Namespace) -> int:
@@ -128,9 +138,12 @@ def bus_for(run_dir: Path, config: Config) -> Iterator[str]:
     """The run's bus URL; starts (and finally stops) the embedded Redis when bus.url is empty."""
     url_file = run_dir / "bus_url"
     if config.bus.url:
-        url_file.write_text(config.bus.url)
+        from runtime.bus_access import bus_url
+
+        url = bus_url(config)
+        _write_private(url_file, url)  # it holds the password
         try:
-            yield config.bus.url
+            yield url
         finally:
             url_file.unlink(missing_ok=True)
         return
@@ -138,12 +151,19 @@ def bus_for(run_dir: Path, config: Config) -> Iterator[str]:
 
     server = EmbeddedRedis(run_dir)
     url = server.start()
-    url_file.write_text(url)
+    _write_private(url_file, url)
     try:
         yield url
     finally:
         url_file.unlink(missing_ok=True)
         server.stop()
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)  # an older file may have had a wider mode
+        f.write(text)
 
 
 def _read_bus_url(run_dir: Path) -> str:
@@ -155,18 +175,21 @@ def _read_bus_url(run_dir: Path) -> str:
         ) from None
 
 
-def announce_finished(url: str, run: str, reason: str, partitions: int = 1) -> None:
+def announce_finished(url: str, run: str, reason: str, partitions: int = 1, run_dir: Path | None = None) -> None:
     """Publish RunFinished; the archiver exits once it has logged it and drained every stream."""
     import asyncio
 
     from bus.events import RunFinished
+    from bus.seqs import recover_seq
     from bus.streams import Publisher, connect, dead_letters_added, recover_next_seq
 
     async def publish() -> None:
         redis = connect(url)
         try:
             producer = "launcher:0"
-            publisher = Publisher(redis, run, producer, await recover_next_seq(redis, run, producer))
+            seq = (await recover_seq(redis, run_dir, run, producer, ["control"], partitions) if run_dir is not None
+                   else await recover_next_seq(redis, run, producer, partitions))
+            publisher = Publisher(redis, run, producer, seq)
             dead = await dead_letters_added(redis, run, partitions)
             await publisher.publish([publisher.stamp(RunFinished, reason=reason, dead_letters=dead)])
         finally:
@@ -241,6 +264,7 @@ class Supervisor:
     roles: dict[str, RoleProcess]
     progress: Progress
     vllm_port: int | None  # the local `vllm serve` (engine.vllm_server = "local"), started once init/ exists
+    trainer_env: dict[str, str]  # set before run(): what the trainer must record (a bus loss window)
 
     def __init__(self, run_dir: Path, url: str, config: Config, *, live: bool):
         self.run_dir = run_dir
@@ -249,11 +273,14 @@ class Supervisor:
         self.roles = {}
         self.progress = Progress(url, config, live=live)
         self.vllm_port = free_port() if serves_vllm_locally(config) else None
+        self.trainer_env = {}
 
     def _start(self, name: str, role: str, *extra: str, threads: int = 1, env: dict[str, str] | None = None,
                ranks: int = 1) -> None:
-        args = ["role", role, "--run", str(self.run_dir), "--bus", self.url, *extra]
+        args = ["role", role, "--run", str(self.run_dir), *extra]
         python = torchrun_argv(ranks) if ranks > 1 else ["-m", "runtime.cli"]
+        # The bus URL (maybe with a password) goes by environment: argv is public to `ps`.
+        env = {"REEL_BUS_URL": self.url, **(self.trainer_env if role == "trainer" else {}), **(env or {})}
         self.roles[name] = RoleProcess(name, [sys.executable, *python, *args], self.run_dir / "roles" / f"{name}.log",
                                        threads, env)
 
@@ -307,7 +334,7 @@ class Supervisor:
     def _finish(self) -> int:
         """The trainer committed its last step: announce the end, let the archiver drain, stop workers."""
         self.progress.finish(self.run_dir)
-        announce_finished(self.url, self.config.run.name, "completed", self.config.bus.partitions)
+        announce_finished(self.url, self.config.run.name, "completed", self.config.bus.partitions, self.run_dir)
         code = self.roles["archiver"].wait(timeout=120.0)
         self._stop_all()
         if code != 0:

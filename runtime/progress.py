@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from bus.events import RunStarted, StepCommitted, WorkerStats, decode, stream_key
+from bus.events import MalformedEvent, RunStarted, StepCommitted, WorkerStats, decode, stream_key
 from runtime.config import Config
 
 
@@ -97,7 +97,10 @@ class Progress:
                                           if self._cursor[stream] != "0" else "-", count=500)
             for entry_id, fields in entries:
                 self._cursor[stream] = entry_id.decode()
-                event = decode(fields[b"e"])
+                try:
+                    event = decode(fields.get(b"e", b""))
+                except MalformedEvent:
+                    continue  # not an event: the archiver dead-letters it; the view goes on
                 if isinstance(event, StepCommitted):
                     new_steps.append(event)
                 elif isinstance(event, WorkerStats):

@@ -153,6 +153,7 @@ def train_step(state: TrainState, batch: Batch, config: Config, world: World = L
         metrics |= split_metrics(logp_old_N, logp_sampler_N, logp_mu_N, known_N)
     metrics["reward_mean"] = float(batch.rewards_B.mean())
     metrics["tokens"] = float(batch.tokens)
+    metrics["router_replay"] = float(cfg.router_replay and batch.routing_BTLK is not None)  # R3 applied, per step
     # Staleness = versions between a token's sampler and the weights this step trains (0 = on-policy).
     staleness = loss_mod.staleness_histogram(versions_N, state.step)
     weights = full_weights(model, world)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from bus.events import (STREAM_OF, STREAMS, BlobRef, RunFinished, Sample, StepCommitted, StepTiming, Tensor, Trajectory,
-                        WeightsPublished, WorkerStats, stream_key)
+                        WeightsPublished, WorkerStats, decode, stream_key)
 from bus.log import LogError, RunLog
 from bus.streams import DEAD, Publisher, connect
 from consumers.archiver import GROUP, Archiver
@@ -175,3 +176,70 @@ async def test_sigkilled_archiver_leaves_no_gap_and_no_duplicate(redis_url: str,
             assert ids == published[stream], f"stream {stream}, seed {seed}"
         assert await _pending(client, run_name) == 0
         assert await client.xlen(stream_key(run_name, "trajectories")) < len(published["trajectories"])  # trimmed
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 1 MiB tmpfs: a disk that really fills up (ENOSPC from the kernel, not a simulated error)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+async def test_full_disk_stops_acking_and_freeing_space_resumes(redis_url: str, run_name: str, small_disk: Path,
+                                                                caplog: pytest.LogCaptureFixture, monkeypatch):
+    monkeypatch.setattr("consumers.archiver.DISK_FULL_RETRY_S", 0.2)
+    run_dir = small_disk / "run"
+    async with connect(redis_url) as client:
+        publisher = Publisher(client, run_name, "rollout:0")
+        await publisher.publish([e for i in range(20) for e in _events(publisher, i)])
+        stop = asyncio.Event()
+        archiver = asyncio.ensure_future(Archiver(run_dir, redis_url, run_name, block_ms=50, trim_every_s=0.2).run(stop))
+        try:
+            deadline = time.monotonic() + 20
+            while not (run_dir / "log" / "steps").is_dir() or len(_log_contents(run_dir)["steps"]) < 20 \
+                    or await _pending(client, run_name):
+                assert time.monotonic() < deadline and not archiver.done()
+                await asyncio.sleep(0.05)
+            filler = small_disk / "filler"
+            with open(filler, "wb") as f:  # take every free block
+                with contextlib.suppress(OSError):
+                    while True:
+                        f.write(b"\0" * 65536)
+                        f.flush()
+            await publisher.publish([e for i in range(20, 60) for e in _events(publisher, i)])
+            await asyncio.sleep(1.5)
+            assert not archiver.done()
+            assert "not acking anything until space is freed" in caplog.text
+            on_bus = await _stream_contents(client, run_name)
+            logged = _log_contents(run_dir)
+            # Nothing acked is missing from the log: what the group read and did not leave pending is logged.
+            for stream in STREAMS:
+                key = stream_key(run_name, stream)
+                last = {g["name"].decode(): g for g in await client.xinfo_groups(key)}[GROUP]["last-delivered-id"]
+                pending = {p["message_id"].decode()
+                           for p in await client.xpending_range(key, GROUP, min="-", max="+", count=1000)}
+                acked = {i for i, _ in on_bus[stream] if i not in pending and _order(i) <= _order(last.decode())}
+                assert acked <= {i for i, _ in logged.get(stream, [])}, stream
+            assert await _pending(client, run_name) > 0
+            filler.unlink()
+            while await _pending(client, run_name):
+                assert time.monotonic() < deadline + 30 and not archiver.done()
+                await asyncio.sleep(0.1)
+            assert "archiving resumes" in caplog.text
+        finally:
+            stop.set()
+            await archiver
+    seqs = sorted(decode(data).seq for records in _log_contents(run_dir).values() for _, data in records)
+    assert seqs == list(range(60 * 4))  # every event once: none lost, none twice
+
+
+def _order(entry_id: str) -> tuple[int, int]:
+    ms, seq = entry_id.split("-")
+    return int(ms), int(seq)

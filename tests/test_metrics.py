@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import re
 import socket
@@ -80,7 +81,8 @@ def _synthetic_run(run: str) -> list:
         _weights(run, 1), _weights(run, 2),
         _stats(run, "rollout:0", 100.0, 1), _stats(run, "rollout:1", 50.0, 2),
         _step(run, 2, ["g4"], dropped=[("g9", "off_policy: a reason without a code")], staleness={1: 20, 2: 20}, timing=(0.0, 1.0, 1.0),
-              metrics={"reward_mean": 0.6, "kl_k1": 0.01, "kl_k3": 0.002, "ratio_mean": 1.01, "other": 5.0}),
+              metrics={"reward_mean": 0.6, "kl_k1": 0.01, "kl_k3": 0.002, "ratio_mean": 1.01, "other": 5.0,
+                       "bus_lost_events": 7.0}),
         RunFinished(run=run, producer="launcher:0", seq=next(_seq), reason="done", dead_letters=3),
     ]
 
@@ -104,7 +106,7 @@ def test_aggregates_hand_checked():
     assert s.mismatch == {"kl_k1": 0.01, "kl_k3": 0.002, "ratio_mean": 1.01}  # missing keys stay missing
     assert s.idle_ratio == pytest.approx(1.0 / 6.0)  # waits 1 + 0 over totals 4 + 2
     assert s.staleness == {0: 10, 1: 50, 2: 20}
-    assert s.dropped == {"stale": 2, "other": 1}  # reason codes; the text stays in the log
+    assert s.dropped == {"stale": 2, "bad_routing": 0, "other": 1}  # reason codes; the text stays in the log
     assert s.dead_letters == 3
     assert [(w.worker, w.tokens_per_s, w.version_lag) for w in s.workers] == [("rollout:0", 100.0, 1),
                                                                                ("rollout:1", 50.0, 0)]
@@ -121,7 +123,7 @@ def test_aggregates_empty_and_idle_window():
     s = RunAggregates().snapshot()
     assert s.step is None and s.reward_mean is None and s.reward_p90 is None and s.idle_ratio is None
     assert s.mismatch == {} and s.workers == [] and s.dead_letters is None
-    assert s.dropped == {"stale": 0, "other": 0} and s.groups_published == {}  # counters start at 0
+    assert s.dropped == {"stale": 0, "bad_routing": 0, "other": 0} and s.groups_published == {}  # counters start at 0
     agg = RunAggregates(window_steps=1)
     agg.apply(_step("r", 1, [], timing=(1.0, 1.0, 0.0)))
     agg.apply(_step("r", 2, [], timing=(0.0, 0.0, 0.0)))  # a zero-length step has no idle share
@@ -221,7 +223,7 @@ async def test_watchers_see_every_step_and_create_no_group(redis_url: str, run_n
                 assert [r.step for r in watcher.snapshot.recent_steps] == ([3] if watcher is late else [1, 2, 3])
                 assert watcher.snapshot.dead_letters == 1
             s = first.snapshot
-            assert s.groups_seen == 4 and s.dropped == {"stale": 2, "other": 1}
+            assert s.groups_seen == 4 and s.dropped == {"stale": 2, "bad_routing": 0, "other": 1}
             assert s.staleness == {0: 10, 1: 50, 2: 20, 3: 4} and s.finished is None
             client = connect(redis_url)
             try:
@@ -284,6 +286,7 @@ async def test_prometheus_endpoint(redis_url: str, run_name: str):
         assert value[("reel_groups_trained_total", (run,))] == 3
         assert value[("reel_staleness_tokens_total", (run, ("versions_behind", "1")))] == 50
         assert value[("reel_dead_letters_total", (run,))] == 3
+        assert value[("reel_bus_lost_events_total", (run,))] == 7  # step 2 was committed after a resume
         expected = {"reel_reward_mean", "reel_reward_p50", "reel_reward_p90", "reel_mismatch_kl_k1",
                     "reel_mismatch_kl_k2", "reel_mismatch_kl_k3", "reel_importance_ratio_mean",
                     "reel_importance_ratio_min", "reel_importance_ratio_max", "reel_trainer_idle_ratio",
@@ -322,6 +325,42 @@ def test_dashboard_queries_only_exported_metrics():
     queried = {name for p in dashboard["panels"] for t in p.get("targets", [])
                for name in re.findall(r"\breel_[a-z0-9_]+", t["expr"])}
     assert len(queried) >= 20 and queried <= served, queried - served
+
+
+def _outside_address() -> str | None:
+    """An address of this machine other than loopback, if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+async def test_prometheus_endpoint_binds_loopback_by_default(tmp_path: Path):
+    """`reel metrics serve` exposes nothing beyond this machine unless --addr says so."""
+    args = cli._parser().parse_args(["metrics", "serve", "--run", str(tmp_path)])
+    assert args.addr == "127.0.0.1"
+    _write_run_dir(tmp_path / "run", "r", _synthetic_run("r"))
+    port, stop = _free_port(), asyncio.Event()
+    server = asyncio.create_task(serve(RunSource("r", None, tmp_path / "run"), port, stop))
+    try:
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            with contextlib.suppress(OSError):
+                assert (await asyncio.to_thread(_scrape, port))["reel_trainer_step"].samples
+                break
+        listening = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+        bound = {local for _, local, _, state, *_ in listening if state == "0A" and local.endswith(f":{port:04X}")}
+        assert bound == {f"0100007F:{port:04X}"}, bound  # 127.0.0.1 only, not 0.0.0.0
+        outside = _outside_address()
+        if outside is not None:
+            with pytest.raises(OSError):
+                socket.create_connection((outside, port), timeout=2).close()
+    finally:
+        stop.set()
+        await asyncio.wait_for(server, 5)
 
 
 def test_run_finished_carries_the_dead_letters(redis_url: str, run_name: str, tmp_path: Path):

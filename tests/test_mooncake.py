@@ -55,8 +55,7 @@ def test_put_get_upsert_and_verify(store: MooncakeService, tmp_path: Path) -> No
 
 _WRITER = """
 import os, signal, sys
-from bus.blob_backends.mooncake import MooncakeBlobs
-from bus.blob_backends.mooncake import MooncakeAddress
+from bus.blob_backends.mooncake import MooncakeAddress, MooncakeBlobs
 blobs = MooncakeBlobs(MooncakeAddress(sys.argv[1], sys.argv[2]))
 ref = blobs.put(bytes.fromhex(sys.argv[3]) * 100_000)
 print(ref.uri, ref.sha256, ref.nbytes, flush=True)

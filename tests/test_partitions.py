@@ -105,6 +105,25 @@ async def test_every_group_is_delivered_once_from_every_partition(bus: str, run_
         assert await recover_next_seq(client, run_name, "rollout:0", P) == workers[0].next_seq
 
 
+async def test_restarts_reread_pending_entries_on_every_lane_without_counting_them(bus: str, run_name: str) -> None:
+    """Pending entries of every partition's lanes come back to a restarted consumer, never as deliveries."""
+    async with connect(bus) as client:
+        for publisher in _workers(client, run_name):
+            await publisher.publish_atomic(_group(publisher, 0))
+        for _ in range(4):  # more restarts than max_deliveries
+            async with GroupConsumer(bus, run_name, "trainer", "t0", ["trajectories", "routing"], block_ms=50,
+                                     max_deliveries=2, partitions=P) as consumer:
+                got = await consumer.read(count=100)
+                assert sorted(d.stream for d in got) == sorted(lanes(["trajectories", "routing"], P))
+                assert {d.deliveries for d in got} == {1}
+        async with GroupConsumer(bus, run_name, "trainer", "t0", ["trajectories", "routing"], block_ms=50,
+                                 max_deliveries=2, partitions=P) as consumer:
+            await consumer.ack(await consumer.read(count=100))
+            assert await consumer.read() == []
+        for key in seq_keys(run_name, DEAD, P):
+            assert not await client.exists(key)
+
+
 async def test_undecodable_entry_is_dead_lettered_in_its_partition(bus: str, run_name: str) -> None:
     async with connect(bus) as client:
         key = lane_key(run_name, "routing/1")

@@ -215,3 +215,6 @@ def test_changed_config_is_named(runs, tmp_path, capsys):
     # Step 4 needs step 3 re-executed first: that catch-up step must reproduce, so it raises.
     with pytest.raises(ReplayMismatch, match="step 3 re-executed to different weights .*config hash"):
         replay_step(Run(run_dir), 4)
+    # A range that starts at the checkpoint runs, and exits 1 because its steps do not reproduce.
+    code, out = _json(capsys, "replay", "range", "3..4", "--run", str(run_dir), "--json", "--recompute")
+    assert code == 1 and [row["recomputed"]["bitwise"] for row in out["steps"]] == [False, False]

@@ -18,7 +18,8 @@ from bus.blob_backends.file import BlobStore
 from bus.events import (
     RoutingTrace, StepCommitted, StepTiming, Trajectory, WeightsPublished, WorkerStats, decode, stream_key,
 )
-from bus.streams import Publisher, connect
+from bus.streams import BusError, Publisher, connect
+from faultproxy import FaultProxy
 from producers import rollout
 from producers.rollout import RolloutWorker
 from runtime.batch import decode_routing
@@ -154,6 +155,25 @@ async def test_async_gate(redis_url: str, run_name: str, tmp_path, async_level: 
     assert all(s.spans == [(0, 1)] for g in groups[before_commit:] for s in g.samples)
 
 
+async def test_each_commit_releases_a_whole_batch_share(redis_url: str, run_name: str, tmp_path) -> None:
+    """concurrency 2 < batch_groups 3: rounds still hold a whole batch, so commits never starve the trainer."""
+    run_dir = make_run(tmp_path, run_name, async_level=1, concurrency=2, batch_groups=3, max_tokens=3)
+    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
+    model = initial_model(run_dir)
+    await publish_weights(redis_url, run_dir, 0, model, commit=False)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    await wait_for(redis_url, run_name, 6)  # two batches before any commit (async_level 1)
+    await asyncio.sleep(0.5)
+    assert worker.started == 6 and not worker.in_flight
+    await publish_weights(redis_url, run_dir, 1, model, commit=True)
+    await wait_for(redis_url, run_name, 9)  # one more batch per commit
+    await asyncio.sleep(0.5)
+    assert worker.started == 9
+    stop.set()
+    await asyncio.wait_for(task, 20)
+
+
 async def test_new_weights_reach_the_running_worker(redis_url: str, run_name: str, tmp_path) -> None:
     run_dir = make_run(tmp_path, run_name, async_level=100)
     worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
@@ -238,3 +258,21 @@ async def test_killed_worker_loses_no_group_and_a_new_one_uses_fresh_seqs(redis_
     assert worker.seq_base == max(old_seqs) + 1
     assert all(g.seq > max(old_seqs) for g in after)
     assert not {g.group_id for g in after} & {g.group_id for g in before}
+
+
+async def test_a_cut_connection_never_leaves_half_a_group(redis_url: str, run_name: str, tmp_path) -> None:
+    """The connection dies between a group's Trajectory and its RoutingTrace: Redis keeps neither."""
+    run_dir = make_run(tmp_path, run_name, async_level=0)
+    async with FaultProxy(redis_url) as proxy:
+        worker = RolloutWorker(run_dir, proxy.url, 0, load(run_dir / "config.toml"))
+        task = asyncio.create_task(worker.run(asyncio.Event()))
+        while worker.publisher is None:  # seq recovery reads the routing stream too: arm the cut after it
+            await asyncio.sleep(0.01)
+        proxy.cut_before(f"{{{run_name}}}:routing".encode())
+        await publish_weights(redis_url, run_dir, 0, initial_model(run_dir), commit=False)
+        with pytest.raises(BusError):  # the worker stops on the failed publish (the launcher restarts it)
+            await asyncio.wait_for(task, 60)
+        assert proxy.cuts == 1
+    groups = {t.group_id for t in await stream_events(redis_url, run_name, "trajectories")}
+    traces = {t.group_id for t in await stream_events(redis_url, run_name, "routing")}
+    assert groups == traces

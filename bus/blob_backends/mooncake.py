@@ -21,7 +21,7 @@ import msgspec
 from bus.blobs import BlobBackend, BlobError
 from bus.events import BlobRef
 
-__all__ = ["MooncakeBlobs", "SCHEME"]
+__all__ = ["MooncakeAddress", "MooncakeBlobs", "SCHEME"]
 
 SCHEME = "mooncake"
 CLIENT_TTL_S = 15.0  # a bit over Mooncake's client TTL (~10 s): how long a read or write keeps trying

@@ -22,7 +22,7 @@ from pathlib import Path
 from bus.blob_backends.mooncake import MooncakeAddress, MooncakeBlobs
 from bus.blobs import BlobError
 
-__all__ = ["MooncakeAddress", "MooncakeService", "mooncake_binary"]
+__all__ = ["MooncakeService", "mooncake_binary"]
 
 START_TIMEOUT_S = 30.0
 
@@ -89,6 +89,7 @@ class MooncakeService:
             f"--metadata_server={self.address.metadata}", f"--host={self.host}", f"--port={_free_port(self.host)}",
             f"--http_port={_free_port(self.host)}", f"--protocol={self.protocol}",
             *([f"--device_names={self.device}"] if self.device else [])])
+        # the probe is a client like any role
         probe = MooncakeBlobs(self.address, protocol=self.protocol, device=self.device, retry_s=0.0)
         try:
             deadline = time.monotonic() + START_TIMEOUT_S

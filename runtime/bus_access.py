@@ -1,0 +1,63 @@
+"""How a run's processes reach an external Redis: ACL user, password, TLS files; never a leaked secret.
+
+The password is never in the config (it would travel in RunStarted.config_toml into the log):
+`bus.url` names the user (rediss://reel@host:6380/0), the password comes from REEL_BUS_PASSWORD
+or `bus.password_file` (mode 0600). `bus_url` joins them, with the TLS files as redis-py query
+arguments, into the URL the launcher hands its roles through the environment and the 0600
+`bus_url` file, never through argv (which `ps` shows to every user).
+
+An ACL user for one run is limited to that run's keys and the commands Reel sends:
+
+    ACL SETUSER reel reset on >PASSWORD ~reel:{RUN}:* resetchannels -@all +ping +multi +exec ...
+
+(`acl_setuser(run, user)` gives the arguments after SETUSER, without the password.)
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from urllib.parse import quote, urlencode, urlsplit
+
+from bus.events import stream_key
+from runtime.config import Config, ConfigError
+
+__all__ = ["bus_url", "acl_setuser", "REEL_COMMANDS", "PASSWORD_ENV"]
+
+PASSWORD_ENV = "REEL_BUS_PASSWORD"
+# Every command Reel's clients send, those Lua scripts run (safe_trim) included.
+REEL_COMMANDS = ("ping", "multi", "exec", "discard", "eval", "exists", "zadd", "zscore", "xadd", "xack", "xautoclaim",
+                 "xlen", "xpending", "xrange", "xrevrange", "xread", "xreadgroup", "xtrim", "xgroup|create",
+                 "xinfo|groups")
+
+
+def bus_url(config: Config) -> str:
+    """bus.url with the password (REEL_BUS_PASSWORD, else bus.password_file) and the TLS files."""
+    b = config.bus
+    parts = urlsplit(b.url)
+    password = os.environ.get(PASSWORD_ENV) or (_read_password_file(Path(b.password_file)) if b.password_file else "")
+    netloc = parts.netloc
+    if password:
+        user, _, host = netloc.rpartition("@")
+        netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{host}"
+    tls = {"ssl_ca_certs": b.tls_ca, "ssl_certfile": b.tls_cert, "ssl_keyfile": b.tls_key}
+    query = "&".join(q for q in (parts.query, urlencode({k: v for k, v in tls.items() if v})) if q)
+    return parts._replace(netloc=netloc, query=query).geturl()
+
+
+def _read_password_file(path: Path) -> str:
+    try:
+        mode = path.stat().st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ConfigError(f"bus.password_file {path} is readable by other users (mode {stat.filemode(mode)}); "
+                              f"chmod 600 it")
+        return path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"bus.password_file {path} cannot be read: {exc.strerror}") from exc
+
+
+def acl_setuser(run: str, user: str) -> list[str]:
+    """Arguments of ACL SETUSER for a user limited to `run`'s keys and Reel's commands (add >PASSWORD)."""
+    return [user, "reset", "on", f"~{stream_key(run, '*')}", "resetchannels", "-@all",
+            *(f"+{command}" for command in REEL_COMMANDS)]
