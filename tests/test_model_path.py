@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as st_load
 
-from bus.blobs import BlobStore
+from bus.blob_backends.file import BlobStore
 from bus.events import Trajectory, WeightsPublished
 from bus.log import RunLog
 from hf_checkpoint import make_checkpoint
