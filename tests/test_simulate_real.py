@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 CONFIG = """
 [run]
 name = "simulate_real"
-steps = 14
+steps = 30
 {model}[init]
 warmup_steps = 30
 [env]
@@ -36,7 +36,7 @@ concurrency = 12
 group_size = 6
 async_level = 2
 max_tokens = 24
-stats_every_s = 1.5  # above bus.block_ms: the archiver stops once a read finds nothing new
+stats_every_s = 0.6  # above the archiver's 0.5 s block: it stops once a read finds nothing new
 [trainer]
 batch_groups = 6
 max_off_policy_steps = 2
