@@ -227,7 +227,10 @@ class Trainer:
         try:
             blob = self.blobs.get(trace.blob) if trace.blob else None
             group = Group(part.trajectory.event, decode_routing(trace, blob))
-            problem = routing_problem(group, len(model.moe_layers), model.num_experts_per_tok, model.num_experts)
+            # Without router replay a trace is not used: an engine that cannot capture routing (vLLM on a
+            # CPU) sends empty ones, which must not drop every group.
+            problem = (routing_problem(group, len(model.moe_layers), model.num_experts_per_tok, model.num_experts)
+                       if self.config.trainer.router_replay else None)
         except (ReelError, ValueError) as exc:  # a missing or corrupted blob, bytes that do not fit the shape
             problem = f"routing trace unreadable: {exc}"
         if problem is not None:
