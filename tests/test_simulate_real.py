@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 CONFIG = """
 [run]
 name = "simulate_real"
-steps = 30
+steps = 60  # ~12 s on an idle machine: 30 steps (6 s) gave too few WorkerStats intervals to fit on
 {model}[init]
 warmup_steps = 30
 [env]
