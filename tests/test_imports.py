@@ -15,7 +15,6 @@ ROOT = Path(__file__).parent.parent
 PACKAGES = ("bus", "producers", "consumers", "runtime", "replay")
 KNOWN_CYCLES = {
     frozenset({"runtime.config", "runtime.vllm_args"}),  # engine-section validation
-    frozenset({"runtime.model.model", "runtime.model.kvcache", "runtime.model.native"}),  # cached forward
 }
 
 
