@@ -377,7 +377,7 @@ def _pool_summary(c: Config, pool: Pool) -> str:
         backend = vllm_args.ALL2ALL.get(pool.role)
         parts.append("expert parallel" + (f" ({backend})" if backend else ""))
     if e.kv_connector:
-        parts.append(e.kv_connector + (" + CPU offload" if e.kv_connector in vllm_args.PD_CONNECTORS
+        parts.append(e.kv_connector + (" + CPU offload" if e.kv_connector in config_mod.PD_CONNECTORS
                                        and e.kv_offload_cpu_gib else ""))
     return ", ".join(parts)
 
