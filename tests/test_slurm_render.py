@@ -18,9 +18,10 @@ import pytest
 import redis
 
 from bus.errors import ReelError
-from runtime import config, slurm, vllm_args
-from runtime.cli import main
+from runtime import config
 from runtime.config import ConfigError
+from runtime.launch import slurm, vllm_args
+from runtime.launch.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "reverse_text.toml"

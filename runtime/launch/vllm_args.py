@@ -163,7 +163,7 @@ def local_serve_argv(c: Config, vllm: str, model_dir: Path, port: int) -> list[s
 
 def local_serve_env(c: Config) -> dict[str, str]:
     # vLLM's workers import Reel's worker extension (producers.vllm) from wherever this Reel is.
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENGINE_READY_TIMEOUT_S": "3600",
            "OMP_NUM_THREADS": str(c.engine.threads), "PYTHONPATH": path}
