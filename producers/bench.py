@@ -133,7 +133,7 @@ def _time_vllm(model: MoEModel, prompts: list[list[int]], max_tokens: int, round
         return None
     from producers.vllm_http import VLLMHTTPEngine
     from runtime import config as config_mod
-    from runtime.vllm_serve import local_vllm
+    from runtime.launch.vllm_serve import local_vllm
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     serve = config_mod.loads(f'[engine]\nkind = "vllm"\nmax_batch = {len(prompts)}\n'

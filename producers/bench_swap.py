@@ -110,7 +110,7 @@ def _vllm_swaps(root: Path, blobs: BlobStore, versions: list[BlobRef]) -> tuple[
     if importlib.util.find_spec("vllm") is None:
         return None, "vLLM is not installed (bash ops/install_vllm.sh)"
     from producers.vllm_http import VLLMHTTPEngine
-    from runtime.vllm_serve import local_vllm
+    from runtime.launch.vllm_serve import local_vllm
 
     with local_vllm(config_mod.loads(SERVE), root / "model", root / "vllm.log") as url:
         engine = VLLMHTTPEngine(root / "model", url=url, blobs=blobs, version=-1, routed_experts=False)

@@ -1,10 +1,11 @@
 """The built-in engine: continuous batching over a preallocated KV cache, on any torch device.
 
-One decode step = one `MoEModel.forward_cached` call over flat tokens: the whole prompt of every
-newly admitted sequence plus the last sampled token of every running one. Sequences join between
-steps when a KV slot is free and leave when they finish, so short and long completions never wait
-for each other and nothing is padded. Each sample has its own seeded `torch.Generator`
-(producers/sampling.py), so what it draws does not depend on which other sequences share its steps.
+One decode step = one `forward_cached` call (runtime/model/cached_forward.py) over flat tokens: the
+whole prompt of every newly admitted sequence plus the last sampled token of every running one.
+Sequences join between steps when a KV slot is free and leave when they finish, so short and long
+completions never wait for each other and nothing is padded. Each sample has its own seeded
+`torch.Generator` (producers/sampling.py), so what it draws does not depend on which other
+sequences share its steps.
 
 Threading: the asyncio task `_serve` owns all queues; the math of a step (forward, sampling,
 bookkeeping of the running sequences) runs on one worker thread while the event loop keeps
@@ -39,6 +40,8 @@ from bus.blobs import BlobBackend
 from bus.events import BlobRef
 from producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
 from producers.sampling import Sampler, Uniforms
+from runtime.model.cached_forward import forward_cached
+from runtime.model.kvcache import new_cache
 from runtime.model.model import MoEModel
 from runtime.model.weights import load_state_dict_bytes
 
@@ -93,7 +96,7 @@ class BuiltinEngine(Engine):
         self.blobs = blobs  # where BlobRef weights are fetched from
         self.device = next(model.parameters()).device
         self._routing_dtype = routing_dtype(model.config.num_experts)
-        self._cache = model.new_cache(max_batch, self.max_seq_len)
+        self._cache = new_cache(model, max_batch, self.max_seq_len)
         # The step thread's own torch thread count: an OpenMP team driven from a non-main thread was
         # 2x slower per decode step here at 2 threads than at 1 (tiny MoE, 2 cores); raise it for
         # models whose matmuls are big enough to split.
@@ -281,9 +284,9 @@ class BuiltinEngine(Engine):
             slots += [seq.slot] * n
             positions += range(seq.position, seq.position + n)
             last.append(len(ids) - 1)
-        out = self.model.forward_cached(
-            torch.tensor(ids, device=dev), torch.tensor(slots, device=dev), torch.tensor(positions, device=dev),
-            self._cache, return_routing=True)
+        out = forward_cached(
+            self.model, torch.tensor(ids, device=dev), torch.tensor(slots, device=dev),
+            torch.tensor(positions, device=dev), self._cache, return_routing=True)
         # Decode steps that cannot end a sequence by length: each adds one token and one position.
         params = [seq.request.params for seq in seqs]
         after = [(len(s.tokens) + 1, s.position + len(s.pending)) for s in seqs]
@@ -298,7 +301,7 @@ class BuiltinEngine(Engine):
         for _ in range(room):
             if stopped or self._interrupted():
                 break
-            step = self.model.forward_cached(tokens_B, slot_B, pos_B, self._cache, return_routing=True)
+            step = forward_cached(self.model, tokens_B, slot_B, pos_B, self._cache, return_routing=True)
             tokens_B, logprobs_B, stopped = sample(step.logits)
             tokens.append(tokens_B)
             logprobs.append(logprobs_B)

@@ -46,8 +46,8 @@ import numpy as np
 from bus.blob_backends.file import BlobStore
 from bus.events import BlobRef
 from producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
+from runtime.launch.vllm_args import DTYPE, WORKER_EXTENSION, cpu_env, quantization, router_replay_unsupported
 from runtime.model.config import MoEConfig
-from runtime.vllm_args import DTYPE, WORKER_EXTENSION, cpu_env, quantization, router_replay_unsupported
 
 try:
     import vllm

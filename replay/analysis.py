@@ -38,7 +38,7 @@ from runtime.batch import Batch, build_batch
 from runtime.config import Config
 from runtime.groups import GroupLookup
 from runtime.distributed import LOCAL
-from runtime.launch import load_run_config
+from runtime.launch.supervisor import load_run_config
 from runtime.mismatch_split import WeightHistory, WeightsOf, sampler_logprobs, split_metrics
 from runtime.model.determinism import set_determinism
 from runtime.model.model import MoEModel

@@ -3,7 +3,7 @@
 `step` (and `range --recompute`) exit 1 when a step did not reproduce bitwise, with the reason on
 stderr, and `bisect` when the metric never crosses the threshold (like grep finding nothing);
 errors that stop the replay (a step not in the log, a damaged record, a catch-up step that does
-not reproduce) are ReelErrors, one line on stderr and exit 2 (runtime/cli.py).
+not reproduce) are ReelErrors, one line on stderr and exit 2 (runtime/launch/cli.py).
 
 Steps re-execute on the world size they were trained on: for a run of N trainer ranks this command
 starts itself again as N ranks under torchrun (rank 0 prints); `--ranks R` picks another world
@@ -31,7 +31,7 @@ from replay.bisect import bisect, locate
 from replay.compare import compare
 from replay.console import print_view
 from runtime import distributed
-from runtime.launch import load_run_config
+from runtime.launch.supervisor import load_run_config
 from runtime.reexecute import newest_checkpoint
 from runtime.trainer_group import TrainerGroup, run_as_group
 

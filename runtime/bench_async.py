@@ -23,7 +23,7 @@ from bus.jsonout import print_json
 from bus.log import RunLog
 from runtime import config as config_mod
 from runtime.config import Config
-from runtime.launch import Supervisor, bus_for, prepare_run_dir
+from runtime.launch.supervisor import Supervisor, bus_for, prepare_run_dir
 
 # The agentic shape: mostly 3..6-character answers, 20% of prompts answering with max_tokens.
 WORKLOAD = {

@@ -21,7 +21,7 @@ from bus.errors import ReelError
 from bus.events import Trajectory, WeightsPublished
 from bus.log import RunLog
 from runtime.initial_policy import load_initial_model
-from runtime.launch import load_run_config
+from runtime.launch.supervisor import load_run_config
 from runtime.model.model import MoEModel
 from runtime.model.weights import load_state_dict_bytes
 

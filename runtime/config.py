@@ -6,19 +6,20 @@ expected, e.g. "trainer.batch_groups = 64 exceeds ...; lower it or raise rollout
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import importlib
 import os
 import re
+import shlex
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
 import msgspec
 import tomli_w
 
 from bus.errors import ReelError
+from runtime.config_keys import name_key
 
 Precision = Literal["fp32", "bf16", "fp8"]
 Objective = Literal["tis", "icepop", "mis", "none"]
@@ -101,7 +102,7 @@ class EngineSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     kv_connector: str = ""  # NixlConnector | MooncakeConnector | OffloadingConnector | MooncakeStoreConnector
     kv_offload_cpu_gib: float = 0.0
     kv_offload_disk_dir: str = ""
-    # Added for `reel launch slurm` (runtime/vllm_args.py checks them with the keys above):
+    # Added for `reel launch slurm` (checked with the keys above, by _validate_engine):
     eplb: bool = False  # --enable-eplb: rebalance experts across expert-parallel ranks
     mooncake_protocol: Literal["rdma", "tcp"] = "rdma"  # MooncakeStoreConnector transport
     serve_args: str = ""  # more `vllm serve` arguments, as shell words ("--gpu-memory-utilization 0.9")
@@ -109,6 +110,15 @@ class EngineSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # the rollout workers reach over HTTP (its log in roles/vllm.log); "inprocess" = vLLM's AsyncLLM inside
     # each rollout worker. Slurm jobs always run `vllm serve` pools.
     vllm_server: Literal["local", "inprocess"] = "local"
+
+
+# KV connectors of `vllm serve` (engine.kv_connector); the first two join a prefill and a decode pool.
+PD_CONNECTORS = ("NixlConnector", "MooncakeConnector")
+CONNECTORS = (*PD_CONNECTORS, "OffloadingConnector", "MooncakeStoreConnector")
+# Keys that only `vllm serve` reads: set with the built-in engine they would silently do nothing.
+VLLM_ONLY_KEYS = ("tensor_parallel_size", "data_parallel_size", "expert_parallel", "eplb",
+                  "pd_disaggregation", "prefill_nodes", "decode_nodes", "kv_connector",
+                  "kv_offload_cpu_gib", "kv_offload_disk_dir", "mooncake_protocol", "serve_args", "vllm_server")
 
 
 class RolloutSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -202,7 +212,7 @@ def from_dict(raw: dict, source: str = "config") -> Config:
     try:
         config = msgspec.convert(raw, Config, strict=True)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {_name_key(str(exc))}") from exc
+        raise ConfigError(f"{source}: {name_key(str(exc), Config)}") from exc
     try:
         validate(config)
     except ConfigError as exc:
@@ -217,53 +227,6 @@ def load(path: str | Path) -> Config:
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
     return loads(text, source=str(path))
-
-
-def _name_key(message: str) -> str:
-    """Turn msgspec's `... - at `$.trainer.lr`` into a message that starts with the key."""
-    match = re.search(r"- at `\$\.([^`]+)`", message)
-    what = message.split(" - at ")[0]
-    where = match.group(1) if match else ""
-    if "Object contains unknown field" in message:
-        field = re.search(r"unknown field `([^`]+)`", message)
-        unknown = field.group(1) if field else "?"
-        key = f"{where}.{unknown}" if where else unknown
-        return f"unknown key {key}; {_suggest(where, unknown)}"
-    if match:
-        kind = _field_type(where)
-        if get_origin(kind) is Literal:
-            choices = get_args(kind)
-            return f"{where}: {what[0].lower()}{what[1:]}; use one of {', '.join(map(repr, choices))}"
-        return f"{where}: {what[0].lower()}{what[1:]}"
-    return what
-
-
-def _keys(struct: type) -> dict[str, object]:
-    """TOML key -> type of a config Struct's fields."""
-    return {f.encode_name: f.type for f in msgspec.structs.fields(struct)}
-
-
-def _field_type(dotted: str) -> object:
-    """The type of a config key such as `trainer.precision` (None if there is no such key)."""
-    kind: object = Config
-    for part in dotted.split("."):
-        if not (isinstance(kind, type) and issubclass(kind, msgspec.Struct)):
-            return None
-        kind = _keys(kind).get(part)
-    return kind
-
-
-def _suggest(section: str, unknown: str) -> str:
-    """"did you mean trainer.lr?" from the keys of the same section, else the same key in another."""
-    kind = _field_type(section) if section else Config
-    close = difflib.get_close_matches(unknown, list(_keys(kind)), n=1, cutoff=0.6)
-    if close:
-        return f"did you mean {section + '.' if section else ''}{close[0]}?"
-    if section:
-        elsewhere = [f"{name}.{unknown}" for name, sub in _keys(Config).items() if unknown in _keys(sub)]
-        if elsewhere:
-            return f"did you mean {elsewhere[0]}?"
-    return "remove it or check its spelling"
 
 
 def _require(ok: bool, message: str) -> None:
@@ -341,9 +304,56 @@ def validate(c: Config) -> None:
              'use blobs.backend = "file"')
     _require(b.mooncake_segment_bytes > 0 and b.mooncake_buffer_bytes > 0,
              "blobs.mooncake_segment_bytes and blobs.mooncake_buffer_bytes must be > 0")
-    from runtime.vllm_args import validate_engine  # here: vllm_args imports this module
+    _validate_engine(c)
 
-    validate_engine(c)
+
+def _validate_engine(c: Config) -> None:
+    """Refuse engine settings vLLM would reject or that contradict each other."""
+    e = c.engine
+    if e.kind == "builtin":
+        default = EngineSection()
+        for key in VLLM_ONLY_KEYS:
+            _require(getattr(e, key) == getattr(default, key),
+                     f"engine.{key} is read only by vLLM; set engine.kind = \"vllm\" or remove engine.{key}")
+        return
+    for key in ("tensor_parallel_size", "data_parallel_size", "prefill_nodes", "decode_nodes"):
+        _require(getattr(e, key) >= 1, f"engine.{key} = {getattr(e, key)} must be at least 1")
+    _require(e.kv_connector in ("", *CONNECTORS),
+             f"engine.kv_connector = {e.kv_connector!r} is unknown; use one of {', '.join(CONNECTORS)} (or \"\")")
+    _require(not (e.expert_parallel and e.tensor_parallel_size * e.data_parallel_size == 1),
+             "engine.expert_parallel = true needs more than one GPU per deployment; raise "
+             "engine.data_parallel_size (or engine.tensor_parallel_size), or set expert_parallel = false")
+    _require(not (e.eplb and not e.expert_parallel),
+             "engine.eplb = true balances experts across expert-parallel ranks; set engine.expert_parallel = true")
+    if e.pd_disaggregation:
+        _require(e.kv_connector in PD_CONNECTORS,
+                 f"engine.pd_disaggregation = true needs a connector that moves KV from prefill to decode: set "
+                 f"engine.kv_connector = \"NixlConnector\" or \"MooncakeConnector\" (it is {e.kv_connector!r})")
+        _require(not c.trainer.router_replay,
+                 f"trainer.router_replay = true cannot run with engine.pd_disaggregation = true and "
+                 f"engine.kv_connector = \"{e.kv_connector}\": vLLM's routed-expert capture rejects P/D "
+                 f"connectors; set trainer.router_replay = false or engine.pd_disaggregation = false")
+    else:
+        _require(e.kv_connector not in PD_CONNECTORS,
+                 f"engine.kv_connector = \"{e.kv_connector}\" joins prefill and decode pools; set "
+                 f"engine.pd_disaggregation = true, or use OffloadingConnector or MooncakeStoreConnector")
+    _require(e.kv_offload_cpu_gib >= 0, f"engine.kv_offload_cpu_gib = {e.kv_offload_cpu_gib} must be >= 0")
+    if e.kv_connector in ("OffloadingConnector", "MooncakeStoreConnector"):
+        _require(e.kv_offload_cpu_gib > 0,
+                 f"engine.kv_connector = \"{e.kv_connector}\" needs engine.kv_offload_cpu_gib > 0 "
+                 f"(the CPU memory each node gives the KV tier)")
+    _require(bool(e.kv_connector) or e.kv_offload_cpu_gib == 0,
+             "engine.kv_offload_cpu_gib is set but no KV connector uses it; set "
+             "engine.kv_connector = \"OffloadingConnector\" (or MooncakeStoreConnector)")
+    _require(not e.kv_offload_disk_dir or e.kv_connector in (*PD_CONNECTORS, "OffloadingConnector"),
+             "engine.kv_offload_disk_dir is the OffloadingConnector's disk tier; set engine.kv_connector = "
+             "\"OffloadingConnector\" (or a P/D connector) with engine.kv_offload_cpu_gib > 0")
+    _require(not e.kv_offload_disk_dir or e.kv_offload_cpu_gib > 0,
+             "engine.kv_offload_disk_dir is a tier behind the CPU tier; set engine.kv_offload_cpu_gib > 0")
+    try:
+        shlex.split(e.serve_args)
+    except ValueError as exc:
+        raise ConfigError(f"engine.serve_args = {e.serve_args!r} is not valid shell words: {exc}") from exc
 
 
 def check_model_path(c: Config, text: str) -> None:

@@ -72,7 +72,7 @@ def shutdown(world: World) -> None:
         dist.destroy_process_group()
 
 
-def torchrun_argv(ranks: int, module: str = "runtime.cli") -> list[str]:
+def torchrun_argv(ranks: int, module: str = "runtime.launch.cli") -> list[str]:
     """Python arguments that start `module` (its arguments follow) as `ranks` local processes of one
     torch.distributed group; when any of them fails, torchrun stops the others."""
     # "--": torchrun would otherwise take an argument such as --run for an abbreviated option.

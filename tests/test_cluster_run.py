@@ -18,7 +18,7 @@ from bus.events import StepCommitted, Trajectory, stream_key
 from bus.log import RunLog
 from bus.partitions import lane_key
 from runbuilder import e2e_config
-from runtime.cli import main
+from runtime.launch.cli import main
 
 pytestmark = pytest.mark.slow
 
@@ -80,8 +80,8 @@ def test_a_master_killed_mid_run_and_restarted_loses_nothing(
     run_dir = tmp_path / "run"
     run_name = _spread(redis_cluster, run_name)
     steps = 4
-    argv = [sys.executable, "-m", "runtime.cli", "run", str(_config(tmp_path, run_name, redis_cluster.url, steps)),
-            "--out", str(run_dir), "--no-live"]
+    argv = [sys.executable, "-m", "runtime.launch.cli", "run",
+            str(_config(tmp_path, run_name, redis_cluster.url, steps)), "--out", str(run_dir), "--no-live"]
     env = {k: v for k, v in os.environ.items() if k != CLUSTER_ENV}
     victim = redis_cluster.owner(stream_key(run_name, "steps"))
     launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from runtime import config
-from runtime.cli import main
+from runtime.launch.cli import main
 
 EXAMPLES = sorted(Path(__file__).parent.parent.joinpath("examples").glob("*.toml"))
 

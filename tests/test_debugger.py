@@ -17,7 +17,7 @@ import torch
 
 from replay.analysis import Run
 from replay.bisect import bisect
-from runtime.cli import main as reel
+from runtime.launch.cli import main as reel
 from runbuilder import build_run
 
 pytestmark = pytest.mark.slow

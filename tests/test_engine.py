@@ -246,7 +246,7 @@ def test_vllm_engine_says_how_to_install_vllm(tmp_path, monkeypatch) -> None:
 
 
 def test_bench_engine_quick_prints_one_json_line(capsys: pytest.CaptureFixture) -> None:
-    from runtime import cli
+    from runtime.launch import cli
 
     assert cli.main(["bench", "engine", "--quick"]) == 0
     (line,) = capsys.readouterr().out.splitlines()

@@ -1,9 +1,5 @@
 """Import graph of Reel's packages: no cycles between modules, counting every import (module
 level, inside functions, under TYPE_CHECKING), since each is a dependency a reader must follow.
-
-Two cycles predate this test and are named in issue #21 (the layout part moves these files);
-KNOWN_CYCLES lists them so that any new cycle fails now, and so does a known one that is gone
-(delete its line then).
 """
 
 from __future__ import annotations
@@ -13,10 +9,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
 PACKAGES = ("bus", "producers", "consumers", "runtime", "replay")
-KNOWN_CYCLES = {
-    frozenset({"runtime.config", "runtime.vllm_args"}),  # engine-section validation
-    frozenset({"runtime.model.model", "runtime.model.kvcache", "runtime.model.native"}),  # cached forward
-}
 
 
 def _modules() -> dict[str, Path]:
@@ -81,10 +73,9 @@ def cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
     return found
 
 
-def test_no_import_cycles_beyond_the_known_ones():
+def test_no_import_cycles():
     found = cycles(import_graph())
-    assert not found - KNOWN_CYCLES, f"new import cycles: {[sorted(c) for c in found - KNOWN_CYCLES]}"
-    assert not KNOWN_CYCLES - found, f"cycles gone, delete them from KNOWN_CYCLES: {[sorted(c) for c in KNOWN_CYCLES - found]}"
+    assert not found, f"import cycles: {sorted(sorted(c) for c in found)}"
 
 
 def test_cycle_finder_finds_a_cycle():

@@ -13,7 +13,7 @@ import pytest
 from bus.events import Sample, Tensor, Trajectory, WorkerStats, encode
 from bus.log import INDEX_EVERY, LogCorrupted, LogError, RunLog, StreamLog
 from bus.logformat import Appender
-from runtime import cli
+from runtime.launch import cli
 
 
 def _event(seq: int, producer: str = "rollout:0") -> bytes:

@@ -25,8 +25,8 @@ from bus.streams import DEAD, GroupConsumer, Publisher, connect
 from consumers.aggregates import RunAggregates
 from consumers.metric_views import SnapshotCollector
 from consumers.metrics import MetricsError, RunSource, Watcher, locate, read_log, serve
-from runtime import cli
-from runtime.launch import announce_finished
+from runtime.launch import cli
+from runtime.launch.supervisor import announce_finished
 
 _seq = itertools.count()
 

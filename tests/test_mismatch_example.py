@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from runtime import config as config_mod
-from runtime.cli import main as reel
+from runtime.launch.cli import main as reel
 
 pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).parent.parent / "examples" / "moe_mismatch.toml"

@@ -8,8 +8,10 @@ from safetensors.torch import save as st_save
 
 from runtime import cbuild
 from runtime.model import native, weights
+from runtime.model.cached_forward import forward_cached
 from runtime.model.config import ModelError, MoEConfig
 from runtime.model.determinism import set_determinism
+from runtime.model.kvcache import new_cache
 from runtime.model.model import MoEModel
 
 torch.set_num_threads(2)
@@ -55,12 +57,12 @@ def test_kv_cache_decode_matches_full_forward_token_by_token(kernels: str):
     seqs = [_ids(n, seed=10 + i) for i, n in enumerate(lengths)]
     with torch.no_grad():
         full = [model(s[None], return_routing=True) for s in seqs]
-    cache = model.new_cache(slots=4, max_len=16)
+    cache = new_cache(model, slots=4, max_len=16)
     slot_of = [2, 0, 3]  # slots need not follow sequence order
     for p in range(max(lengths)):  # one batched call per step; finished sequences drop out
         live = [i for i, n in enumerate(lengths) if p < n]
-        out = model.forward_cached(torch.stack([seqs[i][p] for i in live]), torch.tensor([slot_of[i] for i in live]),
-                                   torch.full((len(live),), p), cache, return_routing=True)
+        out = forward_cached(model, torch.stack([seqs[i][p] for i in live]), torch.tensor([slot_of[i] for i in live]),
+                             torch.full((len(live),), p), cache, return_routing=True)
         for row, i in enumerate(live):
             torch.testing.assert_close(out.logits[row], full[i].logits[0, p], atol=1e-5, rtol=1e-5)
             assert torch.equal(out.routing[row], full[i].routing[0, p])
@@ -71,15 +73,15 @@ def test_mixed_prefill_chunks_and_decode_in_one_call(kernels: str):
     a, b, c = _ids(8, seed=3), _ids(7, seed=4), _ids(5, seed=5)
     with torch.no_grad():
         want = [model(s[None]).logits[0] for s in (a, b, c)]
-    cache = model.new_cache(slots=3, max_len=8)
+    cache = new_cache(model, slots=3, max_len=8)
     # call 1: prefill a[:5] (slot 0) and b[:3] (slot 1)
-    model.forward_cached(torch.cat([a[:5], b[:3]]), torch.tensor([0] * 5 + [1] * 3),
-                         torch.tensor([*range(5), *range(3)]), cache)
+    forward_cached(model, torch.cat([a[:5], b[:3]]), torch.tensor([0] * 5 + [1] * 3),
+                   torch.tensor([*range(5), *range(3)]), cache)
     # call 2: decode a[5], prefill chunk b[3:7], whole prompt c (slot 2), in one batch
     ids_N = torch.cat([a[5:6], b[3:7], c])
     slots_N = torch.tensor([0] + [1] * 4 + [2] * 5)
     pos_N = torch.tensor([5, 3, 4, 5, 6, *range(5)])
-    out = model.forward_cached(ids_N, slots_N, pos_N, cache)
+    out = forward_cached(model, ids_N, slots_N, pos_N, cache)
     torch.testing.assert_close(out.logits[0], want[0][5], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.logits[1:5], want[1][3:7], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.logits[5:], want[2], atol=1e-5, rtol=1e-5)
@@ -88,7 +90,7 @@ def test_mixed_prefill_chunks_and_decode_in_one_call(kernels: str):
 def test_cache_overflow_names_the_position():
     model = _model()
     with pytest.raises(ModelError, match="position 4"):
-        model.forward_cached(_ids(1), torch.tensor([0]), torch.tensor([4]), model.new_cache(1, 4))
+        forward_cached(model, _ids(1), torch.tensor([0]), torch.tensor([4]), new_cache(model, 1, 4))
 
 
 def test_replaying_own_routing_is_a_no_op(kernels: str):
@@ -97,12 +99,12 @@ def test_replaying_own_routing_is_a_no_op(kernels: str):
     out = model(ids_BT, return_routing=True)
     replayed = model(ids_BT, replay_routing_BTLK=out.routing.to(torch.uint8), return_routing=True)
     assert torch.equal(replayed.logits, out.logits) and torch.equal(replayed.routing, out.routing)
-    cache = model.new_cache(1, 9)
-    live = model.forward_cached(ids_BT[0], torch.zeros(9, dtype=torch.long), torch.arange(9), cache,
-                                return_routing=True)
-    cache = model.new_cache(1, 9)
-    again = model.forward_cached(ids_BT[0], torch.zeros(9, dtype=torch.long), torch.arange(9), cache,
-                                 replay_routing_NLK=live.routing)
+    cache = new_cache(model, 1, 9)
+    live = forward_cached(model, ids_BT[0], torch.zeros(9, dtype=torch.long), torch.arange(9), cache,
+                          return_routing=True)
+    cache = new_cache(model, 1, 9)
+    again = forward_cached(model, ids_BT[0], torch.zeros(9, dtype=torch.long), torch.arange(9), cache,
+                           replay_routing_NLK=live.routing)
     assert torch.equal(again.logits, live.logits)
 
 
@@ -218,7 +220,7 @@ def test_without_a_build_the_torch_path_serves(monkeypatch: pytest.MonkeyPatch, 
     try:
         model = _model()
         assert not native.usable(model, _ids(1))
-        out = model.forward_cached(_ids(3), torch.zeros(3, dtype=torch.long), torch.arange(3), model.new_cache(1, 4))
+        out = forward_cached(model, _ids(3), torch.zeros(3, dtype=torch.long), torch.arange(3), new_cache(model, 1, 4))
         with torch.no_grad():
             torch.testing.assert_close(out.logits, model(_ids(3)[None]).logits[0], atol=1e-5, rtol=1e-5)
         assert "did not build" in caplog.text
@@ -229,7 +231,7 @@ def test_without_a_build_the_torch_path_serves(monkeypatch: pytest.MonkeyPatch, 
 @pytest.mark.parametrize("bad", ["token", "slot", "expert"])
 def test_out_of_range_indices_are_refused_not_written(kernels: str, bad: str) -> None:
     model = _model()
-    cache = model.new_cache(2, 8)
+    cache = new_cache(model, 2, 8)
     ids, slots, pos = _ids(3), torch.zeros(3, dtype=torch.long), torch.arange(3)
     replay = torch.zeros(3, len(CFG.moe_layers), CFG.num_experts_per_tok, dtype=torch.long)
     if bad == "token":
@@ -240,6 +242,6 @@ def test_out_of_range_indices_are_refused_not_written(kernels: str, bad: str) ->
         replay[0, 0, 1] = CFG.num_experts
     before = cache.k.clone()
     with pytest.raises((ModelError, IndexError, RuntimeError)):
-        model.forward_cached(ids, slots, pos, cache, replay_routing_NLK=replay)
+        forward_cached(model, ids, slots, pos, cache, replay_routing_NLK=replay)
     if kernels == "C":
         assert torch.equal(cache.k, before)  # refused before anything was written

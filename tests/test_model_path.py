@@ -15,7 +15,7 @@ from bus.blob_backends.file import BlobStore
 from bus.events import Trajectory, WeightsPublished
 from bus.log import RunLog
 from hf_checkpoint import make_checkpoint
-from runtime.cli import main
+from runtime.launch.cli import main
 from runtime.model import state_dict_adapter
 from runtime.model.config import MoEConfig
 from runtime.tokenizer import HFTokenizer

@@ -18,7 +18,7 @@ from bus.blobs import BlobError
 from bus.events import BlobRef, WeightsPublished
 from bus.log import RunLog
 from runbuilder import e2e_config
-from runtime.cli import main
+from runtime.launch.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,7 @@ def test_prometheus_scrapes_every_dashboard_query(tmp_path: Path):
     (config_dir / "targets" / "test.json").write_text(json.dumps([{"targets": [f"127.0.0.1:{port}"]}]))
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
-    exporter = subprocess.Popen([sys.executable, "-m", "runtime.cli", "metrics", "serve", "--run",
+    exporter = subprocess.Popen([sys.executable, "-m", "runtime.launch.cli", "metrics", "serve", "--run",
                                  str(tmp_path / "run"), "--port", str(port)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     prometheus = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",

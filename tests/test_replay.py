@@ -17,7 +17,7 @@ import torch
 
 from bus.log import LogCorrupted, RunLog
 from replay.analysis import Run, StepNotLogged, replay_step
-from runtime.cli import main as reel
+from runtime.launch.cli import main as reel
 from runtime.reexecute import ReplayMismatch
 from runbuilder import build_run
 

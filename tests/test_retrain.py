@@ -10,7 +10,7 @@ import pytest
 
 from bus.events import StepCommitted
 from bus.log import RunLog
-from runtime.cli import main
+from runtime.launch.cli import main
 from runbuilder import build_run
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ STEPS = 8
 
 
 def _reel(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runtime.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "runtime.launch.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

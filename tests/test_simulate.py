@@ -22,7 +22,7 @@ from replay.simulate import Scenario, SimulationError, simulate
 from replay.simulate_report import tv_distance
 from replay.workload import WorkloadError, extract
 from runtime import config as config_mod
-from runtime.cli import main as reel
+from runtime.launch.cli import main as reel
 
 L, N, G, P = 6, 4, 4, 3  # tokens per sample, samples per group, groups per step, prompt tokens
 A, B, X = 0.010, 0.0005, 0.0002  # decode step seconds: A + B · running sequences + X · prefill tokens

@@ -17,7 +17,7 @@ from replay.simulate import Scenario, simulate
 from replay.simulate_report import compare
 from replay.workload import extract
 from runbuilder import TINY_MODEL_TOML
-from runtime.cli import main
+from runtime.launch.cli import main
 
 pytestmark = pytest.mark.slow
 

@@ -18,9 +18,10 @@ import pytest
 import redis
 
 from bus.errors import ReelError
-from runtime import config, slurm, vllm_args
-from runtime.cli import main
+from runtime import config
 from runtime.config import ConfigError
+from runtime.launch import slurm, vllm_args
+from runtime.launch.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "reverse_text.toml"
@@ -293,7 +294,7 @@ def test_status_and_cancel_need_a_submitted_run(tmp_path: Path, capsys: pytest.C
 
 def test_builtin_engine_accepts_no_vllm_keys_but_vllm_keys_have_defaults() -> None:
     default = config.EngineSection()
-    assert all(hasattr(default, key) for key in vllm_args.VLLM_ONLY_KEYS)
+    assert all(hasattr(default, key) for key in config.VLLM_ONLY_KEYS)
     config.loads(EXAMPLE.read_text())
 
 

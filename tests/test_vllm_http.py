@@ -32,9 +32,10 @@ from producers.engine import EngineClosed, EngineError, SamplingParams
 from producers.rollout import make_engine
 from producers.vllm import LOAD_WEIGHTS, ReelWorkerExtension, known_spans
 from producers.vllm_http import GENERATE, VLLMHTTPEngine, generate_body, parse_generate_response
-from runtime import config, vllm_args
+from runtime import config
+from runtime.launch import vllm_args
+from runtime.launch.vllm_args import Pool
 from runtime.model.config import MoEConfig
-from runtime.vllm_args import Pool
 from vllm_peer import K, L, Peer, vllm_response
 
 

@@ -24,11 +24,11 @@ from producers.engine import Completion, EngineError, SamplingParams
 from producers.vllm import VLLMEngine
 from producers.vllm_http import VLLMHTTPEngine
 from runtime import config as config_mod
-from runtime import vllm_args
+from runtime.launch import vllm_args
+from runtime.launch.vllm_serve import local_vllm
 from runtime.model.config import MoEConfig
 from runtime.model.model import MoEModel
 from runtime.model.weights import save, state_dict_bytes
-from runtime.vllm_serve import local_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -230,7 +230,7 @@ def test_the_vllm_example_learns_and_every_step_replays_bitwise(tmp_path, capsys
 
     from bus.events import StepCommitted, Trajectory
     from bus.log import RunLog
-    from runtime.cli import main
+    from runtime.launch.cli import main
 
     example = Path(__file__).resolve().parents[1] / "examples" / "reverse_text_vllm.toml"
     run_dir = tmp_path / "run"

@@ -27,6 +27,6 @@ else
     echo "vLLM is not installed here: routed-expert capture and the vllm tests not run" | tee "$OUT/vllm_tests.log"
 fi
 echo "cores: $(nproc)"
-timeout 120 python3 -m runtime.cli bench bus 2>&1 | tee "$OUT/bench_bus.json"
-timeout 150 python3 -m runtime.cli bench engine 2>&1 | tee "$OUT/bench_engine.json"
-timeout 200 python3 -m runtime.cli bench swap 2>&1 | tee "$OUT/bench_swap.json"
+timeout 120 python3 -m runtime.launch.cli bench bus 2>&1 | tee "$OUT/bench_bus.json"
+timeout 150 python3 -m runtime.launch.cli bench engine 2>&1 | tee "$OUT/bench_engine.json"
+timeout 200 python3 -m runtime.launch.cli bench swap 2>&1 | tee "$OUT/bench_swap.json"

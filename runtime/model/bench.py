@@ -28,8 +28,10 @@ import msgspec
 import torch
 
 from bus.jsonout import print_json
+from runtime.model.cached_forward import forward_cached
 from runtime.model.config import MoEConfig
 from runtime.model.determinism import set_determinism
+from runtime.model.kvcache import new_cache
 from runtime.model.model import MoEModel
 
 BENCH_CONFIG = MoEConfig(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
@@ -47,7 +49,7 @@ def sample(model: MoEModel, prompts_BP: torch.Tensor, new_tokens: int, seed: int
     """
     B, P = prompts_BP.shape
     T = P + new_tokens
-    cache = model.new_cache(B, T)
+    cache = new_cache(model, B, T)
     gen = torch.Generator().manual_seed(seed)
     tokens_BT = torch.zeros(B, T, dtype=torch.long)
     tokens_BT[:, :P] = prompts_BP
@@ -55,8 +57,8 @@ def sample(model: MoEModel, prompts_BP: torch.Tensor, new_tokens: int, seed: int
     logprobs_BG = torch.zeros(B, new_tokens)
     entropy = 0.0
     slots_B = torch.arange(B)
-    out = model.forward_cached(prompts_BP.flatten(), slots_B.repeat_interleave(P), torch.arange(P).repeat(B), cache,
-                               return_routing=True)
+    out = forward_cached(model, prompts_BP.flatten(), slots_B.repeat_interleave(P), torch.arange(P).repeat(B), cache,
+                         return_routing=True)
     routing_BTLK[:, :P] = out.routing.view(B, P, *out.routing.shape[1:])
     logits_BV = out.logits.view(B, P, -1)[:, -1]
     for g in range(new_tokens):
@@ -66,7 +68,7 @@ def sample(model: MoEModel, prompts_BP: torch.Tensor, new_tokens: int, seed: int
         tokens_BT[:, P + g] = next_B
         logprobs_BG[:, g] = logp_BV.gather(1, next_B[:, None]).squeeze(1)
         if g + 1 < new_tokens:
-            out = model.forward_cached(next_B, slots_B, torch.full((B,), P + g), cache, return_routing=True)
+            out = forward_cached(model, next_B, slots_B, torch.full((B,), P + g), cache, return_routing=True)
             routing_BTLK[:, P + g] = out.routing
             logits_BV = out.logits
     return tokens_BT, logprobs_BG, routing_BTLK, entropy

@@ -1,4 +1,4 @@
-/* The KV-cache forward of runtime/model/kvcache.py in one call, fp32, for the CPU.
+/* The KV-cache forward of runtime/model/cached_forward.py in one call, fp32, for the CPU.
  *
  * Same math, same prepared weights, same cache layout as the torch path (kvcache.py says what each
  * tensor holds); what differs is the cost: a decode step of a tiny model is ~170 small torch ops,
@@ -98,7 +98,7 @@ static void dense(const float *x, const float *w, float *y, int64_t N, int64_t i
     matmul((Mat){x, in}, (Mat){w, out}, y, out, N, in, out, accumulate);
 }
 
-/* x / hypot(|x|, eps_scaled) * w_scaled == RMSNorm(x) * w, as kvcache._rms_norm computes it. */
+/* x / hypot(|x|, eps_scaled) * w_scaled == RMSNorm(x) * w, as cached_forward._rms_norm computes it. */
 static void rms_norm(const float *x, const float *w, float eps_scaled, float *y, int64_t n) {
     float ss = 0.0f;
     for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
@@ -106,7 +106,7 @@ static void rms_norm(const float *x, const float *w, float eps_scaled, float *y,
     for (int64_t i = 0; i < n; i++) y[i] = x[i] / denom * w[i];
 }
 
-/* x * cos + roll(x, D/2) * sin, with sin sign-folded (kvcache._rope). */
+/* x * cos + roll(x, D/2) * sin, with sin sign-folded (cached_forward._rope). */
 static void rope(float *x, const float *cos_D, const float *sin_D, int64_t D, float *tmp) {
     memcpy(tmp, x, (size_t)D * sizeof(float));
     for (int64_t i = 0; i < D; i++) x[i] = tmp[i] * cos_D[i] + tmp[(i + D / 2) % D] * sin_D[i];

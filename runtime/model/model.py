@@ -1,14 +1,13 @@
 """Decoder-only MoE transformer with Qwen3-MoE module names (checkpoint keys are module paths).
 
-Two forward paths over the same parameters:
-  forward         padded batches [B, T] (training, scoring); layers see flat tokens [N, H] and get
-                  attention as a callable; routing [B, T, L, K]
-  forward_cached  inference: flat tokens of many sequences, prefill chunks and decode tokens mixed,
-                  against a KVCache indexed by (slot, position); routing [N, L, K]. Written for
-                  small decode steps in kvcache.py; tests hold it to `forward` (1e-5, same routing).
+`forward` takes padded batches [B, T] (training, scoring); layers see flat tokens [N, H] and get
+attention as a callable; routing [B, T, L, K]. The engine's cached forward over the same
+parameters (flat tokens of many sequences against a KV cache, written for small decode steps)
+lives in cached_forward.py and depends on this module, not the other way round; tests hold it to
+`forward` (1e-5, same routing).
 
 Shape legend: B batch, T time, N flat tokens, H hidden, V vocab, h query heads, g kv heads,
-D head dim, S cache slots, P cache positions, L MoE layers, K top-k, E experts.
+D head dim, L MoE layers, K top-k, E experts.
 """
 
 from __future__ import annotations
@@ -20,9 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.model import kvcache
 from runtime.model.config import ModelError, MoEConfig
-from runtime.model.kvcache import KVCache
 from runtime.model.layers import PRECISIONS, Linear, RMSNorm, apply_rope, linear, rope_cos_sin, unquantised
 from runtime.model.moe import DenseMLP, MoE, load_balancing_loss
 
@@ -128,7 +125,8 @@ class MoEModel(nn.Module):
         logits_NV = linear(self.model.norm(x_NH), self.lm_head.weight, unquantised(precision))
         return logits_NV, ids, scores
 
-    def _check_replay(self, replay: torch.Tensor | None, lead: tuple[int, ...], name: str) -> None:
+    def check_replay(self, replay: torch.Tensor | None, lead: tuple[int, ...], name: str) -> None:
+        """Refuse replayed expert ids whose shape is not (*lead, MoE layers, top-k)."""
         want = (*lead, len(self.config.moe_layers), self.config.num_experts_per_tok)
         if replay is not None and tuple(replay.shape) != want:
             raise ModelError(f"{name} has shape {tuple(replay.shape)}, expected {want} (tokens, MoE layers, top-k)")
@@ -138,7 +136,7 @@ class MoEModel(nn.Module):
                 aux_loss: bool = False) -> ModelOutput:
         """Right-padded batch (mask 1 = real token); positions count real tokens from 0."""
         B, T = input_ids_BT.shape
-        self._check_replay(replay_routing_BTLK, (B, T), "replay_routing_BTLK")
+        self.check_replay(replay_routing_BTLK, (B, T), "replay_routing_BTLK")
         device = input_ids_BT.device
         mask_BT = torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask_BT is None \
             else attention_mask_BT.bool()
@@ -155,22 +153,3 @@ class MoEModel(nn.Module):
         if aux_loss and ids:
             aux = torch.stack([load_balancing_loss(s, i, mask_BT.flatten()) for s, i in zip(scores, ids)]).mean()
         return ModelOutput(logits_NV.view(B, T, -1), routing, aux)
-
-    def forward_cached(self, input_ids_N: torch.Tensor, slot_ids_N: torch.Tensor, positions_N: torch.Tensor,
-                       cache: KVCache, *, replay_routing_NLK: torch.Tensor | None = None,
-                       return_routing: bool = False) -> ModelOutput:
-        """Token n (of slot s, at position p) writes its k/v to cache[s, p], then attends to cache[s, :p+1].
-
-        Cost grows with the range of slots the call touches (min to max slot id), not their count.
-        """
-        self._check_replay(replay_routing_NLK, (input_ids_N.shape[0],), "replay_routing_NLK")
-        span = int(positions_N.max()) + 1
-        if span > cache.max_len:
-            raise ModelError(f"position {span - 1} does not fit the KV cache (max_len {cache.max_len})")
-        slot_N, pos_N = (t if t.dtype == torch.long else t.long() for t in (slot_ids_N, positions_N))
-        logits_NV, ids = kvcache.forward_cached(self, input_ids_N, slot_N, pos_N, span, cache, replay_routing_NLK)
-        routing = torch.stack(ids, dim=1) if return_routing and ids else None
-        return ModelOutput(logits_NV, routing, None)
-
-    def new_cache(self, slots: int, max_len: int) -> KVCache:
-        return kvcache.new_cache(self, slots, max_len)

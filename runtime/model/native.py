@@ -2,8 +2,8 @@
 
 A tiny model's decode step is ~170 torch ops whose cost is dispatch, not arithmetic; the C version
 does the same math over the same prepared weights and cache in plain loops (runtime/cbuild.py
-compiles it on first use). Where no compiler works, or REEL_NATIVE=0, kvcache.py keeps its torch
-ops: same results up to fp32 rounding (tests hold both to the full forward).
+compiles it on first use). Where no compiler works, or REEL_NATIVE=0, cached_forward.py keeps its
+torch ops: same results up to fp32 rounding (tests hold both to the full forward).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from runtime import cbuild
 from runtime.model.config import ModelError
 
 if TYPE_CHECKING:
-    from runtime.model.kvcache import KVCache, _Prepared
+    from runtime.model.kvcache import KVCache, PreparedWeights
     from runtime.model.model import MoEModel
 
 __all__ = ["forward_cached", "usable"]
@@ -48,9 +48,9 @@ def usable(model: MoEModel, ids_N: torch.Tensor) -> bool:
 
 
 class _Plan(NamedTuple):
-    """ctypes views of one _Prepared's weights (which keep the memory alive)."""
+    """ctypes views of one PreparedWeights (whose tensors keep the memory alive)."""
 
-    prepared: _Prepared
+    prepared: PreparedWeights
     layers: ctypes.Array
 
 
@@ -65,7 +65,7 @@ def _ptr(t: torch.Tensor | None):
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Plan (not copied with it)
 
 
-def _plan(model: MoEModel, w: _Prepared) -> _Plan:
+def _plan(model: MoEModel, w: PreparedWeights) -> _Plan:
     cached: _Plan | None = _plans.get(model)
     if cached is not None and cached.prepared is w:
         return cached
@@ -79,9 +79,9 @@ def _plan(model: MoEModel, w: _Prepared) -> _Plan:
     return plan
 
 
-def forward_cached(model: MoEModel, w: _Prepared, ids_N: torch.Tensor, slot_N: torch.Tensor, pos_N: torch.Tensor,
+def forward_cached(model: MoEModel, w: PreparedWeights, ids_N: torch.Tensor, slot_N: torch.Tensor, pos_N: torch.Tensor,
                    cache: KVCache, replay_NLK: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """kvcache.forward_cached's result, from one C call."""
+    """cached_forward._forward_torch's result, from one C call."""
     cfg = model.config
     plan = _plan(model, w)
     N, K, moe_layers = ids_N.shape[0], cfg.num_experts_per_tok, sum(lw.router_HE is not None for lw in w.layers)

@@ -18,7 +18,7 @@ With a P/D connector, kv_offload_cpu_gib > 0 adds the OffloadingConnector (a Mul
 Offloaded blocks survive weight updates: Reel salts the prefix cache per policy version.
 
 Router replay needs vLLM's routed-expert capture (--enable-return-routed-experts), which
-rejects P/D connectors, so that combination is refused here, at config load.
+rejects P/D connectors, so that combination is refused at config load (runtime/config.py).
 
 Weight updates reach the servers over HTTP (producers/vllm_http.py): /pause, /collective_rpc into
 Reel's worker extension (--worker-extension-cls), /update_weight_version, /resume; those endpoints
@@ -37,14 +37,7 @@ import shlex
 from pathlib import Path
 from typing import NamedTuple
 
-from runtime.config import Config, ConfigError, EngineSection
-
-PD_CONNECTORS = ("NixlConnector", "MooncakeConnector")
-CONNECTORS = (*PD_CONNECTORS, "OffloadingConnector", "MooncakeStoreConnector")
-# Keys that only `vllm serve` reads: set with the built-in engine they would silently do nothing.
-VLLM_ONLY_KEYS = ("tensor_parallel_size", "data_parallel_size", "expert_parallel", "eplb",
-                  "pd_disaggregation", "prefill_nodes", "decode_nodes", "kv_connector",
-                  "kv_offload_cpu_gib", "kv_offload_disk_dir", "mooncake_protocol", "serve_args", "vllm_server")
+from runtime.config import PD_CONNECTORS, Config, ConfigError
 
 # vLLM pools run on nodes of their own, so their ports are fixed.
 API_PORT = 8000
@@ -96,55 +89,6 @@ def quantization(precision: str, model_dir: str | Path) -> str | None:
 def precision_args(precision: str, model_dir: str | Path) -> list[str]:
     quant = quantization(precision, model_dir)
     return ["--dtype", DTYPE[precision], *(["--quantization", quant] if quant else [])]
-
-
-def validate_engine(c: Config) -> None:
-    """Refuse engine settings vLLM would reject or that contradict each other (from config.validate)."""
-    e = c.engine
-    if e.kind == "builtin":
-        default = EngineSection()
-        for key in VLLM_ONLY_KEYS:
-            _require(getattr(e, key) == getattr(default, key),
-                     f"engine.{key} is read only by vLLM; set engine.kind = \"vllm\" or remove engine.{key}")
-        return
-    for key in ("tensor_parallel_size", "data_parallel_size", "prefill_nodes", "decode_nodes"):
-        _require(getattr(e, key) >= 1, f"engine.{key} = {getattr(e, key)} must be at least 1")
-    _require(e.kv_connector in ("", *CONNECTORS),
-             f"engine.kv_connector = {e.kv_connector!r} is unknown; use one of {', '.join(CONNECTORS)} (or \"\")")
-    _require(not (e.expert_parallel and e.tensor_parallel_size * e.data_parallel_size == 1),
-             "engine.expert_parallel = true needs more than one GPU per deployment; raise "
-             "engine.data_parallel_size (or engine.tensor_parallel_size), or set expert_parallel = false")
-    _require(not (e.eplb and not e.expert_parallel),
-             "engine.eplb = true balances experts across expert-parallel ranks; set engine.expert_parallel = true")
-    if e.pd_disaggregation:
-        _require(e.kv_connector in PD_CONNECTORS,
-                 f"engine.pd_disaggregation = true needs a connector that moves KV from prefill to decode: set "
-                 f"engine.kv_connector = \"NixlConnector\" or \"MooncakeConnector\" (it is {e.kv_connector!r})")
-        _require(not c.trainer.router_replay,
-                 f"trainer.router_replay = true cannot run with engine.pd_disaggregation = true and "
-                 f"engine.kv_connector = \"{e.kv_connector}\": vLLM's routed-expert capture rejects P/D "
-                 f"connectors; set trainer.router_replay = false or engine.pd_disaggregation = false")
-    else:
-        _require(e.kv_connector not in PD_CONNECTORS,
-                 f"engine.kv_connector = \"{e.kv_connector}\" joins prefill and decode pools; set "
-                 f"engine.pd_disaggregation = true, or use OffloadingConnector or MooncakeStoreConnector")
-    _require(e.kv_offload_cpu_gib >= 0, f"engine.kv_offload_cpu_gib = {e.kv_offload_cpu_gib} must be >= 0")
-    if e.kv_connector in ("OffloadingConnector", "MooncakeStoreConnector"):
-        _require(e.kv_offload_cpu_gib > 0,
-                 f"engine.kv_connector = \"{e.kv_connector}\" needs engine.kv_offload_cpu_gib > 0 "
-                 f"(the CPU memory each node gives the KV tier)")
-    _require(bool(e.kv_connector) or e.kv_offload_cpu_gib == 0,
-             "engine.kv_offload_cpu_gib is set but no KV connector uses it; set "
-             "engine.kv_connector = \"OffloadingConnector\" (or MooncakeStoreConnector)")
-    _require(not e.kv_offload_disk_dir or e.kv_connector in (*PD_CONNECTORS, "OffloadingConnector"),
-             "engine.kv_offload_disk_dir is the OffloadingConnector's disk tier; set engine.kv_connector = "
-             "\"OffloadingConnector\" (or a P/D connector) with engine.kv_offload_cpu_gib > 0")
-    _require(not e.kv_offload_disk_dir or e.kv_offload_cpu_gib > 0,
-             "engine.kv_offload_disk_dir is a tier behind the CPU tier; set engine.kv_offload_cpu_gib > 0")
-    try:
-        shlex.split(e.serve_args)
-    except ValueError as exc:
-        raise ConfigError(f"engine.serve_args = {e.serve_args!r} is not valid shell words: {exc}") from exc
 
 
 def pools(c: Config, rollout_nodes: int) -> list[Pool]:
@@ -219,7 +163,7 @@ def local_serve_argv(c: Config, vllm: str, model_dir: Path, port: int) -> list[s
 
 def local_serve_env(c: Config) -> dict[str, str]:
     # vLLM's workers import Reel's worker extension (producers.vllm) from wherever this Reel is.
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENGINE_READY_TIMEOUT_S": "3600",
            "OMP_NUM_THREADS": str(c.engine.threads), "PYTHONPATH": path}

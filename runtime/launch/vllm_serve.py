@@ -1,8 +1,8 @@
 """A `vllm serve` on this machine for one model directory: started, health-checked, stopped.
 
 What benchmarks and tests use to talk to a real vLLM, with the command line and environment a run's
-local server gets (runtime/vllm_args.py); `reel run` itself supervises its server as a role
-(runtime/launch.py), so a server that dies stops the run.
+local server gets (runtime/launch/vllm_args.py); `reel run` itself supervises its server as a role
+(runtime/launch/supervisor.py), so a server that dies stops the run.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bus.errors import ReelError
-from runtime import vllm_args
 from runtime.config import Config
+from runtime.launch import vllm_args
 
 STARTUP_TIMEOUT_S = 900.0  # imports and model load: ~1 minute on an idle CPU machine, many on a busy one
 STOP_TIMEOUT_S = 30.0
@@ -34,7 +34,7 @@ class VLLMServeError(ReelError):
 def local_vllm(config: Config, model_dir: Path, log_path: Path, *,
                startup_timeout_s: float = STARTUP_TIMEOUT_S) -> Iterator[str]:
     """The URL of a healthy `vllm serve` on `model_dir` (its output in `log_path`), stopped on exit."""
-    from runtime.launch import beside_python, free_port
+    from runtime.launch.supervisor import beside_python, free_port
 
     port = free_port()
     argv = vllm_args.local_serve_argv(config, beside_python("vllm"), model_dir, port)

@@ -5,7 +5,7 @@ submits it (with --dry-run it prints the script and touches nothing). One het gr
     0 control    Redis (ops/redis/redis.conf), the archiver, the metrics exporter; with vLLM also
                  the rollout workers (HTTP clients), the P/D router and the Mooncake master
     1.. rollout  built-in engine: the rollout workers; vLLM: one pool (`rollout`) or two
-                 (`prefill`, `decode`) of `vllm serve` nodes (runtime/vllm_args.py)
+                 (`prefill`, `decode`) of `vllm serve` nodes (runtime/launch/vllm_args.py)
     last trainer one torchrun over its nodes = ONE logical trainer (`reel role trainer`): rank 0
                  alone talks to the bus (one producer id, one consumer), the other ranks follow
                  it (runtime/trainer_group.py); ranks = nodes x (GPUs per node, or
@@ -31,12 +31,12 @@ from typing import NamedTuple
 
 from bus.errors import ReelError
 from runtime import config as config_mod
-from runtime import vllm_args
 from runtime.config import Config, ConfigError
-from runtime.launch import beside_python
-from runtime.vllm_args import Expand, Pool
+from runtime.launch import vllm_args
+from runtime.launch.supervisor import beside_python
+from runtime.launch.vllm_args import Expand, Pool
 
-OPS = Path(__file__).resolve().parents[1] / "ops"
+OPS = Path(__file__).resolve().parents[2] / "ops"
 TEMPLATE = OPS / "slurm" / "reel.sbatch"
 REDIS_CONF = OPS / "redis" / "redis.conf"
 SAFE_PATH = re.compile(r"[A-Za-z0-9_./+-]+")  # run directories go unquoted into #SBATCH lines
@@ -77,7 +77,7 @@ def main_submit(args: argparse.Namespace) -> int:
         print(script, end="")
         return 0
     _which("sbatch")
-    from runtime.launch import prepare_run_dir  # the run directory layout is the local launcher's
+    from runtime.launch.supervisor import prepare_run_dir  # the run directory layout is the local launcher's
 
     prepare_run_dir(run_dir, Path(args.config).read_text(), config, resume=False)
     try:
@@ -377,7 +377,7 @@ def _pool_summary(c: Config, pool: Pool) -> str:
         backend = vllm_args.ALL2ALL.get(pool.role)
         parts.append("expert parallel" + (f" ({backend})" if backend else ""))
     if e.kv_connector:
-        parts.append(e.kv_connector + (" + CPU offload" if e.kv_connector in vllm_args.PD_CONNECTORS
+        parts.append(e.kv_connector + (" + CPU offload" if e.kv_connector in config_mod.PD_CONNECTORS
                                        and e.kv_offload_cpu_gib else ""))
     return ", ".join(parts)
 

@@ -37,11 +37,11 @@ from pathlib import Path
 
 from bus.errors import ReelError
 from runtime import config as config_mod
-from runtime import vllm_args
 from runtime.blob_store import mooncake_for
 from runtime.config import Config
 from runtime.distributed import torchrun_argv
-from runtime.progress import Progress
+from runtime.launch import vllm_args
+from runtime.launch.progress import Progress
 
 # Roles are reached by name (runtime/ never imports producers/ or consumers/ directly).
 ROLE_ENTRY = {
@@ -138,7 +138,7 @@ def bus_for(run_dir: Path, config: Config) -> Iterator[str]:
     """The run's bus URL; starts (and finally stops) the embedded Redis when bus.url is empty."""
     url_file = run_dir / "bus_url"
     if config.bus.url:
-        from runtime.bus_access import bus_url
+        from runtime.launch.bus_access import bus_url
 
         url = bus_url(config)
         _write_private(url_file, url)  # it holds the password
@@ -278,7 +278,7 @@ class Supervisor:
     def _start(self, name: str, role: str, *extra: str, threads: int = 1, env: dict[str, str] | None = None,
                ranks: int = 1) -> None:
         args = ["role", role, "--run", str(self.run_dir), *extra]
-        python = torchrun_argv(ranks) if ranks > 1 else ["-m", "runtime.cli"]
+        python = torchrun_argv(ranks) if ranks > 1 else ["-m", "runtime.launch.cli"]
         # The bus URL (maybe with a password) goes by environment: argv is public to `ps`.
         env = {"REEL_BUS_URL": self.url, **(self.trainer_env if role == "trainer" else {}), **(env or {})}
         self.roles[name] = RoleProcess(name, [sys.executable, *python, *args], self.run_dir / "roles" / f"{name}.log",

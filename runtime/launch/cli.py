@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--out", default=None, help="run directory (default: <run.out_dir>/<run.name>)")
     run.add_argument("--resume", action="store_true", help="continue a stopped run from its log")
     run.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live view")
-    run.set_defaults(handler="runtime.launch:main_run")
+    run.set_defaults(handler="runtime.launch.supervisor:main_run")
 
     role = _command(sub, "role", "start one role of a run (multi-node use)",
                     "reel role trainer --run /shared/runs/r1 --bus redis://head:6379",
@@ -83,14 +83,14 @@ def _parser() -> argparse.ArgumentParser:
     role.add_argument("--worker", type=int, default=0, help="rollout worker index")
     role.add_argument("--bus", default=None, help="Redis URL (default: REEL_BUS_URL, else the run dir's bus_url); "
                       "argv is visible to every user, so pass a URL with a password through REEL_BUS_URL")
-    role.set_defaults(handler="runtime.launch:main_role")
+    role.set_defaults(handler="runtime.launch.supervisor:main_role")
 
     config = _command(sub, "config", "inspect a config", "reel config show examples/reverse_text.toml")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="COMMAND")
     show = _command(config_sub, "show", "print the resolved config with defaults, as TOML",
                     "reel config show examples/reverse_text.toml > resolved.toml")
     show.add_argument("config", help="TOML config file")
-    show.set_defaults(handler="runtime.cli:config_show")
+    show.set_defaults(handler="runtime.launch.cli:config_show")
 
     log = _command(sub, "log", "inspect a run's on-disk event log", "reel log verify --run runs/reverse_text")
     log_sub = log.add_subparsers(dest="log_command", required=True, metavar="COMMAND")
@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="bus only: the pipeline on a local 3-master Redis Cluster with 1 and P partitions")
     bench.add_argument("--from-run", default=None, metavar="DIR",
                        help="r3, fp8: measure on a run's latest weights and prompts (default: random weights)")
-    bench.set_defaults(handler="runtime.cli:run_bench")
+    bench.set_defaults(handler="runtime.launch.cli:run_bench")
 
     replay = _command(sub, "replay", "re-execute and analyse logged training steps",
                       "reel replay step 3 --run runs/reverse_text", "reel replay range 1..10 --run runs/reverse_text")
@@ -250,11 +250,11 @@ def _parser() -> argparse.ArgumentParser:
     slurm.add_argument("--rollout-nodes", type=int, default=1, help="nodes of the rollout component")
     slurm.add_argument("--trainer-nodes", type=int, default=1, help="nodes of the trainer component")
     slurm.add_argument("--gpus-per-node", type=int, default=0, help="GPUs requested per node (0 = CPU only)")
-    slurm.set_defaults(handler="runtime.slurm:main_submit")
+    slurm.set_defaults(handler="runtime.launch.slurm:main_submit")
     for verb in ("status", "cancel"):
         v = _command(launch_sub, verb, f"{verb} a submitted run", f"reel launch {verb} --run runs/reverse_text")
         v.add_argument("--run", required=True, dest="run_dir", help="run directory the job was submitted with")
-        v.set_defaults(handler=f"runtime.slurm:main_{verb}")
+        v.set_defaults(handler=f"runtime.launch.slurm:main_{verb}")
     return p
 
 

@@ -1,0 +1,14 @@
+"""How a run starts: the `reel` command line and the processes it starts.
+
+    cli.py          `reel`: parse arguments, hand over to the module that does the work
+    supervisor.py   `reel run` / `reel role`: the run directory, one process per role, all stop when one fails
+    progress.py     the supervisor's progress view
+    bus_access.py   how the processes reach an external Redis (ACL user, password, TLS files)
+    slurm.py        `reel launch slurm|status|cancel`: a whole run as one Slurm heterogeneous job
+    vllm_args.py    `vllm serve` command lines for a run
+    vllm_serve.py   a local `vllm serve` for one model directory (benches, tests)
+
+What a training step computes lives beside this package in runtime/ (model/, loss, batch,
+train_step, checkpoint, reexecute); the run schema both sides read is runtime/config.py.
+Roles are reached by name ("consumers.trainer:main"): runtime/ never imports producers/ or consumers/.
+"""
