@@ -5,6 +5,11 @@
                     X the prompt tokens of sequences joining in it (they join between steps). The async gate of producers/rollout.py decides
                     when a group may start: round r(g) = c0 + g // R may start while r(g) - c <= a,
                     c = the newest version both committed and live in this worker's engine.
+    episodes        a multi-turn sample (producers/episode.py) is one engine request per model turn:
+                    when a turn ends, the env's tokens are appended and the whole conversation so far
+                    (prompt, earlier turns) is the next request's prompt, queued for a KV slot behind
+                    the sequences already waiting and prefilled when it joins (the built-in engine
+                    shares no prefix between requests). The group is done when every episode is.
     weight swap     after a commit each worker loads the new weights at its next step boundary;
                     decoding pauses for swap_s. Tokens carry the version that sampled them.
     Redis           one thread: a finished group's two events (Trajectory, RoutingTrace) occupy it
@@ -79,9 +84,30 @@ class _Group:
 
 @dataclass
 class _Sequence:
+    """One sample: the engine request of its current model turn, then the next turns'."""
+
     group: _Group
-    left: int  # tokens still to sample
-    prefill: int  # prompt tokens fed with its first step beyond the one sampled from
+    turns: list[int]  # token counts: model turn, env turn, model turn, ... (GroupShape.samples)
+    context: int  # tokens the current turn's request starts from: the prompt, then the turns before it
+    turn: int = 0  # index in `turns` of the model turn being sampled
+    left: int = 0  # tokens still to sample in it
+
+    def __post_init__(self) -> None:
+        self.left = max(1, self.turns[0])
+
+    @property
+    def prefill(self) -> int:
+        """Prompt tokens fed with the request's first step beyond the one sampled from."""
+        return max(0, self.context - 1)
+
+    def next_turn(self) -> bool:
+        """After a model turn: append the env's turn and start the next model turn, if there is one."""
+        if self.turn + 1 >= len(self.turns):
+            return False
+        self.context += self.turns[self.turn] + self.turns[self.turn + 1]
+        self.turn += 2
+        self.left = max(1, self.turns[self.turn])
+        return True
 
 
 @dataclass
@@ -181,8 +207,8 @@ class _Simulation:
         """Start every group the gate allows, then keep the engine going."""
         while self._may_start(worker):
             shape = self.workload.groups[int(self.rng.integers(len(self.workload.groups)))]
-            group = _Group(len(shape.completions))
-            worker.waiting.extend(_Sequence(group, max(1, n), max(0, shape.prompt - 1)) for n in shape.completions)
+            group = _Group(len(shape.samples))
+            worker.waiting.extend(_Sequence(group, turns, shape.prompt) for turns in shape.samples)
             worker.started += 1
             worker.in_flight += 1
             if worker.idle_since is not None:
@@ -221,6 +247,9 @@ class _Simulation:
             seq.left -= 1
             if seq.left > 0:
                 still.append(seq)
+                continue
+            if seq.next_turn():
+                worker.waiting.append(seq)
                 continue
             seq.group.samples -= 1
             if seq.group.samples == 0:

@@ -69,7 +69,7 @@ def view(workload: Workload, rows: list[Row]) -> Group:
                    f"tokens ({d.intervals} intervals); trainer compute "
                    f"{1e3 * t.base_s:.0f} ms + {1e6 * t.per_token_s:.1f} µs x tokens, publish "
                    f"{1e3 * t.publish_s:.0f} ms; swap {1e3 * workload.swap_s:.0f} ms{shared}; "
-                   f"{len(workload.groups)} logged groups")
+                   f"{len(workload.groups)} logged groups{_episodes(workload)}")
     table = Table(title=calibration, title_justify="left")
     for column in ("scenario", "", "steps/h", "wall s", "trainer idle", "rollout idle", "staleness mean",
                    "staleness shares", "dropped", "redis busy", "bottleneck"):
@@ -89,6 +89,14 @@ def view(workload: Workload, rows: list[Row]) -> Group:
                       "-" if c.rollout_idle_error is None else f"{c.rollout_idle_error:+.1%}", "",
                       f"TV {c.staleness_tv:.3f}", "", "", "", end_section=True)
     return Group(table)
+
+
+def _episodes(workload: Workload) -> str:
+    """Model turns per episode, when the workload has multi-turn episodes."""
+    turns = [(len(sample) + 1) // 2 for group in workload.groups for sample in group.samples]
+    if max(turns) == 1:
+        return ""
+    return f", {sum(turns) / len(turns):.2f} model turns per episode (at most {max(turns)})"
 
 
 def plot(rows: list[Row], path: Path) -> None:

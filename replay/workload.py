@@ -2,9 +2,11 @@
 
 From the log alone (entry ids carry the Redis server's millisecond clock, so every event has a time):
 
-- group shapes: the prompt length and the completion length of every sample of every group
-  (Trajectory), kept per group, so a long-tail prompt stays long for all of its samples when the
-  simulation resamples it;
+- group shapes: the prompt length and, per sample, the lengths of its turns (Trajectory): a
+  one-turn sample is its completion length; a multi-turn episode alternates model turns and the
+  env turns (tool results) appended between them (Sample.env_spans). Kept per group, so a
+  long-tail prompt stays long, and a long episode keeps all its turns, when the simulation
+  resamples it;
 - decode speed: between two WorkerStats of a worker, Δbusy_s / Δdecode_steps is the mean decode-step
   time, Δdecode_tokens / Δdecode_steps the mean batch occupancy B and (Δforward_tokens -
   Δdecode_tokens) / Δdecode_steps the mean prefill X (prompt tokens beyond the one sampled from);
@@ -32,7 +34,7 @@ import msgspec
 import numpy as np
 
 from bus.errors import ReelError
-from bus.events import StepCommitted, Trajectory, WorkerStats
+from bus.events import Sample, StepCommitted, Trajectory, WorkerStats
 from bus.log import LogError, RunLog
 from runtime.config import Config, ConfigError, load
 
@@ -64,8 +66,9 @@ class Pipeline(msgspec.Struct, kw_only=True):
 
 
 class GroupShape(msgspec.Struct, array_like=True):
-    prompt: int  # prompt tokens (prefilled once per sample: the engine shares no prefix)
-    completions: list[int]  # completion tokens of each sample
+    prompt: int  # prompt tokens (prefilled once per request: the engine shares no prefix)
+    # Per sample, token counts of its turns: model, env, model, ..., model ([C] for one turn).
+    samples: list[list[int]]
 
 
 class StepModel(msgspec.Struct, kw_only=True):
@@ -126,8 +129,7 @@ def extract(run_dir: Path) -> Workload:
                             "least 3 (step 1 includes process start-up)")
     if not trajectories:
         raise WorkloadError(f"the log of {run_dir} has no Trajectory events to take group shapes from")
-    groups = [GroupShape(int(e.prompt.shape[0]), [int(s.tokens.shape[0]) for s in e.samples])
-              for _, e in trajectories]
+    groups = [GroupShape(int(e.prompt.shape[0]), [_turns(s) for s in e.samples]) for _, e in trajectories]
     computing = _compute_intervals(commits)
     active = _active_intervals(trajectories)
     # Calibrate on the steady state, as the measured figures do: before the first commit the
@@ -161,6 +163,15 @@ def measured_of(commits: list[tuple[int, StepCommitted]], stats: list[tuple[int,
                     trainer_idle=sum(e.timing.wait for e in timed) / wall if wall else 0.0,
                     rollout_idle=_mean(idle) if idle else None, staleness=dict(sorted(staleness.items())),
                     dropped_share=dropped / (used + dropped) if used + dropped else 0.0)
+
+
+def _turns(sample: Sample) -> list[int]:
+    """Token counts of a sample's turns: the env's spans split its tokens into model and env turns."""
+    out, at = [], 0
+    for first, end in sample.env_spans:
+        out += [first - at, end - first]
+        at = end
+    return [*out, int(sample.tokens.shape[0]) - at]
 
 
 # ---- fitting ------------------------------------------------------------------------------------

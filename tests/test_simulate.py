@@ -30,8 +30,19 @@ C0, C1 = 0.05, 0.001  # trainer compute seconds: C0 + C1 · tokens
 PUBLISH, SWAP = 0.02, 0.004
 
 
-def _write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: float = 0.0) -> Path:
-    """A run directory whose log holds exactly the constants above (and `slowdown` while overlapping)."""
+def _sample(turns: tuple[int, ...]) -> Sample:
+    """A sample whose turns have these token counts: model, env, model, ... (env turns as env_spans)."""
+    env_spans = [(sum(turns[:i]), sum(turns[:i + 1])) for i in range(1, len(turns), 2)]
+    n = sum(turns)
+    return Sample(tokens=Tensor.from_numpy(np.zeros(n, np.int32)), logprobs=Tensor.from_numpy(np.zeros(n, np.float32)),
+                  reward=0.0, finish_reason="length", seed=0, spans=[(0, 0)], env_spans=env_spans,
+                  turns=len(env_spans) + 1, tool_calls=len(env_spans), turn_lengths=list(turns[::2]))
+
+
+def _write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: float = 0.0,
+               episodes: list[tuple[int, ...]] | None = None) -> Path:
+    """A run directory whose log holds exactly the constants above (and `slowdown` while overlapping);
+    every group's samples have the turns of `episodes` (default: N one-turn samples of L tokens)."""
     raw = {"run": {"name": "synthetic", "steps": steps},
            "rollout": {"workers": 1, "concurrency": G, "group_size": N, "async_level": async_level, "max_tokens": L},
            "trainer": {"batch_groups": G, "max_off_policy_steps": 8}, "engine": {"max_batch": 64}}
@@ -39,14 +50,12 @@ def _write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: fl
     (run_dir / "config.toml").write_text(config_mod.to_toml(config_mod.from_dict(raw, source="test")))
     meta = {"run": "synthetic", "producer": "test"}
     with RunLog(run_dir) as log:
-        sample = Sample(tokens=Tensor.from_numpy(np.zeros(L, np.int32)),
-                        logprobs=Tensor.from_numpy(np.zeros(L, np.float32)), reward=0.0, finish_reason="length",
-                        seed=0, spans=[(0, 0)])
+        samples = [_sample(turns) for turns in episodes or [(L,)] * N]
         # The worker always has a group in flight: one published every 100 ms, started 100 ms before.
         log.stream("trajectories").append_batch([
             (f"{1100 + 100 * i}-0", encode(Trajectory(
                 **meta, seq=i, group_id=f"g{i}", env="reverse_text", prompt=Tensor.from_numpy(np.zeros(P, np.int32)),
-                samples=[sample] * N, worker="rollout:0", generate_s=0.1))) for i in range(90)])
+                samples=samples, worker="rollout:0", generate_s=0.1))) for i in range(90)])
         # Steps of varying size, 1 s apart, computing in the first half of each second.
         commits, now_ms = [], 1000
         for step in range(1, 9):
@@ -95,7 +104,7 @@ def test_calibration_recovers_the_constants(tmp_path: Path) -> None:
     assert (w.trainer.base_s, w.trainer.per_token_s) == pytest.approx((C0, C1), abs=1e-9)
     assert w.trainer.publish_s == pytest.approx(PUBLISH)
     assert w.swap_s == pytest.approx(SWAP)
-    assert {(g.prompt, tuple(g.completions)) for g in w.groups} == {(P, (L,) * N)}
+    assert {(g.prompt, tuple(map(tuple, g.samples))) for g in w.groups} == {(P, ((L,),) * N)}
     assert (w.pipeline.async_level, w.pipeline.batch_groups, w.pipeline.group_size) == (0, G, N)
     assert w.measured.wall_s == pytest.approx(7.0)
 
@@ -110,8 +119,8 @@ def _rollout_s(speedup: float = 1.0) -> float:
     return (L * (A + B * G * N) + X * G * N * (P - 1)) / speedup  # the round's prompts join in its first step
 
 
-def _train_s(speedup: float = 1.0, ranks: int = 1, efficiency: float = 0.9) -> float:
-    compute = (C0 + C1 * G * N * L) / speedup
+def _train_s(speedup: float = 1.0, ranks: int = 1, efficiency: float = 0.9, tokens: int = G * N * L) -> float:
+    compute = (C0 + C1 * tokens) / speedup
     return (compute / (ranks * efficiency) if ranks > 1 else compute) + PUBLISH
 
 
@@ -138,6 +147,45 @@ def test_asynchronous_period_is_the_slower_side(tmp_path: Path, speedup_rollout:
     assert r.trainer_idle == pytest.approx(1 - train / period, abs=1e-6)
     assert sum(r.staleness.values()) == 30 * G * N * L
     assert max(r.staleness) == 1  # a round overlaps one commit at most
+
+
+# Two-turn episodes: model 6, tool 3, model 2 tokens; a long tail: one sample of four takes three turns.
+TWO_TURNS = [(L, 3, 2)] * N
+LONG_TAIL = [(L,)] * (N - 1) + [(L, 3, L, 2, L)]
+
+
+def _episodes_rollout_s(episodes: list[tuple[int, ...]]) -> float:
+    """One synchronous round of G groups: a model turn of every unfinished sample per decode step;
+    each turn's request prefills the conversation so far (prompt and earlier turns, less the one
+    token sampled from) when it joins. All samples here reach turn k together."""
+    seconds = 0.0
+    for k in range(0, max(len(e) for e in episodes), 2):
+        live = [e for e in episodes if len(e) > k]
+        steps = max(e[k] for e in live)
+        assert all(e[k] == steps for e in live)
+        seconds += steps * (A + B * G * len(live)) + X * G * sum(P + sum(e[:k]) - 1 for e in live)
+    return seconds
+
+
+@pytest.mark.parametrize("episodes", [TWO_TURNS, LONG_TAIL], ids=["two-turns", "long-tail"])
+def test_synchronous_multi_turn_wall_is_the_sum_of_turns_and_training(tmp_path: Path,
+                                                                     episodes: list[tuple[int, ...]]) -> None:
+    w = extract(_write_run(tmp_path / "run", async_level=0, steps=10, episodes=episodes))
+    assert {tuple(map(tuple, g.samples)) for g in w.groups} == {tuple(episodes)}
+    r = simulate(w, Scenario(pipeline=w.pipeline))
+    sampled = G * sum(sum(e[::2]) for e in episodes)  # env tokens are not trained on
+    step = SWAP + _episodes_rollout_s(episodes) + _train_s(tokens=sampled)
+    assert r.wall_s == pytest.approx(9 * step, rel=1e-9)
+    assert r.trainer_idle == pytest.approx((SWAP + _episodes_rollout_s(episodes)) / step, rel=1e-9)
+    assert r.staleness == {0: 10 * sampled}
+
+
+def test_asynchronous_multi_turn_period_is_the_slower_side(tmp_path: Path) -> None:
+    w = extract(_write_run(tmp_path / "run", async_level=1, steps=30, episodes=LONG_TAIL))
+    r = simulate(w, Scenario(pipeline=w.pipeline, speedup_rollout=0.25))
+    # Rollout-bound (a round 1.13 s against 0.21 s of training): rounds back to back, one swap each.
+    assert r.wall_s / 29 == pytest.approx(_episodes_rollout_s(LONG_TAIL) / 0.25 + SWAP, rel=1e-6)
+    assert max(r.staleness) == 1
 
 
 def test_speedups_and_trainer_ranks_scale_the_closed_form(tmp_path: Path) -> None:
@@ -201,6 +249,13 @@ def test_cli_as_logged_shows_the_measured_run(tmp_path: Path, capsys: pytest.Cap
     assert reel(["simulate", "--run", str(run)]) == 0
     out = capsys.readouterr().out
     assert "as logged" in out and "measured" in out and "TV" in out
+    assert "model turns" not in out
+
+
+def test_cli_shows_the_turns_of_multi_turn_episodes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _write_run(tmp_path / "run", async_level=0, episodes=LONG_TAIL)
+    assert reel(["simulate", "--run", str(run)]) == 0
+    assert "1.50 model turns per episode (at most 3)" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("argv, message", [
