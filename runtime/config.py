@@ -158,6 +158,9 @@ class TrainerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lr_spike_step: int = 0
     lr_spike_factor: float = 1.0
     ranks: int = 1  # processes of the one logical trainer (FSDP2; `reel run` starts them with torchrun)
+    # Ranks of an expert-parallel group (runtime/model/expert_parallel.py): each holds num_experts / E
+    # whole experts and tokens travel to them; divides ranks and model.num_experts. 1 = no EP.
+    expert_parallel: int = 1
 
 
 class BlobsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -301,6 +304,10 @@ def validate(c: Config) -> None:
              f"{c.rollout.async_level}: every async group would be dropped; raise it")
     _require(c.trainer.optimizer_steps >= 1, f"trainer.optimizer_steps = {c.trainer.optimizer_steps} must be >= 1")
     _require(c.trainer.ranks >= 1, f"trainer.ranks = {c.trainer.ranks} must be at least 1")
+    ep = c.trainer.expert_parallel
+    _require(ep >= 1 and c.trainer.ranks % ep == 0,
+             f"trainer.expert_parallel = {ep} must be at least 1 and divide trainer.ranks = {c.trainer.ranks}; "
+             "pick a divisor of trainer.ranks (1 = no expert parallelism)")
     _require(c.trainer.checkpoint_every >= 1,
              f"trainer.checkpoint_every = {c.trainer.checkpoint_every} must be at least 1")
     _require(c.trainer.icepop_low < c.trainer.icepop_high, "trainer.icepop_low must be below trainer.icepop_high")
@@ -321,6 +328,9 @@ def validate(c: Config) -> None:
         _require(m.num_attention_heads % m.num_key_value_heads == 0,
                  "model.num_attention_heads must be a multiple of model.num_key_value_heads")
         _require(m.num_experts <= 65535, "model.num_experts must fit in uint16 (<= 65535)")
+        _require(m.num_experts % c.trainer.expert_parallel == 0,
+                 f"trainer.expert_parallel = {c.trainer.expert_parallel} does not divide model.num_experts = "
+                 f"{m.num_experts}: each EP rank holds whole experts; pick a divisor of both")
     _require(c.bus.url == "" or c.bus.url.split("://")[0] in ("redis", "rediss", "unix"),
              f"bus.url = {c.bus.url!r} must start with redis://, rediss:// or unix:// (or be empty)")
     _require(":" not in c.bus.url.split("://")[-1].rpartition("@")[0],
@@ -390,10 +400,11 @@ def to_toml(c: Config) -> str:
 def config_hash(c: Config) -> str:
     """Hash of what determines a training step's result: the seed, the model and the trainer.
 
-    Not trainer.ranks: every commit records its world size, and a replay on another one is a
-    deviation to measure, not a different config."""
+    Not trainer.ranks nor trainer.expert_parallel: every commit records its world size, and a
+    replay on another layout is a deviation to measure, not a different config."""
     trainer = msgspec.structs.asdict(c.trainer)
     trainer.pop("ranks")
+    trainer.pop("expert_parallel")
     keys = msgspec.json.encode([c.run.seed, c.model, trainer])
     return hashlib.sha256(keys).hexdigest()[:16]
 

@@ -197,6 +197,28 @@ def sync_gradients(model: nn.Module, on: bool) -> None:
         model.set_requires_gradient_sync(on)  # type: ignore[operator]
 
 
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip all gradients to a global norm of `max_norm`; -> that norm before clipping.
+
+    With expert parallelism the experts' gradients live on another mesh than the rest, which
+    torch's `clip_grad_norm_` cannot stack: one norm per mesh, combined, one clip factor."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    if len(by_mesh) <= 1:
+        return as_float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
+    norms = [torch.nn.utils.get_total_norm(grads, foreach=False) for grads in by_mesh.values()]
+    total = torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]).norm()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for grads in by_mesh.values():
+        for g in grads:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+    return float(total)
+
+
 def as_float(value: torch.Tensor) -> float:
     """A (possibly DTensor) scalar as a Python float: the global value."""
     full = getattr(value, "full_tensor", None)

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from runtime import loss as loss_mod
 from runtime.batch import Batch, MicroBatch, micro_batches, take
 from runtime.config import Config, TrainerSection
-from runtime.distributed import LOCAL, World, all_sum, as_float, full_state_dict, gather_tokens, plan, sync_gradients
+from runtime.distributed import (LOCAL, World, all_sum, clip_grad_norm, full_state_dict, gather_tokens, plan,
+                                 sync_gradients)
 from runtime.mismatch_split import WeightsOf, sampler_logprobs, split_metrics
 from runtime.model.determinism import set_determinism
 from runtime.model.model import MoEModel
@@ -140,7 +141,7 @@ def train_step(state: TrainState, batch: Batch, config: Config, world: World = L
             loss_total += float(loss.detach()) * n / total_tokens
             offset += n
         loss_total = all_sum(world, loss_total)
-        grad_norm = as_float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm, foreach=False))
+        grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
         optimizer.step()
 
     logp_old_N, entropy_N = gather_tokens(world, logp_old_N), gather_tokens(world, entropy_N)

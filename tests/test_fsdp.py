@@ -53,11 +53,47 @@ def test_two_ranks_equal_one_process_accumulating_their_micro_batches(tmp_path: 
         assert mine.metrics["kl_k3"] == pytest.approx(theirs["metrics"]["kl_k3"], rel=1e-4)
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_expert_parallel_equals_one_process_playing_every_rank(tmp_path: Path, ranks: int) -> None:
+    """trainer.expert_parallel = 2 (gloo runs the uneven all-to-all): tokens travel to the rank
+    holding their expert; 4 ranks add FSDP over the ranks holding the same experts."""
+    torchrun("steps", str(tmp_path), "2", ranks=ranks)
+    layout = json.loads((tmp_path / "experts.json").read_text())
+    assert "ExpertParallel" in layout["class"]
+    assert layout["local_shape"][0] == fsdp_peer.MODEL.num_experts // ranks  # whole experts, then FSDP's split
+    torch.set_num_threads(1)
+    cfg = fsdp_peer.config(1, ranks)
+    emulated = World(rank=0, size=ranks, emulated=True)
+    state = fsdp_peer.fresh_state(emulated, cfg)
+    for batch in fsdp_peer.batches(3):
+        assert batch.routing_BTLK is not None and cfg.trainer.router_replay  # replayed ids go through EP
+        state, result = train_step(state, batch, cfg, emulated)
+    ranks_sd, alone = load((tmp_path / "weights.safetensors").read_bytes()), load(result.weights)
+    assert ranks_sd.keys() == alone.keys()
+    assert max(float((ranks_sd[k] - alone[k]).abs().max()) for k in ranks_sd) < 1e-6
+    logged = json.loads((tmp_path / "results.json").read_text())
+    assert result.loss == pytest.approx(logged[-1]["loss"], rel=1e-5, abs=1e-7)
+    assert result.grad_norm == pytest.approx(logged[-1]["grad_norm"], rel=1e-3)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: 2 GPUs")
 def test_two_ranks_on_nccl_match_the_cpu_reference(tmp_path: Path) -> None:
     """The same 2-rank step on CUDA (NCCL picked by the backend choice, batches moved to the GPU)."""
     torchrun("steps", str(tmp_path))
+    cfg = fsdp_peer.config()
+    emulated = World(rank=0, size=2, emulated=True)
+    state = fsdp_peer.fresh_state(emulated, cfg)
+    for batch in fsdp_peer.batches(3):
+        state, result = train_step(state, batch, cfg, emulated)
+    ranks, alone = load((tmp_path / "weights.safetensors").read_bytes()), load(result.weights)
+    assert max(float((ranks[k] - alone[k]).abs().max()) for k in ranks) < 1e-4  # fp32 GPU kernels differ a little
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: 2 GPUs")
+def test_expert_parallel_on_nccl_matches_the_cpu_reference(tmp_path: Path) -> None:
+    torchrun("steps", str(tmp_path), "2")
     cfg = fsdp_peer.config()
     emulated = World(rank=0, size=2, emulated=True)
     state = fsdp_peer.fresh_state(emulated, cfg)
@@ -74,10 +110,11 @@ def _state_dict_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
         assert torch.equal(a[k], b[k]), k
 
 
-def test_dcp_checkpoint_reshards_two_ranks_to_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("expert_parallel", ["1", "2"])
+def test_dcp_checkpoint_reshards_two_ranks_to_one(tmp_path: Path, expert_parallel: str) -> None:
     run, out = tmp_path / "run", tmp_path / "out"
     run.mkdir(), out.mkdir()
-    torchrun("save", str(run), str(out))
+    torchrun("save", str(run), str(out), expert_parallel)
     cfg = fsdp_peer.config()
     state = fsdp_peer.fresh_state(LOCAL, cfg)
     state = sharded_checkpoint.load((run / "manifest.json").read_bytes(), state, LOCAL, run, source="test")
@@ -85,7 +122,8 @@ def test_dcp_checkpoint_reshards_two_ranks_to_one(tmp_path: Path) -> None:
     _state_dict_equal(fsdp_peer.full_state(state), load_file(out / "state.safetensors"))
 
 
-def test_dcp_checkpoint_reshards_one_process_to_two_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("expert_parallel", ["1", "2"])
+def test_dcp_checkpoint_reshards_one_process_to_two_ranks(tmp_path: Path, expert_parallel: str) -> None:
     run, out = tmp_path / "run", tmp_path / "out"
     run.mkdir(), out.mkdir()
     torch.set_num_threads(1)
@@ -94,7 +132,7 @@ def test_dcp_checkpoint_reshards_one_process_to_two_ranks(tmp_path: Path) -> Non
     for batch in fsdp_peer.batches(2):
         state, _ = train_step(state, batch, cfg)
     (run / "manifest.json").write_bytes(sharded_checkpoint.save(state, LOCAL, run))
-    torchrun("load", str(run), str(out))
+    torchrun("load", str(run), str(out), expert_parallel)
     _state_dict_equal(fsdp_peer.full_state(state), load_file(out / "state.safetensors"))
 
 
