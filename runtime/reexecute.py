@@ -35,7 +35,7 @@ class ReplayMismatch(ReelError):
 def initial_state(run_dir: Path, config: Config, world: World = LOCAL, init: Path | None = None) -> TrainState:
     """Version 0 (the run's init/, or `init`), sharded over `world`, with a fresh optimizer."""
     model = load(init) if init is not None else load_initial_model(run_dir)
-    model = parallelize(model, world, config.trainer.expert_parallel)
+    model = parallelize(model, world, config.trainer.expert_parallel, config.trainer.context_parallel)
     return TrainState(model, make_optimizer(model, config.trainer), 0)
 
 

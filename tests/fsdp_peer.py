@@ -1,7 +1,8 @@
 """One rank of the FSDP2 tests (tests/test_fsdp.py), started by torchrun on gloo.
 
-    fsdp_peer.py steps OUT [EP]   3 steps of test_train_step's model and batches (EP: trainer.expert_parallel,
-                                  default 1); rank 0 writes OUT/weights.safetensors and OUT/results.json
+    fsdp_peer.py steps OUT [EP] [CP]  3 steps of test_train_step's model and batches (EP, CP: trainer.expert_parallel,
+                                  trainer.context_parallel, default 1); rank 0 writes OUT/weights.safetensors
+                                  and OUT/results.json
     fsdp_peer.py save RUN OUT [EP] 2 steps, then a DCP checkpoint into RUN; rank 0 writes the
                                   manifest (RUN/manifest.json) and the full state (OUT/state.safetensors)
     fsdp_peer.py load RUN OUT [EP] a fresh state loads RUN/manifest.json; rank 0 writes the full state
@@ -28,13 +29,14 @@ from test_train_step import MODEL, _config, _groups
 MICRO_BATCH_TOKENS = 24  # several micro-batches per rank, of different counts across ranks
 
 
-def config(expert_parallel: int = 1, ranks: int = 2) -> Config:
-    return _config(micro_batch_tokens=MICRO_BATCH_TOKENS, ranks=ranks, expert_parallel=expert_parallel)
+def config(expert_parallel: int = 1, ranks: int = 2, context_parallel: int = 1) -> Config:
+    return _config(micro_batch_tokens=MICRO_BATCH_TOKENS, ranks=ranks, expert_parallel=expert_parallel,
+                   context_parallel=context_parallel)
 
 
 def fresh_state(world: distributed.World, cfg: Config) -> TrainState:
     torch.manual_seed(0)
-    model = parallelize(MoEModel(MODEL), world, cfg.trainer.expert_parallel)
+    model = parallelize(MoEModel(MODEL), world, cfg.trainer.expert_parallel, cfg.trainer.context_parallel)
     return TrainState(model, make_optimizer(model, cfg.trainer), 0)
 
 
@@ -57,7 +59,8 @@ def full_state(state: TrainState) -> dict[str, torch.Tensor]:
 def main(mode: str, *paths: str) -> None:
     world = distributed.from_env()
     ep_arg = {"steps": 1, "save": 2, "load": 2}[mode]  # the optional EP argument's position
-    cfg = config(int(paths[ep_arg]) if len(paths) > ep_arg else 1, world.size)
+    ep, cp = (int(paths[i]) if len(paths) > i else 1 for i in (ep_arg, ep_arg + 1))
+    cfg = config(ep, world.size, cp)
     state = fresh_state(world, cfg)
     if mode == "steps":
         out = Path(paths[0])

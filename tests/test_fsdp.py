@@ -103,6 +103,28 @@ def test_expert_parallel_on_nccl_matches_the_cpu_reference(tmp_path: Path) -> No
     assert max(float((ranks[k] - alone[k]).abs().max()) for k in ranks) < 1e-4  # fp32 GPU kernels differ a little
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: 2 GPUs")
+def test_context_parallel_on_nccl_matches_one_process(tmp_path: Path) -> None:
+    """trainer.context_parallel = 2: one CP group, so both ranks get every micro-batch and each holds
+    half of its positions (torch's ring attention); one process trains the same micro-batches whole."""
+    torchrun("steps", str(tmp_path), "1", "2")
+    torch.set_num_threads(1)
+    cfg = fsdp_peer.config(1, 2, context_parallel=2)
+    state = fsdp_peer.fresh_state(LOCAL, cfg)
+    results = []
+    for batch in fsdp_peer.batches(3):
+        state, result = train_step(state, batch, cfg)
+        results.append(result)
+    ranks, alone = load((tmp_path / "weights.safetensors").read_bytes()), load(result.weights)
+    assert ranks.keys() == alone.keys()
+    assert max(float((ranks[k] - alone[k]).abs().max()) for k in ranks) < 1e-4  # fp32 GPU kernels differ a little
+    for mine, theirs in zip(results, json.loads((tmp_path / "results.json").read_text())):
+        assert mine.loss == pytest.approx(theirs["loss"], rel=1e-4, abs=1e-6)
+        assert mine.metrics["tokens"] == theirs["metrics"]["tokens"]
+        assert mine.metrics["kl_k3"] == pytest.approx(theirs["metrics"]["kl_k3"], rel=1e-3, abs=1e-6)
+
+
 def _state_dict_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     assert any(k.startswith("optim.") and k.endswith("exp_avg_sq") for k in a)

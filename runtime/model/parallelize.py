@@ -17,6 +17,7 @@ import warnings
 
 from runtime.distributed import World
 from runtime.model.config import ModelError
+from runtime.model.context_parallel import context_degree
 from runtime.model.model import MoEModel
 from runtime.model.moe import MoE
 
@@ -27,8 +28,11 @@ def expert_degree(world: World, expert_parallel: int) -> int:
     return expert_parallel if world.distributed and world.size % expert_parallel == 0 else 1
 
 
-def parallelize(model: MoEModel, world: World, expert_parallel: int = 1) -> MoEModel:
-    """EP (when `expert_parallel` > 1 applies to this world) then FSDP2; nothing on one process."""
+def parallelize(model: MoEModel, world: World, expert_parallel: int = 1, context_parallel: int = 1) -> MoEModel:
+    """EP (when `expert_parallel` > 1 applies to this world) then FSDP2; nothing on one process.
+    Context parallelism changes no parameter (FSDP's mesh, every rank, is already DP x CP): it is
+    checked here, where the trainer starts and the ranks' device is known, and runs in train_step."""
+    context_degree(world, context_parallel)
     degree = expert_degree(world, expert_parallel)
     if degree > 1:
         apply_ep(model, world, degree)
