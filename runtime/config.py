@@ -168,6 +168,13 @@ class TrainerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lr_spike_step: int = 0
     lr_spike_factor: float = 1.0
     ranks: int = 1  # processes of the one logical trainer (FSDP2; `reel run` starts them with torchrun)
+    # Ranks of an expert-parallel group (runtime/model/expert_parallel.py): each holds num_experts / E
+    # whole experts and tokens travel to them; divides ranks and model.num_experts. 1 = no EP.
+    expert_parallel: int = 1
+    # Ranks of a context-parallel group (runtime/model/context_parallel.py): they split each micro-batch's
+    # positions and run ring attention; divides ranks (the batch is split over ranks / C groups). CUDA
+    # only; not with expert_parallel > 1, objective = "mis" or aux_loss_coef > 0. 1 = no CP.
+    context_parallel: int = 1
 
 
 class BlobsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -264,6 +271,11 @@ def validate(c: Config) -> None:
              f"{c.rollout.async_level}: every async group would be dropped; raise it")
     _require(c.trainer.optimizer_steps >= 1, f"trainer.optimizer_steps = {c.trainer.optimizer_steps} must be >= 1")
     _require(c.trainer.ranks >= 1, f"trainer.ranks = {c.trainer.ranks} must be at least 1")
+    ep = c.trainer.expert_parallel
+    _require(ep >= 1 and c.trainer.ranks % ep == 0,
+             f"trainer.expert_parallel = {ep} must be at least 1 and divide trainer.ranks = {c.trainer.ranks}; "
+             "pick a divisor of trainer.ranks (1 = no expert parallelism)")
+    _validate_context_parallel(c.trainer)
     _require(c.trainer.checkpoint_every >= 1,
              f"trainer.checkpoint_every = {c.trainer.checkpoint_every} must be at least 1")
     _require(c.trainer.icepop_low < c.trainer.icepop_high, "trainer.icepop_low must be below trainer.icepop_high")
@@ -284,6 +296,9 @@ def validate(c: Config) -> None:
         _require(m.num_attention_heads % m.num_key_value_heads == 0,
                  "model.num_attention_heads must be a multiple of model.num_key_value_heads")
         _require(m.num_experts <= 65535, "model.num_experts must fit in uint16 (<= 65535)")
+        _require(m.num_experts % c.trainer.expert_parallel == 0,
+                 f"trainer.expert_parallel = {c.trainer.expert_parallel} does not divide model.num_experts = "
+                 f"{m.num_experts}: each EP rank holds whole experts; pick a divisor of both")
     _require(c.bus.url == "" or c.bus.url.split("://")[0] in ("redis", "rediss", "unix"),
              f"bus.url = {c.bus.url!r} must start with redis://, rediss:// or unix:// (or be empty)")
     _require(":" not in c.bus.url.split("://")[-1].rpartition("@")[0],
@@ -397,13 +412,31 @@ def to_toml(c: Config) -> str:
 
 
 
+def _validate_context_parallel(t: TrainerSection) -> None:
+    cp = t.context_parallel
+    _require(cp >= 1 and t.ranks % cp == 0,
+             f"trainer.context_parallel = {cp} must be at least 1 and divide trainer.ranks = {t.ranks}; "
+             "pick a divisor of trainer.ranks (1 = no context parallelism)")
+    if cp == 1:
+        return
+    # Each of these couples a rank's tokens to tokens another CP rank holds; none is reduced across the group.
+    _require(t.expert_parallel == 1, f"trainer.context_parallel = {cp} with trainer.expert_parallel = "
+             f"{t.expert_parallel} is not supported; set one of them to 1")
+    _require(t.objective != "mis", f"trainer.context_parallel = {cp} splits sequences, and trainer.objective = "
+             "\"mis\" weighs each whole sequence; use tis, icepop or none, or set context_parallel = 1")
+    _require(t.aux_loss_coef == 0, f"trainer.context_parallel = {cp} splits sequences, and the load-balancing "
+             "loss (trainer.aux_loss_coef) is a product of means over them; set aux_loss_coef = 0 or "
+             "context_parallel = 1")
+
+
 def config_hash(c: Config) -> str:
     """Hash of what determines a training step's result: the seed, the model and the trainer.
 
-    Not trainer.ranks: every commit records its world size, and a replay on another one is a
-    deviation to measure, not a different config."""
+    Not trainer.ranks, expert_parallel nor context_parallel: every commit records its world size, and
+    a replay on another layout is a deviation to measure, not a different config."""
     trainer = msgspec.structs.asdict(c.trainer)
-    trainer.pop("ranks")
+    for layout_key in ("ranks", "expert_parallel", "context_parallel"):
+        trainer.pop(layout_key)
     keys = msgspec.json.encode([c.run.seed, c.model, trainer])
     return hashlib.sha256(keys).hexdigest()[:16]
 

@@ -10,6 +10,9 @@ Why the loss stays a token mean over the whole batch: every rank gets the whole 
 micro-batches by their share of the batch's tokens, and gradients are *summed* across ranks (the
 divide factor is 1; gloo cannot PREMUL_SUM, so the sum is forced). A rank's share of a batch
 depends only on the batch and the world size, so replay on the same world size gets the same one.
+With context parallelism (World.cp = C > 1) the batch is dealt to the size / C data-parallel
+groups instead; the C ranks of a group train the same micro-batches, each on a slice of their
+positions (runtime/model/context_parallel.py).
 
 An `emulated` World is one process playing every rank in turn with no process group: the
 reference the group is tested against (same micro-batches, accumulated in rank order).
@@ -33,19 +36,29 @@ class World(NamedTuple):
     rank: int = 0
     size: int = 1
     emulated: bool = False  # one process running every rank's share (no process group)
+    cp: int = 1  # ranks of a context-parallel group: consecutive ranks that share their micro-batches
 
     @property
     def distributed(self) -> bool:
         return self.size > 1 and not self.emulated
 
     @property
+    def dp_size(self) -> int:
+        """Data-parallel groups: each gets its own share of a batch (CP ranks split its positions)."""
+        return self.size // self.cp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.cp
+
+    @property
     def ranks_here(self) -> range:
-        """The ranks whose share of a batch this process trains."""
-        return range(self.size) if self.emulated else range(self.rank, self.rank + 1)
+        """The data-parallel groups whose share of a batch this process trains."""
+        return range(self.size) if self.emulated else range(self.dp_rank, self.dp_rank + 1)
 
     @property
     def device(self) -> torch.device:
-        if self.distributed and dist.get_backend() == "nccl":
+        if self.distributed and dist.is_initialized() and dist.get_backend() == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
@@ -122,21 +135,22 @@ class Plan(NamedTuple):
     """Who trains what in one step."""
 
     local: list[tuple[MicroBatch, Batch, bool]]  # (micro-batch, sub-batch, counts) run here, in order
-    everyone: list[tuple[MicroBatch, Batch]]  # every rank's micro-batches in rank order (token order of metrics)
+    everyone: list[tuple[MicroBatch, Batch]]  # every DP group's micro-batches in group order
 
 
 def plan(batch: Batch, max_tokens: int, world: World) -> Plan:
-    """Every rank runs the same number of forwards and backwards (FSDP's collectives must pair up):
-    a rank with fewer micro-batches repeats its last one with weight 0 (`counts` False)."""
+    """Rows go to data-parallel groups, not ranks: the CP ranks of a group get the same micro-batches.
+    Every rank runs the same number of forwards and backwards (FSDP's collectives must pair up):
+    a group with fewer micro-batches repeats its last one with weight 0 (`counts` False)."""
     if world.distributed:
         batch = to_device(batch, world.device)
-    by_rank = [rank_parts(batch, max_tokens, r, world.size) for r in range(world.size)]
-    everyone = [p for parts in by_rank for p in parts]
+    by_group = [rank_parts(batch, max_tokens, d, world.dp_size) for d in range(world.dp_size)]
+    everyone = [p for parts in by_group for p in parts]
     if not world.distributed:
-        return Plan([(mb, sub, True) for r in world.ranks_here for mb, sub in by_rank[r]], everyone)
-    rounds = max(len(parts) for parts in by_rank)
-    mine = by_rank[world.rank]
-    filler = mine[-1] if mine else by_rank[0][0]
+        return Plan([(mb, sub, True) for d in world.ranks_here for mb, sub in by_group[d]], everyone)
+    rounds = max(len(parts) for parts in by_group)
+    mine = by_group[world.dp_rank]
+    filler = mine[-1] if mine else by_group[0][0]
     local = [(mb, sub, True) for mb, sub in mine] + [(*filler, False)] * (rounds - len(mine))
     return Plan(local, everyone)
 
@@ -195,6 +209,28 @@ def sync_gradients(model: nn.Module, on: bool) -> None:
     """Reduce-scatter gradients on this backward (on) or keep accumulating locally (off)."""
     if is_sharded(model):
         model.set_requires_gradient_sync(on)  # type: ignore[operator]
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip all gradients to a global norm of `max_norm`; -> that norm before clipping.
+
+    With expert parallelism the experts' gradients live on another mesh than the rest, which
+    torch's `clip_grad_norm_` cannot stack: one norm per mesh, combined, one clip factor."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    if len(by_mesh) <= 1:
+        return as_float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
+    norms = [torch.nn.utils.get_total_norm(grads, foreach=False) for grads in by_mesh.values()]
+    total = torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]).norm()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for grads in by_mesh.values():
+        for g in grads:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+    return float(total)
 
 
 def as_float(value: torch.Tensor) -> float:

@@ -21,7 +21,7 @@ from runtime.config import Config, config_hash
 from runtime.distributed import LOCAL, World
 from runtime.groups import GroupLookup
 from runtime.initial_policy import code_version, load_initial_model
-from runtime.model.parallelize import apply_fsdp
+from runtime.model.parallelize import parallelize
 from runtime.model.weights import load
 from runtime.train_step import StepResult, TrainState, make_optimizer, train_step
 
@@ -34,7 +34,8 @@ class ReplayMismatch(ReelError):
 
 def initial_state(run_dir: Path, config: Config, world: World = LOCAL, init: Path | None = None) -> TrainState:
     """Version 0 (the run's init/, or `init`), sharded over `world`, with a fresh optimizer."""
-    model = apply_fsdp(load(init) if init is not None else load_initial_model(run_dir), world)
+    model = load(init) if init is not None else load_initial_model(run_dir)
+    model = parallelize(model, world, config.trainer.expert_parallel, config.trainer.context_parallel)
     return TrainState(model, make_optimizer(model, config.trainer), 0)
 
 

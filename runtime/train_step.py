@@ -21,8 +21,10 @@ import torch.nn.functional as F
 from runtime import loss as loss_mod
 from runtime.batch import Batch, MicroBatch, micro_batches, take
 from runtime.config import Config, TrainerSection
-from runtime.distributed import LOCAL, World, all_sum, as_float, full_state_dict, gather_tokens, plan, sync_gradients
+from runtime.distributed import (LOCAL, World, all_sum, clip_grad_norm, full_state_dict, gather_tokens, plan,
+                                 sync_gradients)
 from runtime.mismatch_split import WeightsOf, sampler_logprobs, split_metrics
+from runtime.model.context_parallel import sequence_shard, with_context_parallel
 from runtime.model.determinism import set_determinism
 from runtime.model.model import MoEModel
 from runtime.model.weights import state_dict_bytes, state_dict_to_bytes
@@ -61,16 +63,30 @@ class TokenLogprobs(NamedTuple):
 
 
 def token_logprobs(model: MoEModel, batch: Batch, *, router_replay: bool, with_routing: bool = False,
-                   aux_loss: bool = False) -> TokenLogprobs:
-    """log pi(target) under logits / temperature (the distribution the engine sampled from)."""
+                   aux_loss: bool = False, position_ids_BT: torch.Tensor | None = None) -> TokenLogprobs:
+    """log pi(target) under logits / temperature (the distribution the engine sampled from).
+
+    `position_ids_BT`: `batch` is a context-parallel slice (runtime/model/context_parallel.py) with
+    these positions, attended by position only (what ring attention takes)."""
     replay = batch.routing_BTLK if router_replay else None
-    out = model(batch.input_ids_BT, batch.attention_mask_BT, replay_routing_BTLK=replay,
+    out = model(batch.input_ids_BT, batch.attention_mask_BT, position_ids_BT=position_ids_BT,
+                is_causal=position_ids_BT is not None, replay_routing_BTLK=replay,
                 return_routing=with_routing, aux_loss=aux_loss)
     logits_BTV = out.logits.float() / batch.temperature_B[:, None, None]
     logprobs_BTV = F.log_softmax(logits_BTV, dim=-1)
     logp_BT = logprobs_BTV.gather(-1, batch.targets_BT[:, :, None]).squeeze(-1)
     entropy_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
     return TokenLogprobs(logp_BT, entropy_BT.detach(), out.routing, out.aux_loss)
+
+
+# Per completion token: π_old's logprob and entropy, μ's logprob, the policy version that sampled it.
+TOKEN_DTYPES = (torch.float32, torch.float32, torch.float32, torch.int64)
+
+
+def completion_of(old: TokenLogprobs, piece: Batch) -> tuple[torch.Tensor, ...]:
+    """The TOKEN_DTYPES fields of the completion tokens of `piece` (a micro-batch, or its CP slice)."""
+    mask_BT = piece.loss_mask_BT
+    return old.logp_BT[mask_BT], old.entropy_BT[mask_BT], piece.logp_mu_BT[mask_BT], piece.versions_BT[mask_BT]
 
 
 def split(batch: Batch, max_tokens: int) -> list[tuple[MicroBatch, Batch]]:
@@ -97,6 +113,7 @@ def train_step(state: TrainState, batch: Batch, config: Config, world: World = L
     whole model in one process, so it is computed on a single-process (or emulated) world only;
     on N ranks the split keys are left out of the metrics (`reel replay` on 1 process adds them)."""
     cfg = config.trainer
+    world = with_context_parallel(world, cfg.context_parallel)
     step = state.step + 1
     set_determinism(config.run.seed * 1_000_003 + step, threads=torch.get_num_threads())
     model, optimizer = state.model, state.optimizer
@@ -106,12 +123,18 @@ def train_step(state: TrainState, batch: Batch, config: Config, world: World = L
     local, everyone = plan(batch, cfg.micro_batch_tokens, world)
     total_tokens = max(1, batch.tokens)
 
-    # pi_old: the trainer's logprobs before any update, the reference of every importance weight.
+    # pi_old: the trainer's logprobs before any update, the reference of every importance weight;
+    # with the logged fields of the same tokens (this rank's slice of them under CP), in one order.
+    olds, counted = [], []
     with torch.no_grad():
-        olds = [token_logprobs(model, sub, router_replay=cfg.router_replay) for _, sub, _ in local]
-    counted = [(o, sub) for o, (_, sub, counts) in zip(olds, local) if counts]
-    logp_old_N = torch.cat([o.logp_BT[sub.loss_mask_BT] for o, sub in counted]) if counted else torch.zeros(0)
-    entropy_N = torch.cat([o.entropy_BT[sub.loss_mask_BT] for o, sub in counted]) if counted else torch.zeros(0)
+        for _, sub, counts in local:
+            with sequence_shard(world, sub) as (piece, positions_BT):
+                olds.append(token_logprobs(model, piece, router_replay=cfg.router_replay, position_ids_BT=positions_BT))
+            if counts:
+                counted.append(completion_of(olds[-1], piece))
+    columns = list(zip(*counted)) or [()] * 4
+    mine = [torch.cat(c) if c else torch.zeros(0, dtype=d) for c, d in zip(columns, TOKEN_DTYPES)]
+    logp_old_N, entropy_N, logp_mu_N, versions_N = (gather_tokens(world, t) for t in mine)
 
     for group in optimizer.param_groups:
         group["lr"] = cfg.lr * (cfg.lr_spike_factor if step == cfg.lr_spike_step else 1.0)
@@ -120,33 +143,32 @@ def train_step(state: TrainState, batch: Batch, config: Config, world: World = L
         optimizer.zero_grad(set_to_none=True)
         loss_total, offset = 0.0, 0
         for i, (mb, sub, counts) in enumerate(local):
-            mask_BT = sub.loss_mask_BT
-            n = int(mask_BT.sum()) if counts else 0
-            current = token_logprobs(model, sub, router_replay=cfg.router_replay, aux_loss=cfg.aux_loss_coef > 0)
-            row_index_BT = mb.rows_M[:, None].expand_as(mask_BT)
-            old_N = logp_old_N[offset:offset + n] if counts else olds[i].logp_BT[mask_BT]
-            loss, _ = loss_mod.policy_loss(
-                logp_new_N=current.logp_BT[mask_BT], logp_old_N=old_N,
-                logp_mu_N=sub.logp_mu_BT[mask_BT], advantages_N=sub.advantages_BT[mask_BT],
-                seq_index_N=row_index_BT[mask_BT], cfg=loss_cfg,
-            )
-            if current.aux_loss is not None:  # load balancing on the router's full scores
-                loss = loss + cfg.aux_loss_coef * current.aux_loss
-            # Each micro-batch's token-mean is reweighted to its share of the step's tokens, so
-            # accumulation (and the sum across ranks) equals one pass over the whole batch. A
-            # filler pass (counts False) keeps the ranks' collectives paired and adds zero.
-            sync_gradients(model, i == len(local) - 1)
-            (loss * (n / total_tokens)).backward()
+            with sequence_shard(world, sub) as (piece, positions_BT):
+                mask_BT = piece.loss_mask_BT
+                n = int(mask_BT.sum()) if counts else 0
+                current = token_logprobs(model, piece, router_replay=cfg.router_replay,
+                                         aux_loss=cfg.aux_loss_coef > 0, position_ids_BT=positions_BT)
+                row_index_BT = mb.rows_M[:, None].expand_as(mask_BT)
+                old_N = mine[0][offset:offset + n] if counts else olds[i].logp_BT[mask_BT]
+                loss, _ = loss_mod.policy_loss(
+                    logp_new_N=current.logp_BT[mask_BT], logp_old_N=old_N,
+                    logp_mu_N=piece.logp_mu_BT[mask_BT], advantages_N=piece.advantages_BT[mask_BT],
+                    seq_index_N=row_index_BT[mask_BT], cfg=loss_cfg,
+                )
+                if current.aux_loss is not None:  # load balancing on the router's full scores
+                    loss = loss + cfg.aux_loss_coef * current.aux_loss
+                # Each micro-batch's token-mean is reweighted to its share of the step's tokens, so
+                # accumulation (and the sum across ranks) equals one pass over the whole batch. A
+                # filler pass (counts False) keeps the ranks' collectives paired and adds zero.
+                sync_gradients(model, i == len(local) - 1)
+                (loss * (n / total_tokens)).backward()
             loss_total += float(loss.detach()) * n / total_tokens
             offset += n
         loss_total = all_sum(world, loss_total)
-        grad_norm = as_float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm, foreach=False))
+        grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
         optimizer.step()
 
-    logp_old_N, entropy_N = gather_tokens(world, logp_old_N), gather_tokens(world, entropy_N)
-    logp_mu_N = completion_tokens(everyone, "logp_mu_BT")
     metrics = loss_mod.mismatch_metrics(logp_old_N, logp_mu_N, None, entropy_N)
-    versions_N = completion_tokens(everyone, "versions_BT")
     if weights_of is not None and not world.distributed:
         logp_sampler_N, known_N = sampler_logprobs(model, lambda m: scored_tokens(m, everyone, cfg.router_replay),
                                                    logp_old_N, versions_N, state.step, weights_of)

@@ -1,10 +1,11 @@
 """One rank of the FSDP2 tests (tests/test_fsdp.py), started by torchrun on gloo.
 
-    fsdp_peer.py steps OUT        3 steps of test_train_step's model and batches; rank 0 writes
-                                  OUT/weights.safetensors and OUT/results.json
-    fsdp_peer.py save RUN OUT     2 steps, then a DCP checkpoint into RUN; rank 0 writes the
+    fsdp_peer.py steps OUT [EP] [CP]  3 steps of test_train_step's model and batches (EP, CP: trainer.expert_parallel,
+                                  trainer.context_parallel, default 1); rank 0 writes OUT/weights.safetensors
+                                  and OUT/results.json
+    fsdp_peer.py save RUN OUT [EP] 2 steps, then a DCP checkpoint into RUN; rank 0 writes the
                                   manifest (RUN/manifest.json) and the full state (OUT/state.safetensors)
-    fsdp_peer.py load RUN OUT     a fresh state loads RUN/manifest.json; rank 0 writes the full state
+    fsdp_peer.py load RUN OUT [EP] a fresh state loads RUN/manifest.json; rank 0 writes the full state
 """
 
 from __future__ import annotations
@@ -21,20 +22,21 @@ from runtime import distributed, sharded_checkpoint
 from runtime.batch import build_batch
 from runtime.config import Config
 from runtime.model.model import MoEModel
-from runtime.model.parallelize import apply_fsdp
+from runtime.model.parallelize import parallelize
 from runtime.train_step import TrainState, make_optimizer, train_step
 from test_train_step import MODEL, _config, _groups
 
 MICRO_BATCH_TOKENS = 24  # several micro-batches per rank, of different counts across ranks
 
 
-def config() -> Config:
-    return _config(micro_batch_tokens=MICRO_BATCH_TOKENS)
+def config(expert_parallel: int = 1, ranks: int = 2, context_parallel: int = 1) -> Config:
+    return _config(micro_batch_tokens=MICRO_BATCH_TOKENS, ranks=ranks, expert_parallel=expert_parallel,
+                   context_parallel=context_parallel)
 
 
 def fresh_state(world: distributed.World, cfg: Config) -> TrainState:
     torch.manual_seed(0)
-    model = apply_fsdp(MoEModel(MODEL), world)
+    model = parallelize(MoEModel(MODEL), world, cfg.trainer.expert_parallel, cfg.trainer.context_parallel)
     return TrainState(model, make_optimizer(model, cfg.trainer), 0)
 
 
@@ -56,7 +58,9 @@ def full_state(state: TrainState) -> dict[str, torch.Tensor]:
 
 def main(mode: str, *paths: str) -> None:
     world = distributed.from_env()
-    cfg = config()
+    ep_arg = {"steps": 1, "save": 2, "load": 2}[mode]  # the optional EP argument's position
+    ep, cp = (int(paths[i]) if len(paths) > i else 1 for i in (ep_arg, ep_arg + 1))
+    cfg = config(ep, world.size, cp)
     state = fresh_state(world, cfg)
     if mode == "steps":
         out = Path(paths[0])
@@ -65,9 +69,12 @@ def main(mode: str, *paths: str) -> None:
             state, result = train_step(state, batch, cfg, world)
             results.append({"loss": result.loss, "grad_norm": result.grad_norm, "metrics": result.metrics,
                             "sha": result.weights_sha256})
+        experts = state.model.model.layers[0].mlp.experts
         if world.rank == 0:
             (out / "weights.safetensors").write_bytes(result.weights)
             (out / "results.json").write_text(json.dumps(results))
+            (out / "experts.json").write_text(json.dumps({"class": type(experts).__name__,
+                                                          "local_shape": list(experts.gate_proj.to_local().shape)}))
     elif mode == "save":
         run, out = Path(paths[0]), Path(paths[1])
         for batch in batches(2):

@@ -53,6 +53,29 @@ def test_two_ranks_equal_one_process_accumulating_their_micro_batches(tmp_path: 
         assert mine.metrics["kl_k3"] == pytest.approx(theirs["metrics"]["kl_k3"], rel=1e-4)
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_expert_parallel_equals_one_process_playing_every_rank(tmp_path: Path, ranks: int) -> None:
+    """trainer.expert_parallel = 2 (gloo runs the uneven all-to-all): tokens travel to the rank
+    holding their expert; 4 ranks add FSDP over the ranks holding the same experts."""
+    torchrun("steps", str(tmp_path), "2", ranks=ranks)
+    layout = json.loads((tmp_path / "experts.json").read_text())
+    assert "ExpertParallel" in layout["class"]
+    assert layout["local_shape"][0] == fsdp_peer.MODEL.num_experts // ranks  # whole experts, then FSDP's split
+    torch.set_num_threads(1)
+    cfg = fsdp_peer.config(1, ranks)
+    emulated = World(rank=0, size=ranks, emulated=True)
+    state = fsdp_peer.fresh_state(emulated, cfg)
+    for batch in fsdp_peer.batches(3):
+        assert batch.routing_BTLK is not None and cfg.trainer.router_replay  # replayed ids go through EP
+        state, result = train_step(state, batch, cfg, emulated)
+    ranks_sd, alone = load((tmp_path / "weights.safetensors").read_bytes()), load(result.weights)
+    assert ranks_sd.keys() == alone.keys()
+    assert max(float((ranks_sd[k] - alone[k]).abs().max()) for k in ranks_sd) < 1e-6
+    logged = json.loads((tmp_path / "results.json").read_text())
+    assert result.loss == pytest.approx(logged[-1]["loss"], rel=1e-5, abs=1e-7)
+    assert result.grad_norm == pytest.approx(logged[-1]["grad_norm"], rel=1e-3)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: 2 GPUs")
 def test_two_ranks_on_nccl_match_the_cpu_reference(tmp_path: Path) -> None:
@@ -67,6 +90,41 @@ def test_two_ranks_on_nccl_match_the_cpu_reference(tmp_path: Path) -> None:
     assert max(float((ranks[k] - alone[k]).abs().max()) for k in ranks) < 1e-4  # fp32 GPU kernels differ a little
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: 2 GPUs")
+def test_expert_parallel_on_nccl_matches_the_cpu_reference(tmp_path: Path) -> None:
+    torchrun("steps", str(tmp_path), "2")
+    cfg = fsdp_peer.config()
+    emulated = World(rank=0, size=2, emulated=True)
+    state = fsdp_peer.fresh_state(emulated, cfg)
+    for batch in fsdp_peer.batches(3):
+        state, result = train_step(state, batch, cfg, emulated)
+    ranks, alone = load((tmp_path / "weights.safetensors").read_bytes()), load(result.weights)
+    assert max(float((ranks[k] - alone[k]).abs().max()) for k in ranks) < 1e-4  # fp32 GPU kernels differ a little
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: 2 GPUs")
+def test_context_parallel_on_nccl_matches_one_process(tmp_path: Path) -> None:
+    """trainer.context_parallel = 2: one CP group, so both ranks get every micro-batch and each holds
+    half of its positions (torch's ring attention); one process trains the same micro-batches whole."""
+    torchrun("steps", str(tmp_path), "1", "2")
+    torch.set_num_threads(1)
+    cfg = fsdp_peer.config(1, 2, context_parallel=2)
+    state = fsdp_peer.fresh_state(LOCAL, cfg)
+    results = []
+    for batch in fsdp_peer.batches(3):
+        state, result = train_step(state, batch, cfg)
+        results.append(result)
+    ranks, alone = load((tmp_path / "weights.safetensors").read_bytes()), load(result.weights)
+    assert ranks.keys() == alone.keys()
+    assert max(float((ranks[k] - alone[k]).abs().max()) for k in ranks) < 1e-4  # fp32 GPU kernels differ a little
+    for mine, theirs in zip(results, json.loads((tmp_path / "results.json").read_text())):
+        assert mine.loss == pytest.approx(theirs["loss"], rel=1e-4, abs=1e-6)
+        assert mine.metrics["tokens"] == theirs["metrics"]["tokens"]
+        assert mine.metrics["kl_k3"] == pytest.approx(theirs["metrics"]["kl_k3"], rel=1e-3, abs=1e-6)
+
+
 def _state_dict_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     assert any(k.startswith("optim.") and k.endswith("exp_avg_sq") for k in a)
@@ -74,10 +132,11 @@ def _state_dict_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
         assert torch.equal(a[k], b[k]), k
 
 
-def test_dcp_checkpoint_reshards_two_ranks_to_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("expert_parallel", ["1", "2"])
+def test_dcp_checkpoint_reshards_two_ranks_to_one(tmp_path: Path, expert_parallel: str) -> None:
     run, out = tmp_path / "run", tmp_path / "out"
     run.mkdir(), out.mkdir()
-    torchrun("save", str(run), str(out))
+    torchrun("save", str(run), str(out), expert_parallel)
     cfg = fsdp_peer.config()
     state = fsdp_peer.fresh_state(LOCAL, cfg)
     state = sharded_checkpoint.load((run / "manifest.json").read_bytes(), state, LOCAL, run, source="test")
@@ -85,7 +144,8 @@ def test_dcp_checkpoint_reshards_two_ranks_to_one(tmp_path: Path) -> None:
     _state_dict_equal(fsdp_peer.full_state(state), load_file(out / "state.safetensors"))
 
 
-def test_dcp_checkpoint_reshards_one_process_to_two_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("expert_parallel", ["1", "2"])
+def test_dcp_checkpoint_reshards_one_process_to_two_ranks(tmp_path: Path, expert_parallel: str) -> None:
     run, out = tmp_path / "run", tmp_path / "out"
     run.mkdir(), out.mkdir()
     torch.set_num_threads(1)
@@ -94,7 +154,7 @@ def test_dcp_checkpoint_reshards_one_process_to_two_ranks(tmp_path: Path) -> Non
     for batch in fsdp_peer.batches(2):
         state, _ = train_step(state, batch, cfg)
     (run / "manifest.json").write_bytes(sharded_checkpoint.save(state, LOCAL, run))
-    torchrun("load", str(run), str(out))
+    torchrun("load", str(run), str(out), expert_parallel)
     _state_dict_equal(fsdp_peer.full_state(state), load_file(out / "state.safetensors"))
 
 

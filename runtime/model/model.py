@@ -77,6 +77,21 @@ def _attend_padded(q_NhD, k_NgD, v_NgD, *, B: int, T: int, allowed_B1TT: torch.T
     return o_BhTD.transpose(1, 2).reshape(B * T, -1, q_NhD.shape[-1])
 
 
+def _attend_causal(q_NhD, k_NgD, v_NgD, *, B: int, T: int) -> torch.Tensor:
+    """By position only (is_causal, no mask): what ring attention accepts. kv heads are repeated
+    rather than left to enable_gqa, which not every SDPA kernel that ring attention calls takes."""
+    q_BhTD, k_BgTD, v_BgTD = (t.view(B, T, -1, t.shape[-1]).transpose(1, 2) for t in (q_NhD, k_NgD, v_NgD))
+    groups = q_BhTD.shape[1] // k_BgTD.shape[1]
+    k_BhTD, v_BhTD = (t.repeat_interleave(groups, dim=1) for t in (k_BgTD, v_BgTD))
+    o_BhTD = F.scaled_dot_product_attention(q_BhTD, k_BhTD, v_BhTD, is_causal=True)
+    return o_BhTD.transpose(1, 2).reshape(B * T, -1, q_NhD.shape[-1])
+
+
+def positions_from_mask(mask_BT: torch.Tensor) -> torch.Tensor:
+    """Position of each token: real tokens counted from 0 along the row (right padding repeats the last)."""
+    return (mask_BT.long().cumsum(-1) - 1).clamp(min=0)
+
+
 class MoEModel(nn.Module):
     def __init__(self, config: MoEConfig, precision: str = "fp32"):
         super().__init__()
@@ -132,19 +147,27 @@ class MoEModel(nn.Module):
             raise ModelError(f"{name} has shape {tuple(replay.shape)}, expected {want} (tokens, MoE layers, top-k)")
 
     def forward(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None, *,
+                position_ids_BT: torch.Tensor | None = None, is_causal: bool = False,
                 replay_routing_BTLK: torch.Tensor | None = None, return_routing: bool = False,
                 aux_loss: bool = False) -> ModelOutput:
-        """Right-padded batch (mask 1 = real token); positions count real tokens from 0."""
+        """Right-padded batch (mask 1 = real token); positions count real tokens from 0.
+
+        `position_ids_BT` (default: positions_from_mask) is for a slice of longer rows, whose positions
+        its own mask cannot tell. `is_causal` attends by position only, ignoring the mask: in a
+        right-padded row a real token's predecessors are all real, so its logits are the same."""
         B, T = input_ids_BT.shape
         self.check_replay(replay_routing_BTLK, (B, T), "replay_routing_BTLK")
         device = input_ids_BT.device
         mask_BT = torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask_BT is None \
             else attention_mask_BT.bool()
-        positions_BT = (mask_BT.long().cumsum(-1) - 1).clamp(min=0)
-        causal_TT = torch.tril(torch.ones(T, T, dtype=torch.bool, device=device))
-        # Padding rows still see themselves, so no softmax row is empty (no NaN in padded logits).
-        allowed_B1TT = ((causal_TT & mask_BT[:, None, :]) | torch.eye(T, dtype=torch.bool, device=device))[:, None]
-        attend = partial(_attend_padded, B=B, T=T, allowed_B1TT=allowed_B1TT)
+        positions_BT = positions_from_mask(mask_BT) if position_ids_BT is None else position_ids_BT
+        if is_causal:
+            attend = partial(_attend_causal, B=B, T=T)
+        else:
+            causal_TT = torch.tril(torch.ones(T, T, dtype=torch.bool, device=device))
+            # Padding rows still see themselves, so no softmax row is empty (no NaN in padded logits).
+            allowed_B1TT = ((causal_TT & mask_BT[:, None, :]) | torch.eye(T, dtype=torch.bool, device=device))[:, None]
+            attend = partial(_attend_padded, B=B, T=T, allowed_B1TT=allowed_B1TT)
         replay_NLK = None if replay_routing_BTLK is None else replay_routing_BTLK.flatten(0, 1)
         logits_NV, ids, scores = self._run_layers(self.model.embed_tokens(input_ids_BT).flatten(0, 1),
                                                   positions_BT.flatten(), attend, replay_NLK)

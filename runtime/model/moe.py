@@ -49,16 +49,34 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, width))
 
     def forward(self, x_NH: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor, precision: str):
-        N, K = ids_NK.shape
-        # Sort the N*K assignments by expert so each expert's rows are contiguous for a grouped GEMM.
-        order_A = torch.argsort(ids_NK.flatten(), stable=True)
-        offs_E = torch.bincount(ids_NK.flatten(), minlength=self.gate_proj.shape[0]).cumsum(0).to(torch.int32)
-        x_AH = x_NH[order_A // K]
-        gate_AI = grouped_linear(x_AH, self.gate_proj, offs_E, precision)
-        up_AI = grouped_linear(x_AH, self.up_proj, offs_E, precision)
-        y_AH = grouped_linear(F.silu(gate_AI) * up_AI, self.down_proj, offs_E, precision)
-        y_NKH = y_AH[torch.argsort(order_A)].view(N, K, -1)
-        return (y_NKH * weights_NK.unsqueeze(-1)).sum(1)
+        order_A, counts_E = sort_by_expert(ids_NK, self.gate_proj.shape[0])
+        x_AH = x_NH[order_A // ids_NK.shape[1]]
+        y_AH = swiglu_grouped(x_AH, self.gate_proj, self.up_proj, self.down_proj, counts_E, precision)
+        return combine(y_AH, order_A, weights_NK)
+
+
+def sort_by_expert(ids_NK: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (order [A]: the N*K assignments sorted by expert, stable; assignments per expert [E]).
+
+    Sorted, each expert's rows are contiguous for a grouped GEMM."""
+    order_A = torch.argsort(ids_NK.flatten(), stable=True)
+    return order_A, torch.bincount(ids_NK.flatten(), minlength=experts)
+
+
+def swiglu_grouped(x_AH: torch.Tensor, gate_EIH: torch.Tensor, up_EIH: torch.Tensor, down_EHI: torch.Tensor,
+                   counts_E: torch.Tensor, precision: str) -> torch.Tensor:
+    """SwiGLU of rows sorted by expert, counts_E[e] rows through expert e."""
+    offs_E = counts_E.cumsum(0).to(torch.int32)
+    gate_AI = grouped_linear(x_AH, gate_EIH, offs_E, precision)
+    up_AI = grouped_linear(x_AH, up_EIH, offs_E, precision)
+    return grouped_linear(F.silu(gate_AI) * up_AI, down_EHI, offs_E, precision)
+
+
+def combine(y_AH: torch.Tensor, order_A: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
+    """Expert outputs back in assignment order, summed per token with the gate weights -> [N, H]."""
+    N, K = weights_NK.shape
+    y_NKH = y_AH[torch.argsort(order_A)].view(N, K, -1)
+    return (y_NKH * weights_NK.unsqueeze(-1)).sum(1)
 
 
 class MoE(nn.Module):
