@@ -23,7 +23,8 @@ others wait in `update_weights` until every server reports the version (GET /wei
 
 Errors: a server that cannot be reached or answers other than 200 raises EngineError naming the
 server and the endpoint (with the flag or variable to set when a 404 means one is missing);
-after `close`, unfinished requests raise EngineClosed.
+a generate request whose connection drops before the answer is sent once more (ConnectionDropped
+the second time); after `close`, unfinished requests raise EngineClosed.
 """
 
 from __future__ import annotations
@@ -158,6 +159,10 @@ def _hint(endpoint: str, status: int) -> str:
     return ""
 
 
+class ConnectionDropped(EngineError):
+    """The server closed the connection before it answered (a keep-alive race, a restarting router)."""
+
+
 class VLLMHTTPEngine(VLLMEngineBase):
     """Reel's engine contract against `vllm serve` API servers (see the module docstring)."""
 
@@ -225,13 +230,26 @@ class VLLMHTTPEngine(VLLMEngineBase):
             await asyncio.sleep(HEALTH_POLL_S)
 
     async def _sample(self, prompt: list[int], params: SamplingParams, index: int, version: int) -> Completion:
+        try:
+            data = await self._generate(prompt, params, index, version)
+        except ConnectionDropped as exc:
+            # Sent again once: the sample is seeded, so the server gives the same tokens (its spans
+            # say so if the weights changed meanwhile); a server that is gone fails the second try.
+            log.warning("%s; sending the request again", exc)
+            data = await self._generate(prompt, params, index, version)
+        out = parse_generate_response(data, f"vLLM server {self.url}: POST {GENERATE}")
+        return self._completion(len(prompt), out.tokens, out.logprobs, out.finish_reason, out.routing, out.spans,
+                                version, params.seed + index)
+
+    async def _generate(self, prompt: list[int], params: SamplingParams, index: int, version: int) -> bytes:
+        """One POST of sample `index`'s generate request; aborted on the server when cancelled."""
         request_id = f"{self._id_prefix}-{next(self._ids)}"
         body = generate_body(prompt, params, index, version, request_id)
         request = asyncio.ensure_future(self._call(self.url, GENERATE, body=body, timeout_s=None))
         self._requests.add(request)
         self._running += 1
         try:
-            data = await request
+            return await request
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if current is None or not current.cancelling():  # close() cancelled the request, not our caller
@@ -241,9 +259,6 @@ class VLLMHTTPEngine(VLLMEngineBase):
         finally:
             self._running -= 1
             self._requests.discard(request)
-        out = parse_generate_response(data, f"vLLM server {self.url}: POST {GENERATE}")
-        return self._completion(len(prompt), out.tokens, out.logprobs, out.finish_reason, out.routing, out.spans,
-                                version, params.seed + index)
 
     async def _abort(self, request_id: str) -> None:
         """Best effort on top of the closed connection: reaches the request behind a router too."""
@@ -318,7 +333,8 @@ class VLLMHTTPEngine(VLLMEngineBase):
         except httpx.HTTPError as exc:
             if self._closed:
                 raise EngineClosed(f"{where}: the vLLM HTTP engine closed before the request finished") from exc
-            raise EngineError(f"{where} failed: {type(exc).__name__}: {exc}") from exc
+            dropped = isinstance(exc, (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError))
+            raise (ConnectionDropped if dropped else EngineError)(f"{where} failed: {type(exc).__name__}: {exc}") from exc
         if response.status_code != 200:
             raise EngineError(f"{where} answered HTTP {response.status_code}: {response.text[:300]!r}"
                               f"{_hint(endpoint, response.status_code)}")

@@ -144,6 +144,17 @@ async def test_routing_missing_or_misaligned_is_refused(peers, model_dir: Path, 
             await e.generate([1, 2], SamplingParams(max_tokens=1))
 
 
+async def test_a_dropped_generate_connection_is_sent_once_more_then_reported(peers, model_dir: Path) -> None:
+    once, twice = peers(drop=1), peers(drop=2)
+    async with engine(model_dir, once.url) as e:
+        (completion,) = await e.generate([1], SamplingParams(max_tokens=2))
+    assert completion.tokens == [4, 2] and once.paths() == [GENERATE, GENERATE]
+    assert once.calls[1].body["request_id"] != once.calls[2].body["request_id"]  # calls[0]: /health
+    async with engine(model_dir, twice.url) as e:
+        with pytest.raises(EngineError, match=f"{twice.url}: POST {GENERATE} failed: RemoteProtocolError"):
+            await e.generate([1], SamplingParams(max_tokens=2))
+
+
 @pytest.mark.parametrize("failing", ["/pause", "/collective_rpc", "/update_weight_version"])
 async def test_a_failed_step_still_resumes_every_server(peers, model_dir: Path, failing: str) -> None:
     a, b = peers(), peers(fail={failing: 500})

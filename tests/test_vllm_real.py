@@ -128,6 +128,18 @@ async def test_http_seeded_samples_reproduce(models, server, tmp_path) -> None:
         assert [c.seed for c in first] == [1234, 1235, 1236, 1237]
 
 
+async def test_http_seeded_prompts_longer_than_a_default_step_budget_are_served(models, server, tmp_path) -> None:
+    """16 seeded 200-token prompts at once (3200 tokens) exceed vLLM's default 2048-token step:
+    split, a seeded prefill kills the CPU engine; the command line `reel run` uses keeps them whole."""
+    blobs = BlobStore(tmp_path / "blobs")
+    long_prompt = [(7 * i) % 90 + 3 for i in range(200)]
+    async with _engine(models, server, blobs) as engine:
+        await _push(engine, models[1], blobs, 5)
+        params = SamplingParams(n=16, temperature=1.0, max_tokens=4, seed=99)
+        samples = await engine.generate(long_prompt, params)
+        assert len(samples) == 16 and all(len(s.tokens) == 4 for s in samples)
+
+
 async def test_http_weight_push_mid_generation_changes_outputs_and_spans_say_where(models, server, tmp_path) -> None:
     blobs = BlobStore(tmp_path / "blobs")
     old, new = models[1], models[2]

@@ -56,8 +56,9 @@ class Peer:
     """A test peer that speaks vLLM's HTTP protocol and records every call (see the module docstring)."""
 
     def __init__(self, log: list[tuple[str, Call]] | None = None, fail: dict[str, int] | None = None,
-                 answer: Callable[[dict], dict] | None = None):
+                 answer: Callable[[dict], dict] | None = None, drop: int = 0):
         self.calls: list[Call] = []
+        self.drop = drop  # this many generate requests get their connection closed, no answer
         self.log = log if log is not None else []  # shared by peers: the order across servers
         self.fail = fail or {}
         self.answer = answer or (lambda body: vllm_response(len(body["token_ids"]), [4, 2], [-0.5, -0.25],
@@ -107,7 +108,13 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         length = int(self.headers.get("content-length") or 0)
         body = json.loads(self.rfile.read(length)) if length else None
-        status, payload = self.server.peer.respond(Call(method, url.path, dict(parse_qsl(url.query)), body))
+        peer = self.server.peer
+        if url.path == GENERATE and peer.drop:
+            peer.drop -= 1
+            peer.calls.append(Call(method, url.path, dict(parse_qsl(url.query)), body))
+            self.close_connection = True  # no status line: the client reads a closed connection
+            return
+        status, payload = peer.respond(Call(method, url.path, dict(parse_qsl(url.query)), body))
         data = b"" if payload is None else json.dumps(payload).encode()
         try:
             self.send_response(status)

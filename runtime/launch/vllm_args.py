@@ -158,7 +158,18 @@ def local_serve_argv(c: Config, vllm: str, model_dir: Path, port: int) -> list[s
             *common_serve_args(c, model_dir)]
     if not _has_cuda():
         argv.append("--enforce-eager")  # no graphs to capture on a CPU; saves the compile at start
+        # vLLM's CPU sampler cannot go on with a seeded request whose prefill was split over two
+        # steps (the engine dies: "CPU Generator does not use offset"), and Reel seeds every
+        # sample: a step's token budget holds max_batch whole sequences, so no prefill is split.
+        argv += ["--max-num-batched-tokens", str(c.engine.max_batch * _max_model_len(c, model_dir))]
     return argv + shlex.split(c.engine.serve_args)
+
+
+def _max_model_len(c: Config, model_dir: Path) -> int:
+    """The longest sequence the server takes: engine.max_seq_len, else the served checkpoint's limit."""
+    if c.engine.max_seq_len:
+        return c.engine.max_seq_len
+    return int(json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"])
 
 
 def local_serve_env(c: Config) -> dict[str, str]:
