@@ -78,10 +78,13 @@ def policy_version(label: str | int | None) -> int | None:
         return None
 
 
-def sampling_options(params: SamplingParams, index: int) -> dict[str, Any]:
-    """vLLM SamplingParams fields (JSON types) of sample `index`: its own request, seeded seed + index."""
-    return {"n": 1, "temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens,
-            "seed": params.seed + index, "logprobs": 0, "stop_token_ids": list(params.stop_token_ids),
+def sampling_options(params: SamplingParams, first: int, n: int = 1) -> dict[str, Any]:
+    """vLLM SamplingParams fields (JSON types) of samples first .. first + n - 1 as one request.
+
+    vLLM seeds child i of a request with seed + i, so seed + first gives every sample the seed
+    it would have alone (Reel's sample i: seed + i)."""
+    return {"n": n, "temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens,
+            "seed": params.seed + first, "logprobs": 0, "stop_token_ids": list(params.stop_token_ids),
             "ignore_eos": True, "detokenize": False}
 
 
@@ -164,12 +167,16 @@ class VLLMEngineBase(Engine):
         await self.start()
         prompt = [int(t) for t in prompt_ids]
         version = self.version
-        # One request per sample (seed + i), all tagged with the version they started under.
-        return list(await asyncio.gather(*(self._sample(prompt, params, i, version) for i in range(params.n))))
+        # Samples (seed + i) in runs of at most max_batch, all tagged with the version they started
+        # under: vLLM refuses a request with n above its max_num_seqs.
+        runs = [(first, min(self.max_batch, params.n - first)) for first in range(0, params.n, self.max_batch)]
+        parts = await asyncio.gather(*(self._samples(prompt, params, first, n, version) for first, n in runs))
+        return [completion for part in parts for completion in part]
 
     @abc.abstractmethod
-    async def _sample(self, prompt: list[int], params: SamplingParams, index: int, version: int) -> Completion:
-        """Sample `index` of a request (seed + index), tagged with `version`."""
+    async def _samples(self, prompt: list[int], params: SamplingParams, first: int, n: int,
+                       version: int) -> list[Completion]:
+        """Samples first .. first + n - 1 of a request (sample i seeded seed + i), tagged with `version`."""
 
     def _check_routed_experts(self) -> None:
         """Refuse to start when router replay needs a capture this machine's vLLM lacks."""
@@ -233,6 +240,10 @@ class VLLMEngine(VLLMEngineBase):
             await self._llm.update_weight_version(str(self.version))
         except Exception as exc:
             raise EngineError(f"vLLM could not start on {self.model_dir}: {type(exc).__name__}: {exc}") from exc
+
+    async def _samples(self, prompt: list[int], params: SamplingParams, first: int, n: int,
+                       version: int) -> list[Completion]:
+        return list(await asyncio.gather(*(self._sample(prompt, params, i, version) for i in range(first, first + n))))
 
     async def _sample(self, prompt: list[int], params: SamplingParams, index: int, version: int) -> Completion:
         from vllm import SamplingParams as VSamplingParams

@@ -5,10 +5,11 @@ vllm-router in front of the prefill and decode pools) and REEL_VLLM_SERVERS (eve
 vLLM's side of the mapping (seeds, logprobs, routing, cache salts) is producers/vllm.py's; here
 is the wire:
 
-    generate    POST {url}/inference/v1/generate, one request per sample:
-                {request_id, token_ids, sampling_params, cache_salt, output_mode, stream}
-                -> choices[0]: token_ids, logprobs.content[].logprob, routed_experts (base64 of
-                   a .npy), weight_versions [{version, start, end}], finish_reason
+    generate    POST {url}/inference/v1/generate, one request per group (n samples, split into
+                runs of at most engine.max_batch): {request_id, token_ids, sampling_params,
+                cache_salt, output_mode, stream}
+                -> choices[i]: index, token_ids, logprobs.content[].logprob, routed_experts
+                   (base64 of a .npy), weight_versions [{version, start, end}], finish_reason
     cancel      the request's connection closes (vLLM aborts a request whose client went away),
                 then POST {server}/inference/v1/abort_requests to every server, best effort
     weights     on every server, each step on all of them before the next:
@@ -92,6 +93,7 @@ class _Span(msgspec.Struct):
 
 
 class _Choice(msgspec.Struct):
+    index: int
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: _Logprobs | None = None
@@ -117,29 +119,32 @@ class Generated(NamedTuple):
     spans: list[tuple[int, int | None]]  # (first token, policy version; None: a label that is no Reel version)
 
 
-def generate_body(prompt: list[int], params: SamplingParams, index: int, version: int,
+def generate_body(prompt: list[int], params: SamplingParams, first: int, n: int, version: int,
                   request_id: str) -> dict[str, Any]:
-    """The JSON body of sample `index`'s POST /inference/v1/generate, started under `version`."""
+    """The JSON body of the POST /inference/v1/generate for samples first .. first + n - 1,
+    started under `version`."""
     return {"request_id": request_id, "token_ids": prompt,
-            "sampling_params": sampling_options(params, index) | {"routed_experts_prompt_start": 0},
+            "sampling_params": sampling_options(params, first, n) | {"routed_experts_prompt_start": 0},
             "cache_salt": cache_salt(version), "output_mode": "tokens", "stream": False}
 
 
-def parse_generate_response(data: bytes, where: str) -> Generated:
-    """A generate response body; `where` (server and endpoint) goes into error messages."""
+def parse_generate_response(data: bytes, where: str, n: int) -> list[Generated]:
+    """A generate response body of `n` samples, in sample order; `where` (server and endpoint)
+    goes into error messages."""
     try:
         response = msgspec.json.decode(data, type=_GenerateResponse)
     except msgspec.DecodeError as exc:
         raise EngineError(f"{where} answered a body Reel cannot read: {exc}") from exc
-    if len(response.choices) != 1:
-        raise EngineError(f"{where} answered {len(response.choices)} choices for one sample")
-    choice = response.choices[0]
-    return Generated(
+    choices = sorted(response.choices, key=lambda choice: choice.index)
+    if [choice.index for choice in choices] != list(range(n)):
+        raise EngineError(f"{where} answered choices {[c.index for c in choices]} for {n} samples")
+    return [Generated(
         tokens=choice.token_ids,
         logprobs=[entry.logprob for entry in choice.logprobs.content] if choice.logprobs else [],
         finish_reason=choice.finish_reason,
         routing=None if choice.routed_experts is None else _decode_npy(choice.routed_experts, where),
         spans=[(span.start, policy_version(span.version)) for span in choice.weight_versions or ()])
+        for choice in choices]
 
 
 def _decode_npy(text: str, where: str) -> np.ndarray:
@@ -229,25 +234,26 @@ class VLLMHTTPEngine(VLLMEngineBase):
                     log.info("waiting for vLLM server %s to be healthy (%s)", server, exc)
             await asyncio.sleep(HEALTH_POLL_S)
 
-    async def _sample(self, prompt: list[int], params: SamplingParams, index: int, version: int) -> Completion:
+    async def _samples(self, prompt: list[int], params: SamplingParams, first: int, n: int,
+                       version: int) -> list[Completion]:
         try:
-            data = await self._generate(prompt, params, index, version)
+            data = await self._generate(prompt, params, first, n, version)
         except ConnectionDropped as exc:
-            # Sent again once: the sample is seeded, so the server gives the same tokens (its spans
-            # say so if the weights changed meanwhile); a server that is gone fails the second try.
+            # Sent again once: the samples are seeded, so the server gives the same tokens (their
+            # spans say so if the weights changed meanwhile); a server that is gone fails again.
             log.warning("%s; sending the request again", exc)
-            data = await self._generate(prompt, params, index, version)
-        out = parse_generate_response(data, f"vLLM server {self.url}: POST {GENERATE}")
-        return self._completion(len(prompt), out.tokens, out.logprobs, out.finish_reason, out.routing, out.spans,
-                                version, params.seed + index)
+            data = await self._generate(prompt, params, first, n, version)
+        outs = parse_generate_response(data, f"vLLM server {self.url}: POST {GENERATE}", n)
+        return [self._completion(len(prompt), out.tokens, out.logprobs, out.finish_reason, out.routing, out.spans,
+                                 version, params.seed + first + i) for i, out in enumerate(outs)]
 
-    async def _generate(self, prompt: list[int], params: SamplingParams, index: int, version: int) -> bytes:
-        """One POST of sample `index`'s generate request; aborted on the server when cancelled."""
+    async def _generate(self, prompt: list[int], params: SamplingParams, first: int, n: int, version: int) -> bytes:
+        """One POST of a generate request for n samples; aborted on the server when cancelled."""
         request_id = f"{self._id_prefix}-{next(self._ids)}"
-        body = generate_body(prompt, params, index, version, request_id)
+        body = generate_body(prompt, params, first, n, version, request_id)
         request = asyncio.ensure_future(self._call(self.url, GENERATE, body=body, timeout_s=None))
         self._requests.add(request)
-        self._running += 1
+        self._running += n
         try:
             return await request
         except asyncio.CancelledError:
@@ -257,7 +263,7 @@ class VLLMHTTPEngine(VLLMEngineBase):
             await self._abort(request_id)
             raise
         finally:
-            self._running -= 1
+            self._running -= n
             self._requests.discard(request)
 
     async def _abort(self, request_id: str) -> None:

@@ -75,18 +75,37 @@ async def until(condition: Callable[[], bool]) -> None:
 
 def test_generate_body_is_the_documented_json() -> None:
     params = SamplingParams(n=4, temperature=0.7, top_p=0.9, max_tokens=12, stop_token_ids=(2,), seed=100)
-    assert generate_body([5, 6, 7], params, 3, 7, "reel-ab-3") == {
+    assert generate_body([5, 6, 7], params, 0, 4, 7, "reel-ab-3") == {
         "request_id": "reel-ab-3", "token_ids": [5, 6, 7],
-        "sampling_params": {"n": 1, "temperature": 0.7, "top_p": 0.9, "max_tokens": 12, "seed": 103, "logprobs": 0,
+        "sampling_params": {"n": 4, "temperature": 0.7, "top_p": 0.9, "max_tokens": 12, "seed": 100, "logprobs": 0,
                             "stop_token_ids": [2], "ignore_eos": True, "detokenize": False,
                             "routed_experts_prompt_start": 0},
         "cache_salt": "v7", "output_mode": "tokens", "stream": False}
+    # A later run of the group's samples starts at its first sample's seed (vLLM's child i: seed + i).
+    later = generate_body([5], params, 3, 1, 7, "reel-ab-4")["sampling_params"]
+    assert (later["n"], later["seed"]) == (1, 103)
+
+
+async def test_a_group_is_one_request_split_at_max_batch_with_each_sample_seeded(peers, model_dir: Path) -> None:
+    peer = peers()
+    async with engine(model_dir, peer.url, max_batch=4) as e:
+        samples = await e.generate([1, 2], SamplingParams(n=10, max_tokens=2, seed=50))
+    bodies = [c.body["sampling_params"] for c in peer.calls if c.path == GENERATE]
+    assert sorted((b["seed"], b["n"]) for b in bodies) == [(50, 4), (54, 4), (58, 2)]
+    assert [s.seed for s in samples] == list(range(50, 60))
+
+
+def test_choices_that_are_not_the_requested_samples_are_refused() -> None:
+    body = vllm_response(2, [1], [-1.0], [], n=3)
+    body["choices"].pop()
+    with pytest.raises(EngineError, match=r"answered choices \[1, 2\] for 3 samples"):
+        parse_generate_response(json.dumps(body).encode(), "here", 3)
 
 
 def test_a_recorded_response_parses_to_tokens_logprobs_routing_and_spans() -> None:
     spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
     body = vllm_response(4, [9, 8, 7, 6, 2], [-0.1, -0.2, -0.3, -0.4, -0.5], spans)
-    out = parse_generate_response(json.dumps(body).encode(), "here")
+    (out,) = parse_generate_response(json.dumps(body).encode(), "here", 1)
     assert out.tokens == [9, 8, 7, 6, 2] and out.logprobs == [-0.1, -0.2, -0.3, -0.4, -0.5]
     assert out.finish_reason == "stop" and out.spans == [(0, 3), (2, 4)]
     assert out.routing.dtype == np.uint16 and out.routing.shape == (8, L, K)
@@ -96,7 +115,8 @@ def test_a_recorded_response_parses_to_tokens_logprobs_routing_and_spans() -> No
 def test_weight_version_labels_that_are_no_reel_version_take_the_version_before() -> None:
     spans = [{"version": "default", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 3},
              {"version": "default", "start": 3, "end": 5}]
-    out = parse_generate_response(json.dumps(vllm_response(4, [9, 8, 7, 6, 2], [-0.1] * 5, spans)).encode(), "here")
+    (out,) = parse_generate_response(json.dumps(vllm_response(4, [9, 8, 7, 6, 2], [-0.1] * 5, spans)).encode(),
+                                     "here", 1)
     assert out.spans == [(0, None), (2, 4), (3, None)]
     assert known_spans(out.spans, 3) == [(0, 3), (2, 4)]
     assert known_spans([], 3) == [(0, 3)]
@@ -120,7 +140,7 @@ def test_a_body_reel_cannot_read_names_the_server(change: Callable[[dict], Any],
     body = vllm_response(2, [1], [-1.0], [])
     change(body["choices"][0])
     with pytest.raises(EngineError, match=message) as raised:
-        parse_generate_response(json.dumps(body).encode(), "vLLM server http://h:8000: POST /inference/v1/generate")
+        parse_generate_response(json.dumps(body).encode(), "vLLM server http://h:8000: POST /inference/v1/generate", 1)
     assert "http://h:8000" in str(raised.value)
 
 

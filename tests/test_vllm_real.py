@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 TINY = MoEConfig(vocab_size=96, hidden_size=64, moe_intermediate_size=64, intermediate_size=96, num_hidden_layers=3,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,  # vLLM's CPU attention: head_dim >= 32
-                 num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1], max_position_embeddings=256)
+                 num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1], max_position_embeddings=1024)
 RUN = """
 [model]
 hidden_size = 64
@@ -145,10 +145,10 @@ async def test_http_weight_push_mid_generation_changes_outputs_and_spans_say_whe
     old, new = models[1], models[2]
     async with _engine(models, server, blobs) as engine:
         await _push(engine, old, blobs, 10)
-        params = SamplingParams(temperature=0.0, max_tokens=240)
+        params = SamplingParams(temperature=0.0, max_tokens=1000)
         running = asyncio.create_task(engine.generate(PROMPT, params))
         await _until(lambda: engine._running > 0)
-        await asyncio.sleep(0.3)
+        await _until_metric(server, lambda v: v > 0)  # decoding on the server: push now, mid-generation
         await _push(engine, new, blobs, 11)
         completion: Completion = (await running)[0]
         (start_old, v_old), (swap, v_new) = completion.spans
@@ -167,7 +167,7 @@ async def test_http_cancelled_request_is_aborted_on_the_server(models, server, t
     blobs = BlobStore(tmp_path / "blobs")
     async with _engine(models, server, blobs) as engine:
         await _push(engine, models[1], blobs, 20)
-        running = asyncio.create_task(engine.generate(PROMPT, SamplingParams(n=4, temperature=1.0, max_tokens=240)))
+        running = asyncio.create_task(engine.generate(PROMPT, SamplingParams(n=4, temperature=1.0, max_tokens=1000)))
         await _until(lambda: engine._running == 4)
         await _until_metric(server, lambda v: v > 0)
         running.cancel()

@@ -37,18 +37,22 @@ def npy_base64(array: np.ndarray) -> str:
 
 
 def vllm_response(prompt_len: int, tokens: list[int], logprobs: list[float], spans: list[dict] | None,
-                  *, routing: bool = True, finish_reason: str = "stop") -> dict:
-    """A /inference/v1/generate body as vLLM documents it; routing ids are a function of the position."""
+                  *, routing: bool = True, finish_reason: str = "stop", n: int = 1) -> dict:
+    """A /inference/v1/generate body as vLLM documents it, n equal choices, last one first (vLLM
+    lists them as they finish); routing ids are a function of the position."""
     routing_TLK = (np.arange((prompt_len + len(tokens) - 1) * L * K) % 8).reshape(-1, L, K).astype(np.uint16)
-    choice: dict[str, Any] = {
-        "index": 0, "token_ids": tokens, "finish_reason": finish_reason,
-        "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None,
-                                  "top_logprobs": [{"token": f"token_id:{t}", "logprob": lp}]}
-                                 for t, lp in zip(tokens, logprobs)]},
-        "routed_experts": npy_base64(routing_TLK) if routing else None}
-    if spans is not None:
-        choice["weight_versions"] = spans
-    return {"request_id": "generate-tokens-x", "choices": [choice], "prompt_logprobs": None,
+    choices = []
+    for index in reversed(range(n)):
+        choice: dict[str, Any] = {
+            "index": index, "token_ids": tokens, "finish_reason": finish_reason,
+            "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None,
+                                      "top_logprobs": [{"token": f"token_id:{t}", "logprob": lp}]}
+                                     for t, lp in zip(tokens, logprobs)]},
+            "routed_experts": npy_base64(routing_TLK) if routing else None}
+        if spans is not None:
+            choice["weight_versions"] = spans
+        choices.append(choice)
+    return {"request_id": "generate-tokens-x", "choices": choices, "prompt_logprobs": None,
             "kv_transfer_params": None}
 
 
@@ -62,7 +66,8 @@ class Peer:
         self.log = log if log is not None else []  # shared by peers: the order across servers
         self.fail = fail or {}
         self.answer = answer or (lambda body: vllm_response(len(body["token_ids"]), [4, 2], [-0.5, -0.25],
-                                                            [{"version": "7", "start": 0, "end": 2}]))
+                                                            [{"version": "7", "start": 0, "end": 2}],
+                                                            n=body["sampling_params"]["n"]))
         self.weight_version: str | None = None
         self.release = threading.Event()  # generate answers once set
         self.release.set()
