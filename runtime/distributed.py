@@ -80,8 +80,13 @@ def from_env() -> World:
     return World(dist.get_rank(), dist.get_world_size())
 
 
-def shutdown(world: World) -> None:
+def shutdown(world: World, *, drain: bool = True) -> None:
+    """Leave the process group. `drain` (every rank is alive and done): meet the others first, so no
+    rank tears down its gloo connections while a peer is still reading from them (that peer then
+    aborts at exit: "terminate called without an active exception")."""
     if world.distributed and dist.is_initialized():
+        if drain:
+            dist.barrier()
         dist.destroy_process_group()
 
 

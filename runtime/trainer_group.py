@@ -83,9 +83,11 @@ class TrainerGroup:
 
 def run_as_group(world: World, run_dir: Path, config: Config, lead: Callable[[TrainerGroup], int]) -> int:
     """Rank 0 runs `lead` with the group's handle; the other ranks follow until it is done."""
+    every_rank_done = False
     try:
         if world.rank > 0:
             follow(world, config)
+            every_rank_done = True
             return 0
         group = TrainerGroup(world, run_dir, config)
         try:
@@ -93,10 +95,11 @@ def run_as_group(world: World, run_dir: Path, config: Config, lead: Callable[[Tr
         finally:
             try:
                 group.close()
+                every_rank_done = True
             except RuntimeError as exc:  # a rank already gone: torchrun stops the rest
                 log.warning("could not tell the other trainer ranks to stop: %s", exc)
     finally:
-        shutdown(world)
+        shutdown(world, drain=every_rank_done)
 
 
 def follow(world: World, config: Config) -> None:
