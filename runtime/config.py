@@ -10,7 +10,6 @@ import hashlib
 import importlib
 import os
 import re
-import shlex
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -18,15 +17,10 @@ from typing import Any, Literal
 import msgspec
 import tomli_w
 
-from bus.errors import ReelError
-from runtime.config_keys import name_key
+from runtime.config_engine import EngineSection, Precision, validate_engine
+from runtime.config_keys import ConfigError, name_key, require
 
-Precision = Literal["fp32", "bf16", "fp8"]
 Objective = Literal["tis", "icepop", "mis", "none"]
-
-
-class ConfigError(ReelError, ValueError):
-    """A config the user must fix; the message is one sentence naming the key."""
 
 
 # env.name is checked against the env registry, reached by name (runtime/ never imports producers/).
@@ -84,41 +78,6 @@ class InitSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     warmup_lr: float = 3e-3
     warmup_batch: int = 32
     warmup_noise: float = 0.3  # label smoothing of the warm-start loss: right at greedy, noisy when sampled
-
-
-class EngineSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    kind: Literal["builtin", "vllm"] = "builtin"
-    precision: Precision = "fp32"
-    max_batch: int = 64  # sequences decoded together (KV cache slots)
-    max_seq_len: int = 0  # 0 = model.max_position_embeddings
-    threads: int = 1  # torch threads of the built-in engine's step thread
-    # vLLM-only keys (rendered into `vllm serve` by `reel launch slurm`)
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    expert_parallel: bool = False
-    pd_disaggregation: bool = False
-    prefill_nodes: int = 1
-    decode_nodes: int = 1
-    kv_connector: str = ""  # NixlConnector | MooncakeConnector | OffloadingConnector | MooncakeStoreConnector
-    kv_offload_cpu_gib: float = 0.0
-    kv_offload_disk_dir: str = ""
-    # Added for `reel launch slurm` (checked with the keys above, by _validate_engine):
-    eplb: bool = False  # --enable-eplb: rebalance experts across expert-parallel ranks
-    mooncake_protocol: Literal["rdma", "tcp"] = "rdma"  # MooncakeStoreConnector transport
-    serve_args: str = ""  # more `vllm serve` arguments, as shell words ("--gpu-memory-utilization 0.9")
-    # Where `reel run` puts vLLM: "local" = one `vllm serve` for the run, started and stopped with it, that
-    # the rollout workers reach over HTTP (its log in roles/vllm.log); "inprocess" = vLLM's AsyncLLM inside
-    # each rollout worker. Slurm jobs always run `vllm serve` pools.
-    vllm_server: Literal["local", "inprocess"] = "local"
-
-
-# KV connectors of `vllm serve` (engine.kv_connector); the first two join a prefill and a decode pool.
-PD_CONNECTORS = ("NixlConnector", "MooncakeConnector")
-CONNECTORS = (*PD_CONNECTORS, "OffloadingConnector", "MooncakeStoreConnector")
-# Keys that only `vllm serve` reads: set with the built-in engine they would silently do nothing.
-VLLM_ONLY_KEYS = ("tensor_parallel_size", "data_parallel_size", "expert_parallel", "eplb",
-                  "pd_disaggregation", "prefill_nodes", "decode_nodes", "kv_connector",
-                  "kv_offload_cpu_gib", "kv_offload_disk_dir", "mooncake_protocol", "serve_args", "vllm_server")
 
 
 class RolloutSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -236,139 +195,85 @@ def load(path: str | Path) -> Config:
     return loads(text, source=str(path))
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
 def validate(c: Config) -> None:
     """Reject impossible values before anything starts."""
-    _require(re.fullmatch(r"[A-Za-z0-9_.-]+", c.run.name) is not None,
+    require(re.fullmatch(r"[A-Za-z0-9_.-]+", c.run.name) is not None,
              f"run.name = {c.run.name!r} must use only letters, digits, '_', '.', '-'")
-    _require(c.run.steps >= 1, f"run.steps = {c.run.steps} must be at least 1")
-    _require(c.rollout.async_level >= 0, f"rollout.async_level = {c.rollout.async_level} must be >= 0")
-    _require(c.engine.threads >= 1, f"engine.threads = {c.engine.threads} must be at least 1")
-    _require(c.rollout.workers >= 1, f"rollout.workers = {c.rollout.workers} must be at least 1")
-    _require(c.rollout.concurrency >= 1, f"rollout.concurrency = {c.rollout.concurrency} must be at least 1")
-    _require(c.rollout.group_size >= 2,
+    require(c.run.steps >= 1, f"run.steps = {c.run.steps} must be at least 1")
+    require(c.rollout.async_level >= 0, f"rollout.async_level = {c.rollout.async_level} must be >= 0")
+    require(c.engine.threads >= 1, f"engine.threads = {c.engine.threads} must be at least 1")
+    require(c.rollout.workers >= 1, f"rollout.workers = {c.rollout.workers} must be at least 1")
+    require(c.rollout.concurrency >= 1, f"rollout.concurrency = {c.rollout.concurrency} must be at least 1")
+    require(c.rollout.group_size >= 2,
              f"rollout.group_size = {c.rollout.group_size} must be at least 2 (GRPO compares samples of a group)")
-    _require(c.rollout.max_tokens >= 1, f"rollout.max_tokens = {c.rollout.max_tokens} must be at least 1")
-    _require(c.rollout.temperature > 0, f"rollout.temperature = {c.rollout.temperature} must be > 0")
-    _require(0 < c.rollout.top_p <= 1, f"rollout.top_p = {c.rollout.top_p} must be in (0, 1]")
-    _require(c.trainer.batch_groups >= 1, f"trainer.batch_groups = {c.trainer.batch_groups} must be at least 1")
+    require(c.rollout.max_tokens >= 1, f"rollout.max_tokens = {c.rollout.max_tokens} must be at least 1")
+    require(c.rollout.temperature > 0, f"rollout.temperature = {c.rollout.temperature} must be > 0")
+    require(0 < c.rollout.top_p <= 1, f"rollout.top_p = {c.rollout.top_p} must be in (0, 1]")
+    require(c.trainer.batch_groups >= 1, f"trainer.batch_groups = {c.trainer.batch_groups} must be at least 1")
     # With async_level = a, workers start at most concurrency groups per version for a+1 versions.
     producible = c.rollout.workers * c.rollout.concurrency * (c.rollout.async_level + 1)
-    _require(c.trainer.batch_groups <= producible,
+    require(c.trainer.batch_groups <= producible,
              f"trainer.batch_groups = {c.trainer.batch_groups} exceeds what rollout can produce per step "
              f"({producible} = workers x concurrency x (async_level + 1)); lower it or raise rollout.concurrency")
-    _require(c.trainer.lr > 0, f"trainer.lr = {c.trainer.lr} must be > 0")
-    _require(c.trainer.lr_spike_step >= 0, f"trainer.lr_spike_step = {c.trainer.lr_spike_step} must be >= 0 (0 = none)")
-    _require(c.trainer.lr_spike_factor > 0, f"trainer.lr_spike_factor = {c.trainer.lr_spike_factor} must be > 0")
-    _require(c.trainer.max_off_policy_steps >= 0,
+    require(c.trainer.lr > 0, f"trainer.lr = {c.trainer.lr} must be > 0")
+    require(c.trainer.lr_spike_step >= 0, f"trainer.lr_spike_step = {c.trainer.lr_spike_step} must be >= 0 (0 = none)")
+    require(c.trainer.lr_spike_factor > 0, f"trainer.lr_spike_factor = {c.trainer.lr_spike_factor} must be > 0")
+    require(c.trainer.max_off_policy_steps >= 0,
              f"trainer.max_off_policy_steps = {c.trainer.max_off_policy_steps} must be >= 0")
-    _require(c.trainer.max_off_policy_steps >= c.rollout.async_level,
+    require(c.trainer.max_off_policy_steps >= c.rollout.async_level,
              f"trainer.max_off_policy_steps = {c.trainer.max_off_policy_steps} is below rollout.async_level = "
              f"{c.rollout.async_level}: every async group would be dropped; raise it")
-    _require(c.trainer.optimizer_steps >= 1, f"trainer.optimizer_steps = {c.trainer.optimizer_steps} must be >= 1")
-    _require(c.trainer.ranks >= 1, f"trainer.ranks = {c.trainer.ranks} must be at least 1")
+    require(c.trainer.optimizer_steps >= 1, f"trainer.optimizer_steps = {c.trainer.optimizer_steps} must be >= 1")
+    require(c.trainer.ranks >= 1, f"trainer.ranks = {c.trainer.ranks} must be at least 1")
     ep = c.trainer.expert_parallel
-    _require(ep >= 1 and c.trainer.ranks % ep == 0,
+    require(ep >= 1 and c.trainer.ranks % ep == 0,
              f"trainer.expert_parallel = {ep} must be at least 1 and divide trainer.ranks = {c.trainer.ranks}; "
              "pick a divisor of trainer.ranks (1 = no expert parallelism)")
     _validate_context_parallel(c.trainer)
-    _require(c.trainer.checkpoint_every >= 1,
+    require(c.trainer.checkpoint_every >= 1,
              f"trainer.checkpoint_every = {c.trainer.checkpoint_every} must be at least 1")
-    _require(c.trainer.icepop_low < c.trainer.icepop_high, "trainer.icepop_low must be below trainer.icepop_high")
-    _require(c.trainer.mis_low < c.trainer.mis_high, "trainer.mis_low must be below trainer.mis_high")
+    require(c.trainer.icepop_low < c.trainer.icepop_high, "trainer.icepop_low must be below trainer.icepop_high")
+    require(c.trainer.mis_low < c.trainer.mis_high, "trainer.mis_low must be below trainer.mis_high")
     module, function = ENV_NAME_CHECK.split(":")
     getattr(importlib.import_module(module), function)(c.env.name)
-    _require(1 <= c.env.min_len <= c.env.max_len,
+    require(1 <= c.env.min_len <= c.env.max_len,
              f"env.min_len = {c.env.min_len} and env.max_len = {c.env.max_len} need 1 <= min_len <= max_len")
-    _require(0.0 <= c.env.long_tail <= 1.0, f"env.long_tail = {c.env.long_tail} must be in [0, 1]")
-    _require(c.env.long_tail == 0 or c.rollout.max_tokens - 1 >= c.env.max_len,
+    require(0.0 <= c.env.long_tail <= 1.0, f"env.long_tail = {c.env.long_tail} must be in [0, 1]")
+    require(c.env.long_tail == 0 or c.rollout.max_tokens - 1 >= c.env.max_len,
              f"env.long_tail = {c.env.long_tail} asks for answers of rollout.max_tokens - 1 = "
              f"{c.rollout.max_tokens - 1} characters, fewer than env.max_len = {c.env.max_len}; raise rollout.max_tokens")
-    _require(c.init.warmup_steps >= -1, f"init.warmup_steps = {c.init.warmup_steps} must be >= 0 (or -1 = default)")
+    require(c.init.warmup_steps >= -1, f"init.warmup_steps = {c.init.warmup_steps} must be >= 0 (or -1 = default)")
     m = c.model
     if not m.path:
-        _require(m.num_experts_per_tok <= m.num_experts,
+        require(m.num_experts_per_tok <= m.num_experts,
                  f"model.num_experts_per_tok = {m.num_experts_per_tok} exceeds model.num_experts = {m.num_experts}")
-        _require(m.num_attention_heads % m.num_key_value_heads == 0,
+        require(m.num_attention_heads % m.num_key_value_heads == 0,
                  "model.num_attention_heads must be a multiple of model.num_key_value_heads")
-        _require(m.num_experts <= 65535, "model.num_experts must fit in uint16 (<= 65535)")
-        _require(m.num_experts % c.trainer.expert_parallel == 0,
+        require(m.num_experts <= 65535, "model.num_experts must fit in uint16 (<= 65535)")
+        require(m.num_experts % c.trainer.expert_parallel == 0,
                  f"trainer.expert_parallel = {c.trainer.expert_parallel} does not divide model.num_experts = "
                  f"{m.num_experts}: each EP rank holds whole experts; pick a divisor of both")
-    _require(c.bus.url == "" or c.bus.url.split("://")[0] in ("redis", "rediss", "unix"),
+    require(c.bus.url == "" or c.bus.url.split("://")[0] in ("redis", "rediss", "unix"),
              f"bus.url = {c.bus.url!r} must start with redis://, rediss:// or unix:// (or be empty)")
-    _require(":" not in c.bus.url.split("://")[-1].rpartition("@")[0],
+    require(":" not in c.bus.url.split("://")[-1].rpartition("@")[0],
              "bus.url holds a password, which would be copied into the run's log: remove it and put it in "
              "bus.password_file (mode 0600) or REEL_BUS_PASSWORD")
-    _require(not (c.bus.tls_ca or c.bus.tls_cert or c.bus.tls_key) or c.bus.url.startswith("rediss://"),
+    require(not (c.bus.tls_ca or c.bus.tls_cert or c.bus.tls_key) or c.bus.url.startswith("rediss://"),
              "bus.tls_ca, bus.tls_cert and bus.tls_key need a rediss:// bus.url")
-    _require(bool(c.bus.tls_cert) == bool(c.bus.tls_key), "bus.tls_cert and bus.tls_key go together; set both or neither")
-    _require(c.bus.partitions >= 1, f"bus.partitions = {c.bus.partitions} must be at least 1")
-    _require(not c.bus.cluster or c.bus.url.split("://")[0] in ("redis", "rediss"),
+    require(bool(c.bus.tls_cert) == bool(c.bus.tls_key), "bus.tls_cert and bus.tls_key go together; set both or neither")
+    require(c.bus.partitions >= 1, f"bus.partitions = {c.bus.partitions} must be at least 1")
+    require(not c.bus.cluster or c.bus.url.split("://")[0] in ("redis", "rediss"),
              "bus.cluster = true needs bus.url = redis://HOST:PORT naming a node of the cluster "
              "(the embedded Redis is not a cluster)")
     b = c.blobs
-    _require(bool(b.mooncake_master) == bool(b.mooncake_metadata),
+    require(bool(b.mooncake_master) == bool(b.mooncake_metadata),
              "blobs.mooncake_master and blobs.mooncake_metadata name a running store together; set both or neither")
-    _require(b.backend == "file" or c.engine.kind == "builtin",
+    require(b.backend == "file" or c.engine.kind == "builtin",
              'blobs.backend = "mooncake" needs engine.kind = "builtin" (vLLM loads weights from files); '
              'use blobs.backend = "file"')
-    _require(b.mooncake_segment_bytes > 0 and b.mooncake_buffer_bytes > 0,
+    require(b.mooncake_segment_bytes > 0 and b.mooncake_buffer_bytes > 0,
              "blobs.mooncake_segment_bytes and blobs.mooncake_buffer_bytes must be > 0")
-    _validate_engine(c)
-
-
-def _validate_engine(c: Config) -> None:
-    """Refuse engine settings vLLM would reject or that contradict each other."""
-    e = c.engine
-    if e.kind == "builtin":
-        default = EngineSection()
-        for key in VLLM_ONLY_KEYS:
-            _require(getattr(e, key) == getattr(default, key),
-                     f"engine.{key} is read only by vLLM; set engine.kind = \"vllm\" or remove engine.{key}")
-        return
-    for key in ("tensor_parallel_size", "data_parallel_size", "prefill_nodes", "decode_nodes"):
-        _require(getattr(e, key) >= 1, f"engine.{key} = {getattr(e, key)} must be at least 1")
-    _require(e.kv_connector in ("", *CONNECTORS),
-             f"engine.kv_connector = {e.kv_connector!r} is unknown; use one of {', '.join(CONNECTORS)} (or \"\")")
-    _require(not (e.expert_parallel and e.tensor_parallel_size * e.data_parallel_size == 1),
-             "engine.expert_parallel = true needs more than one GPU per deployment; raise "
-             "engine.data_parallel_size (or engine.tensor_parallel_size), or set expert_parallel = false")
-    _require(not (e.eplb and not e.expert_parallel),
-             "engine.eplb = true balances experts across expert-parallel ranks; set engine.expert_parallel = true")
-    if e.pd_disaggregation:
-        _require(e.kv_connector in PD_CONNECTORS,
-                 f"engine.pd_disaggregation = true needs a connector that moves KV from prefill to decode: set "
-                 f"engine.kv_connector = \"NixlConnector\" or \"MooncakeConnector\" (it is {e.kv_connector!r})")
-        _require(not c.trainer.router_replay,
-                 f"trainer.router_replay = true cannot run with engine.pd_disaggregation = true and "
-                 f"engine.kv_connector = \"{e.kv_connector}\": vLLM's routed-expert capture rejects P/D "
-                 f"connectors; set trainer.router_replay = false or engine.pd_disaggregation = false")
-    else:
-        _require(e.kv_connector not in PD_CONNECTORS,
-                 f"engine.kv_connector = \"{e.kv_connector}\" joins prefill and decode pools; set "
-                 f"engine.pd_disaggregation = true, or use OffloadingConnector or MooncakeStoreConnector")
-    _require(e.kv_offload_cpu_gib >= 0, f"engine.kv_offload_cpu_gib = {e.kv_offload_cpu_gib} must be >= 0")
-    if e.kv_connector in ("OffloadingConnector", "MooncakeStoreConnector"):
-        _require(e.kv_offload_cpu_gib > 0,
-                 f"engine.kv_connector = \"{e.kv_connector}\" needs engine.kv_offload_cpu_gib > 0 "
-                 f"(the CPU memory each node gives the KV tier)")
-    _require(bool(e.kv_connector) or e.kv_offload_cpu_gib == 0,
-             "engine.kv_offload_cpu_gib is set but no KV connector uses it; set "
-             "engine.kv_connector = \"OffloadingConnector\" (or MooncakeStoreConnector)")
-    _require(not e.kv_offload_disk_dir or e.kv_connector in (*PD_CONNECTORS, "OffloadingConnector"),
-             "engine.kv_offload_disk_dir is the OffloadingConnector's disk tier; set engine.kv_connector = "
-             "\"OffloadingConnector\" (or a P/D connector) with engine.kv_offload_cpu_gib > 0")
-    _require(not e.kv_offload_disk_dir or e.kv_offload_cpu_gib > 0,
-             "engine.kv_offload_disk_dir is a tier behind the CPU tier; set engine.kv_offload_cpu_gib > 0")
-    try:
-        shlex.split(e.serve_args)
-    except ValueError as exc:
-        raise ConfigError(f"engine.serve_args = {e.serve_args!r} is not valid shell words: {exc}") from exc
+    validate_engine(c.engine, router_replay=c.trainer.router_replay)
 
 
 def check_model_path(c: Config, text: str) -> None:
@@ -414,17 +319,17 @@ def to_toml(c: Config) -> str:
 
 def _validate_context_parallel(t: TrainerSection) -> None:
     cp = t.context_parallel
-    _require(cp >= 1 and t.ranks % cp == 0,
+    require(cp >= 1 and t.ranks % cp == 0,
              f"trainer.context_parallel = {cp} must be at least 1 and divide trainer.ranks = {t.ranks}; "
              "pick a divisor of trainer.ranks (1 = no context parallelism)")
     if cp == 1:
         return
     # Each of these couples a rank's tokens to tokens another CP rank holds; none is reduced across the group.
-    _require(t.expert_parallel == 1, f"trainer.context_parallel = {cp} with trainer.expert_parallel = "
+    require(t.expert_parallel == 1, f"trainer.context_parallel = {cp} with trainer.expert_parallel = "
              f"{t.expert_parallel} is not supported; set one of them to 1")
-    _require(t.objective != "mis", f"trainer.context_parallel = {cp} splits sequences, and trainer.objective = "
+    require(t.objective != "mis", f"trainer.context_parallel = {cp} splits sequences, and trainer.objective = "
              "\"mis\" weighs each whole sequence; use tis, icepop or none, or set context_parallel = 1")
-    _require(t.aux_loss_coef == 0, f"trainer.context_parallel = {cp} splits sequences, and the load-balancing "
+    require(t.aux_loss_coef == 0, f"trainer.context_parallel = {cp} splits sequences, and the load-balancing "
              "loss (trainer.aux_loss_coef) is a product of means over them; set aux_loss_coef = 0 or "
              "context_parallel = 1")
 

@@ -14,6 +14,17 @@ from typing import Literal, get_args, get_origin
 
 import msgspec
 
+from bus.errors import ReelError
+
+
+class ConfigError(ReelError, ValueError):
+    """A config the user must fix; the message is one sentence naming the key."""
+
+
+def require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
 
 def name_key(message: str, root: type) -> str:
     """Turn msgspec's `... - at `$.trainer.lr`` (decoding into the Struct `root`) into a message that

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from bus.errors import ReelError
-from runtime import config
+from runtime import config, config_engine
 from runtime.config import ConfigError
 from runtime.launch import slurm, vllm_args
 from runtime.launch.cli import main
@@ -293,8 +293,8 @@ def test_status_and_cancel_need_a_submitted_run(tmp_path: Path, capsys: pytest.C
 
 
 def test_builtin_engine_accepts_no_vllm_keys_but_vllm_keys_have_defaults() -> None:
-    default = config.EngineSection()
-    assert all(hasattr(default, key) for key in config.VLLM_ONLY_KEYS)
+    default = config_engine.EngineSection()
+    assert all(hasattr(default, key) for key in config_engine.VLLM_ONLY_KEYS)
     config.loads(EXAMPLE.read_text())
 
 

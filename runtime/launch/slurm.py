@@ -32,6 +32,7 @@ from typing import NamedTuple
 from bus.errors import ReelError
 from runtime import config as config_mod
 from runtime.config import Config, ConfigError
+from runtime.config_engine import PD_CONNECTORS
 from runtime.launch import vllm_args
 from runtime.launch.supervisor import beside_python
 from runtime.launch.vllm_args import Expand, Pool
@@ -377,7 +378,7 @@ def _pool_summary(c: Config, pool: Pool) -> str:
         backend = vllm_args.ALL2ALL.get(pool.role)
         parts.append("expert parallel" + (f" ({backend})" if backend else ""))
     if e.kv_connector:
-        parts.append(e.kv_connector + (" + CPU offload" if e.kv_connector in config_mod.PD_CONNECTORS
+        parts.append(e.kv_connector + (" + CPU offload" if e.kv_connector in PD_CONNECTORS
                                        and e.kv_offload_cpu_gib else ""))
     return ", ".join(parts)
 

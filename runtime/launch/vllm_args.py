@@ -37,7 +37,8 @@ import shlex
 from pathlib import Path
 from typing import NamedTuple
 
-from runtime.config import PD_CONNECTORS, Config, ConfigError
+from runtime.config import Config, ConfigError
+from runtime.config_engine import PD_CONNECTORS
 
 # vLLM pools run on nodes of their own, so their ports are fixed.
 API_PORT = 8000
