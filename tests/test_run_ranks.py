@@ -38,6 +38,7 @@ def test_example_on_two_ranks_learns_replays_and_retrains(tmp_path: Path) -> Non
     run_dir = tmp_path / "run"
     done = _reel("run", str(config), "--out", str(run_dir), "--no-live", timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 8/8" in done.stdout and "nan" not in done.stdout  # N ranks log no mismatch split: none shown
     commits = _commits(run_dir)
     assert [c.step for c in commits] == list(range(1, STEPS + 1))
     assert all(c.world_size == 2 for c in commits)

@@ -115,10 +115,12 @@ class Progress:
         idle = _idle_share(s)
         m = s.metrics
         nan = float("nan")
+        # A trainer on N ranks logs no mismatch split (train_step says why): no "(numerics nan ...)".
+        split = (f" (numerics {m['numerics_k3']:.2e} drift {m['drift_k3']:.2e})"
+                 if "numerics_k3" in m and "drift_k3" in m else "")
         return (
             f"step {s.step}/{self.config.run.steps}  reward {m.get('reward_mean', nan):.3f}  "
-            f"kl_k3 {m.get('kl_k3', nan):.2e} (numerics {m.get('numerics_k3', nan):.2e} "
-            f"drift {m.get('drift_k3', nan):.2e})  staleness {_mean_staleness(s):.2f}  "
+            f"kl_k3 {m.get('kl_k3', nan):.2e}{split}  staleness {_mean_staleness(s):.2f}  "
             f"tokens/s {sum(self.tokens_per_s.values()):.0f}  trainer idle {idle:.0%}  "
             f"dropped {len(s.dropped)}"
         )
@@ -132,7 +134,7 @@ class Progress:
             idle = _idle_share(s)
             table.add_row(
                 f"{s.step}/{self.config.run.steps}", f"{s.metrics.get('reward_mean', float('nan')):.3f}",
-                *(f"{s.metrics.get(key, float('nan')):.2e}" for key in ("kl_k3", "numerics_k3", "drift_k3")),
+                *(f"{s.metrics[key]:.2e}" if key in s.metrics else "-" for key in ("kl_k3", "numerics_k3", "drift_k3")),
                 f"{_mean_staleness(s):.2f}",
                 f"{sum(self.tokens_per_s.values()):.0f}", f"{idle:.0%}", str(len(s.dropped)),
             )
