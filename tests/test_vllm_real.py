@@ -148,7 +148,9 @@ async def test_http_weight_push_mid_generation_changes_outputs_and_spans_say_whe
         params = SamplingParams(temperature=0.0, max_tokens=1000)
         running = asyncio.create_task(engine.generate(PROMPT, params))
         await _until(lambda: engine._running > 0)
-        await _until_metric(server, lambda v: v > 0)  # decoding on the server: push now, mid-generation
+        # 1000 greedy tokens take vLLM's CPU build seconds (a millisecond or more a step): a push after
+        # 0.2 s lands mid-generation. (The running-requests gauge can lag a generation that short.)
+        await asyncio.sleep(0.2)
         await _push(engine, new, blobs, 11)
         completion: Completion = (await running)[0]
         (start_old, v_old), (swap, v_new) = completion.spans
