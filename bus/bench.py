@@ -36,17 +36,17 @@ import redis
 import redis.asyncio
 import uvloop
 
-from bus.events import STREAMS, Sample, Tensor, Trajectory, encode
-from bus.jsonout import print_json
-from bus.log import StreamLog
-from bus.partitions import lane_key, lanes, worker_partition
-from bus.server import EmbeddedRedis
-from bus.streams import GroupConsumer, Publisher, connect
+from reel.bus.events import STREAMS, Sample, Tensor, Trajectory, encode
+from reel.bus.jsonout import print_json
+from reel.bus.log import StreamLog
+from reel.bus.partitions import lane_key, lanes, worker_partition
+from reel.bus.server import EmbeddedRedis
+from reel.bus.streams import GroupConsumer, Publisher, connect
 
 __all__ = ["bench_bus", "bench_log", "trajectory", "reel_pipeline", "consume", "raw_read"]
 
 _PIPELINE = 50  # events per pipelined round trip (baseline and Publisher alike)
-_ARCHIVER = "consumers.archiver:main"
+_ARCHIVER = "reel.consumers.archiver:main"
 _CHILD = """
 import sys
 from importlib import import_module
@@ -121,8 +121,8 @@ def _raw_groups(url: str, out: Path, data: bytes, n: int) -> float:
     """The baseline: events/s until two raw consumer groups (one fdatasyncing a file) acked the last."""
     out.mkdir()
     key = f"raw:{out.name}"
-    children = {out / "reader.log": _child(out / "reader.log", "bus.bench:raw_read", url, key, "reader", str(n), ""),
-                out / "writer.log": _child(out / "writer.log", "bus.bench:raw_read", url, key, "writer", str(n),
+    children = {out / "reader.log": _child(out / "reader.log", "reel.bus.bench:raw_read", url, key, "reader", str(n), ""),
+                out / "writer.log": _child(out / "writer.log", "reel.bus.bench:raw_read", url, key, "writer", str(n),
                                            str(out / "events.bin"))}
     try:
         rate = uvloop.run(_raw_publish_and_wait(url, key, data, n, children))
@@ -184,7 +184,7 @@ def reel_pipeline(url: str, run_dir: Path, run: str, event: Trajectory, n: int,
     """(events/s until the consumer and the archiver have acked the last, events/s published).
     With partitions > 1, one publisher per partition sends n / partitions events, all at once."""
     run_dir.mkdir()
-    children = {run_dir / "consumer.log": _child(run_dir / "consumer.log", "bus.bench:consume", url, run, str(n),
+    children = {run_dir / "consumer.log": _child(run_dir / "consumer.log", "reel.bus.bench:consume", url, run, str(n),
                                                  str(partitions)),
                 run_dir / "archiver.log": _child(run_dir / "archiver.log", _ARCHIVER, str(run_dir), url, run,
                                                  str(partitions))}

@@ -17,14 +17,14 @@ import os
 import tempfile
 from pathlib import Path
 
-from bus.bench import bench_bus, reel_pipeline, trajectory
-from bus.cluster import CLUSTER_ENV
-from bus.errors import ReelError
-from bus.jsonout import print_json
-from bus.events import encode
-from bus.local_cluster import LocalCluster
-from bus.partitions import lane_key
-from bus.server import redis_server_binary
+from reel.bus.bench import bench_bus, reel_pipeline, trajectory
+from reel.bus.cluster import CLUSTER_ENV
+from reel.bus.errors import ReelError
+from reel.bus.jsonout import print_json
+from reel.bus.events import encode
+from reel.bus.local_cluster import LocalCluster
+from reel.bus.partitions import lane_key
+from reel.bus.server import redis_server_binary
 
 __all__ = ["bench_bus_partitions"]
 
@@ -32,7 +32,7 @@ MASTERS = 3
 
 
 def bench_bus_any(args: argparse.Namespace) -> int:
-    """`reel bench bus`: on one Redis, or with --partitions P on a local cluster (bus.bench stays
+    """`reel bench bus`: on one Redis, or with --partitions P on a local cluster (reel.bus.bench stays
     free of this module, which imports it)."""
     return bench_bus_partitions(args) if getattr(args, "partitions", 0) else bench_bus(args)
 

@@ -6,7 +6,7 @@ before returning anything, so a reader never uses bytes other than the ones the 
 Backends subclass `BlobBackend` (put + unverified read; verification lives in the base class so no
 backend can skip it), one module each in bus/blob_backends/: `file` (local or shared filesystem,
 `file://` URIs; every run directory's blobs/) and `mooncake` (a Mooncake store, `mooncake://`).
-`bus.blob_backends.open_blobs` picks one for a run.
+`reel.bus.blob_backends.open_blobs` picks one for a run.
 
     ReelError
      └── BlobError   missing, corrupted or unwritable blob; bad key
@@ -19,8 +19,8 @@ import re
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-from bus.errors import ReelError
-from bus.events import BlobRef
+from reel.bus.errors import ReelError
+from reel.bus.events import BlobRef
 
 __all__ = ["BlobError", "BlobBackend", "check_key"]
 

@@ -14,7 +14,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-from bus.errors import ReelError
+from reel.bus.errors import ReelError
 
 __all__ = [
     "BlobRef", "Tensor", "Event", "RunStarted", "WeightsPublished", "Sample", "Trajectory",

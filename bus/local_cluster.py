@@ -18,7 +18,7 @@ from pathlib import Path
 
 import redis
 
-from bus.errors import ReelError
+from reel.bus.errors import ReelError
 
 __all__ = ["LocalCluster"]
 

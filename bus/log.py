@@ -34,9 +34,9 @@ from typing import NamedTuple
 
 import msgspec
 
-from bus.errors import ReelError
-from bus.events import AnyEvent, MalformedEvent, decode
-from bus.logformat import HEADER, Appender, BadRecord, check, entry_order, frame, fsync_dir, good_record_after
+from reel.bus.errors import ReelError
+from reel.bus.events import AnyEvent, MalformedEvent, decode
+from reel.bus.logformat import HEADER, Appender, BadRecord, check, entry_order, frame, fsync_dir, good_record_after
 
 __all__ = ["LogError", "LogCorrupted", "LogRecord", "StreamLog", "RunLog", "INDEX_EVERY"]
 

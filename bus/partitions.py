@@ -13,7 +13,7 @@ marks) sit next to it in the same slot: `slot_key(key, name)`.
 
 from __future__ import annotations
 
-from bus.events import stream_key
+from reel.bus.events import stream_key
 
 __all__ = ["PARTITIONED", "worker_partition", "lanes", "lane_of", "stream_of", "lane_key", "slot_key",
            "seq_keys"]

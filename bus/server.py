@@ -26,7 +26,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from bus.errors import ReelError
+from reel.bus.errors import ReelError
 
 __all__ = ["EmbeddedRedis", "redis_server_binary"]
 

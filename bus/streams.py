@@ -1,6 +1,6 @@
 """Redis Streams: publisher, consumer groups, recovery, dead letters, safe trimming (watchers: bus/tail.py).
 
-An entry has one field `e` = bus.events.encode(event), at lane_key(run, lane) (bus/partitions.py:
+An entry has one field `e` = reel.bus.events.encode(event), at lane_key(run, lane) (bus/partitions.py:
 stream_key(run, name) unless the stream is split into partitions). Needs Redis >= 6.2
 (XAUTOCLAIM, XTRIM MINID, exclusive ranges) and nothing newer.
 
@@ -33,10 +33,10 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.exceptions import ConnectionError, RedisError, ResponseError, TimeoutError
 
-from bus.cluster import SlotReader, cluster_client, cluster_from_env, is_cluster
-from bus.errors import ReelError
-from bus.events import STREAM_OF, STREAMS, AnyEvent, Event, MalformedEvent, decode, encode, event_key
-from bus.partitions import lane_key, lane_of, lanes, seq_keys, slot_key
+from reel.bus.cluster import SlotReader, cluster_client, cluster_from_env, is_cluster
+from reel.bus.errors import ReelError
+from reel.bus.events import STREAM_OF, STREAMS, AnyEvent, Event, MalformedEvent, decode, encode, event_key
+from reel.bus.partitions import lane_key, lane_of, lanes, seq_keys, slot_key
 
 __all__ = ["BusError", "connect", "Publisher", "recover_next_seq", "Delivery", "GroupConsumer", "safe_trim",
            "DEAD", "FIELD", "dead_letters_added"]
@@ -51,7 +51,7 @@ FIELD = b"e"  # the one field of an entry: the encoded event
 READ_MARGIN_S = 10.0  # a blocking reader's socket timeout = BLOCK + this
 _DEDUPE_KEYS = 1 << 20  # (producer, seq) keys a consumer remembers
 _SCAN = 512  # entries per XREVRANGE when recovering a producer's seq
-_encoder = msgspec.msgpack.Encoder()  # bus.events.encode's settings, for encode_into
+_encoder = msgspec.msgpack.Encoder()  # reel.bus.events.encode's settings, for encode_into
 
 
 class BusError(ReelError):

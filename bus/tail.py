@@ -8,10 +8,10 @@ import logging
 
 import redis.asyncio
 
-from bus.cluster import SlotReader, is_cluster
-from bus.events import AnyEvent, MalformedEvent, decode
-from bus.partitions import lane_key, lanes
-from bus.streams import FIELD, READ_MARGIN_S, as_str, boundary, by_stream, connect
+from reel.bus.cluster import SlotReader, is_cluster
+from reel.bus.events import AnyEvent, MalformedEvent, decode
+from reel.bus.partitions import lane_key, lanes
+from reel.bus.streams import FIELD, READ_MARGIN_S, as_str, boundary, by_stream, connect
 
 __all__ = ["Tail"]
 

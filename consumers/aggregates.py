@@ -30,7 +30,7 @@ from collections import Counter, OrderedDict, deque
 import msgspec
 import numpy as np
 
-from bus.events import (
+from reel.bus.events import (
     AnyEvent, RunFinished, StepCommitted, StepTiming, Trajectory, WeightsPublished,
     WorkerStats, event_key,
 )

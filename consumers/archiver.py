@@ -49,15 +49,15 @@ import msgspec
 import redis.asyncio
 from redis.exceptions import RedisError, ResponseError
 
-from bus.cluster import SlotReader, is_cluster
-from bus.blob_backends.file import BlobStore
-from bus.blobs import BlobBackend
-from bus.events import STREAMS, AnyEvent, BlobRef, MalformedEvent, RoutingTrace, RunFinished, StepCommitted, \
+from reel.bus.cluster import SlotReader, is_cluster
+from reel.bus.blob_backends.file import BlobStore
+from reel.bus.blobs import BlobBackend
+from reel.bus.events import STREAMS, AnyEvent, BlobRef, MalformedEvent, RoutingTrace, RunFinished, StepCommitted, \
     WeightsPublished, decode
-from bus.log import LogError, RunLog
-from bus.logformat import entry_order
-from bus.partitions import lane_key, lanes, slot_key, stream_of
-from bus.streams import DEAD, FIELD, READ_MARGIN_S, BusError, connect, safe_trim
+from reel.bus.log import LogError, RunLog
+from reel.bus.logformat import entry_order
+from reel.bus.partitions import lane_key, lanes, slot_key, stream_of
+from reel.bus.streams import DEAD, FIELD, READ_MARGIN_S, BusError, connect, safe_trim
 
 __all__ = ["Archiver", "main", "GROUP", "CONSUMER"]
 
@@ -339,8 +339,8 @@ def main(run_dir: Path, bus_url: str, run: str, partitions: int | str = 1, stop:
     """`reel role archiver`: archive until SIGTERM/SIGINT (or `stop`), or the run finishes."""
     import uvloop
 
-    from runtime.blob_store import run_blobs
-    from runtime.config import load
+    from reel.runtime.blob_store import run_blobs
+    from reel.runtime.config import load
 
     path = Path(run_dir) / "config.toml"
     config = load(path) if path.is_file() else None  # None: `reel bench bus`'s archiver

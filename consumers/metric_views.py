@@ -19,7 +19,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from consumers.aggregates import MISMATCH_KEYS, Snapshot
+from reel.consumers.aggregates import MISMATCH_KEYS, Snapshot
 
 __all__ = ["SnapshotCollector", "render"]
 

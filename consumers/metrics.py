@@ -1,6 +1,6 @@
 """Live metrics of a run: a bus watcher, `reel top`, Prometheus exposition and a JSONL export.
 
-Watchers read the bus with plain XREAD (bus.streams.Tail) from an entry id, never through a
+Watchers read the bus with plain XREAD (reel.bus.streams.Tail) from an entry id, never through a
 consumer group: any number can attach, none can slow the trainer or hold entries back from
 trimming. A finished run (RunFinished in its log, or no Redis to reach) is read from its on-disk
 log instead, through the same aggregates (consumers/aggregates.py), so both show the same figures.
@@ -27,15 +27,15 @@ from prometheus_client.registry import CollectorRegistry
 from rich.console import Console
 from rich.live import Live
 
-from bus.errors import ReelError
-from bus.events import AnyEvent, RunFinished
-from bus.jsonout import json_line
-from bus.log import RunLog
-from bus.streams import BusError, connect, dead_letters_added
-from bus.tail import Tail
-from consumers.aggregates import MISMATCH_KEYS, RunAggregates, Snapshot, StepRow
-from consumers.metric_views import SnapshotCollector, render
-from runtime import config as run_config
+from reel.bus.errors import ReelError
+from reel.bus.events import AnyEvent, RunFinished
+from reel.bus.jsonout import json_line
+from reel.bus.log import RunLog
+from reel.bus.streams import BusError, connect, dead_letters_added
+from reel.bus.tail import Tail
+from reel.consumers.aggregates import MISMATCH_KEYS, RunAggregates, Snapshot, StepRow
+from reel.consumers.metric_views import SnapshotCollector, render
+from reel.runtime import config as run_config
 
 __all__ = ["MetricsError", "RunSource", "Watcher", "locate", "log_events", "read_log", "serve", "export_jsonl",
            "main_top", "main_serve", "main_export"]

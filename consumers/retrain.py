@@ -22,19 +22,19 @@ from pathlib import Path
 
 import torch
 
-from bus.blob_backends.file import BlobStore
-from bus.errors import ReelError
-from bus.events import AnyEvent, RunStarted, StepCommitted, StepTiming, WeightsPublished, encode
-from bus.log import RunLog
-from runtime import config as config_mod
-from runtime import distributed
-from runtime.batch import build_batch
-from runtime.config import Config
-from runtime.groups import GroupLookup
-from runtime.initial_policy import code_version, init_dir
-from runtime.model.weights import load, save
-from runtime.train_step import TrainState
-from runtime.trainer_group import TrainerGroup, run_as_group
+from reel.bus.blob_backends.file import BlobStore
+from reel.bus.errors import ReelError
+from reel.bus.events import AnyEvent, RunStarted, StepCommitted, StepTiming, WeightsPublished, encode
+from reel.bus.log import RunLog
+from reel.runtime import config as config_mod
+from reel.runtime import distributed
+from reel.runtime.batch import build_batch
+from reel.runtime.config import Config
+from reel.runtime.groups import GroupLookup
+from reel.runtime.initial_policy import code_version, init_dir
+from reel.runtime.model.weights import load, save
+from reel.runtime.train_step import TrainState
+from reel.runtime.trainer_group import TrainerGroup, run_as_group
 
 PRODUCER = "retrain:0"
 

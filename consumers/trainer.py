@@ -30,27 +30,27 @@ from pathlib import Path
 import redis.asyncio as aioredis
 import torch
 
-from bus.blobs import BlobBackend
-from bus.errors import ReelError
-from bus.events import (
+from reel.bus.blobs import BlobBackend
+from reel.bus.errors import ReelError
+from reel.bus.events import (
     AnyEvent, DroppedGroup, MalformedEvent, RoutingTrace, RunStarted, StepCommitted, StepTiming, Trajectory,
     WeightsPublished, decode,
 )
-from bus.log import LogCorrupted, LogError, RunLog
-from bus.partitions import lane_key, lanes
-from bus.seqs import recover_seq
-from bus.streams import FIELD, Delivery, GroupConsumer, Publisher, connect
-from runtime import distributed
-from runtime.batch import Group, build_batch, decode_routing, routing_problem
-from runtime.blob_store import run_blobs
-from runtime.config import Config, config_hash
-from runtime.config import load as load_config
-from runtime.groups import GroupLookup
-from runtime.initial_policy import code_version, ensure_initial_policy, initial_reward
-from runtime.mismatch_split import WeightHistory
-from runtime.reexecute import catch_up, checkpoint_before
-from runtime.train_step import TrainState
-from runtime.trainer_group import TrainerGroup, run_as_group
+from reel.bus.log import LogCorrupted, LogError, RunLog
+from reel.bus.partitions import lane_key, lanes
+from reel.bus.seqs import recover_seq
+from reel.bus.streams import FIELD, Delivery, GroupConsumer, Publisher, connect
+from reel.runtime import distributed
+from reel.runtime.batch import Group, build_batch, decode_routing, routing_problem
+from reel.runtime.blob_store import run_blobs
+from reel.runtime.config import Config, config_hash
+from reel.runtime.config import load as load_config
+from reel.runtime.groups import GroupLookup
+from reel.runtime.initial_policy import code_version, ensure_initial_policy, initial_reward
+from reel.runtime.mismatch_split import WeightHistory
+from reel.runtime.reexecute import catch_up, checkpoint_before
+from reel.runtime.train_step import TrainState
+from reel.runtime.trainer_group import TrainerGroup, run_as_group
 
 log = logging.getLogger("reel.trainer")
 PRODUCER = "trainer:0"

@@ -30,13 +30,13 @@ from pathlib import Path
 
 import torch
 
-from bus.jsonout import print_json
-from producers.builtin_engine import BuiltinEngine
-from producers.engine import SamplingParams
-from runtime.model import native
-from runtime.model.config import MoEConfig
-from runtime.model.model import MoEModel
-from runtime.model.weights import save
+from reel.bus.jsonout import print_json
+from reel.producers.builtin_engine import BuiltinEngine
+from reel.producers.engine import SamplingParams
+from reel.runtime.model import native
+from reel.runtime.model.config import MoEConfig
+from reel.runtime.model.model import MoEModel
+from reel.runtime.model.weights import save
 
 SEED = 0
 VOCAB = 49  # the character tokenizer's vocabulary
@@ -131,9 +131,9 @@ def _time_vllm(model: MoEModel, prompts: list[list[int]], max_tokens: int, round
     """Best seconds of a real `vllm serve` on the same weights and prompts (None without vLLM)."""
     if importlib.util.find_spec("vllm") is None:
         return None
-    from producers.vllm_http import VLLMHTTPEngine
-    from runtime import config as config_mod
-    from runtime.launch.vllm_serve import local_vllm
+    from reel.producers.vllm_http import VLLMHTTPEngine
+    from reel.runtime import config as config_mod
+    from reel.runtime.launch.vllm_serve import local_vllm
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     serve = config_mod.loads(f'[engine]\nkind = "vllm"\nmax_batch = {len(prompts)}\n'

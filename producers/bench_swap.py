@@ -23,15 +23,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from bus.blob_backends.file import BlobStore
-from bus.events import BlobRef
-from bus.jsonout import print_json
-from producers.builtin_engine import BuiltinEngine
-from producers.engine import Engine, SamplingParams
-from runtime import config as config_mod
-from runtime.model.config import MoEConfig
-from runtime.model.model import MoEModel
-from runtime.model.weights import save, state_dict_bytes
+from reel.bus.blob_backends.file import BlobStore
+from reel.bus.events import BlobRef
+from reel.bus.jsonout import print_json
+from reel.producers.builtin_engine import BuiltinEngine
+from reel.producers.engine import Engine, SamplingParams
+from reel.runtime import config as config_mod
+from reel.runtime.model.config import MoEConfig
+from reel.runtime.model.model import MoEModel
+from reel.runtime.model.weights import save, state_dict_bytes
 
 # ~14M parameters (56 MB of fp32 safetensors): big enough that reading it is measurable, small enough
 # for vLLM's CPU build; head_dim 32 because vLLM's CPU attention has no kernel for 16.
@@ -82,7 +82,7 @@ def _time_raw_read(path: Path) -> float:
 
 
 def _builtin(model_dir: Path, blobs: BlobStore) -> BuiltinEngine:
-    from runtime.model.weights import load
+    from reel.runtime.model.weights import load
 
     return BuiltinEngine(load(model_dir), max_batch=16, blobs=blobs, version=-1)
 
@@ -109,8 +109,8 @@ async def _time_swaps(engine: Engine, versions: list[BlobRef]) -> float:
 def _vllm_swaps(root: Path, blobs: BlobStore, versions: list[BlobRef]) -> tuple[float | None, str | None]:
     if importlib.util.find_spec("vllm") is None:
         return None, "vLLM is not installed (bash ops/install_vllm.sh)"
-    from producers.vllm_http import VLLMHTTPEngine
-    from runtime.launch.vllm_serve import local_vllm
+    from reel.producers.vllm_http import VLLMHTTPEngine
+    from reel.runtime.launch.vllm_serve import local_vllm
 
     with local_vllm(config_mod.loads(SERVE), root / "model", root / "vllm.log") as url:
         engine = VLLMHTTPEngine(root / "model", url=url, blobs=blobs, version=-1, routed_experts=False)

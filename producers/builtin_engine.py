@@ -36,14 +36,14 @@ import numpy as np
 import torch
 from safetensors.torch import save as st_save
 
-from bus.blobs import BlobBackend
-from bus.events import BlobRef
-from producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
-from producers.sampling import Sampler, Uniforms
-from runtime.model.cached_forward import forward_cached
-from runtime.model.kvcache import new_cache
-from runtime.model.model import MoEModel
-from runtime.model.weights import load_state_dict_bytes
+from reel.bus.blobs import BlobBackend
+from reel.bus.events import BlobRef
+from reel.producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
+from reel.producers.sampling import Sampler, Uniforms
+from reel.runtime.model.cached_forward import forward_cached
+from reel.runtime.model.kvcache import new_cache
+from reel.runtime.model.model import MoEModel
+from reel.runtime.model.weights import load_state_dict_bytes
 
 __all__ = ["BuiltinEngine"]
 

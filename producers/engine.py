@@ -1,7 +1,7 @@
 """The inference engine interface rollout workers talk to, and the types that cross it.
 
-Two engines implement it: `producers.builtin_engine.BuiltinEngine` (any torch device, the CPU
-path) and `producers.vllm.VLLMEngine` (vLLM's AsyncLLM, production GPUs). The interface follows
+Two engines implement it: `reel.producers.builtin_engine.BuiltinEngine` (any torch device, the CPU
+path) and `reel.producers.vllm.VLLMEngine` (vLLM's AsyncLLM, production GPUs). The interface follows
 what vLLM can deliver, so the two are interchangeable:
 
 - a request is token ids in, token ids out (no text); `n` samples of one prompt, sample i drawn
@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from bus.errors import ReelError
-from bus.events import BlobRef
+from reel.bus.errors import ReelError
+from reel.bus.events import BlobRef
 
 if TYPE_CHECKING:
     import torch

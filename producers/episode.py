@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from producers.engine import Completion, Engine, EngineError, SamplingParams
-from producers.envs import Continue, Env, Finish, Prompt
+from reel.producers.engine import Completion, Engine, EngineError, SamplingParams
+from reel.producers.envs import Continue, Env, Finish, Prompt
 
 
 @dataclass

@@ -48,19 +48,19 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from bus.blobs import BlobBackend
-from bus.events import RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished, WorkerStats
-from bus.log import LogError, RunLog
-from bus.partitions import worker_partition
-from bus.seqs import recover_seq
-from bus.streams import Publisher, connect
-from bus.tail import Tail
-from producers.engine import Engine, EngineError, SamplingParams
-from producers.envs import Env, env_for
-from producers.episode import Episode, run_group
-from runtime.blob_store import run_blobs
-from runtime.config import Config, load
-from runtime.initial_policy import init_dir
+from reel.bus.blobs import BlobBackend
+from reel.bus.events import RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished, WorkerStats
+from reel.bus.log import LogError, RunLog
+from reel.bus.partitions import worker_partition
+from reel.bus.seqs import recover_seq
+from reel.bus.streams import Publisher, connect
+from reel.bus.tail import Tail
+from reel.producers.engine import Engine, EngineError, SamplingParams
+from reel.producers.envs import Env, env_for
+from reel.producers.episode import Episode, run_group
+from reel.runtime.blob_store import run_blobs
+from reel.runtime.config import Config, load
+from reel.runtime.initial_policy import init_dir
 
 log = logging.getLogger("reel.rollout")
 
@@ -360,7 +360,7 @@ def make_engine(config: Config, model_dir: Path, blobs: BlobBackend, worker: int
     """
     e = config.engine
     if e.kind == "vllm" and os.environ.get("REEL_VLLM_URL"):
-        from producers.vllm_http import VLLMHTTPEngine
+        from reel.producers.vllm_http import VLLMHTTPEngine
 
         url = os.environ["REEL_VLLM_URL"]
         servers = [s for s in os.environ.get("REEL_VLLM_SERVERS", "").split(",") if s]
@@ -370,15 +370,15 @@ def make_engine(config: Config, model_dir: Path, blobs: BlobBackend, worker: int
         raise EngineError("engine.vllm_server = \"local\" serves through the `vllm serve` that `reel run` starts; "
                           "a rollout role started by hand needs REEL_VLLM_URL (the server's http://host:port)")
     if e.kind == "vllm":
-        from producers.vllm import VLLMEngine
+        from reel.producers.vllm import VLLMEngine
 
         return VLLMEngine(model_dir, max_batch=e.max_batch, max_seq_len=e.max_seq_len, precision=e.precision,
                           tensor_parallel_size=e.tensor_parallel_size, data_parallel_size=e.data_parallel_size,
                           expert_parallel=e.expert_parallel, blobs=blobs, version=-1,
                           routed_experts=config.trainer.router_replay)
-    from producers.builtin_engine import BuiltinEngine
-    from runtime.model.config import MoEConfig
-    from runtime.model.model import MoEModel
+    from reel.producers.builtin_engine import BuiltinEngine
+    from reel.runtime.model.config import MoEConfig
+    from reel.runtime.model.model import MoEModel
 
     model = MoEModel(MoEConfig.from_hf_dict(json.loads((model_dir / "config.json").read_text())), e.precision)
     return BuiltinEngine(model, max_batch=e.max_batch, max_seq_len=e.max_seq_len, blobs=blobs, version=-1,

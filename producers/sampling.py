@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from producers.engine import SamplingParams
-from runtime import cbuild
+from reel.producers.engine import SamplingParams
+from reel.runtime import cbuild
 
 __all__ = ["Sampler", "Uniforms", "sample_tokens"]
 

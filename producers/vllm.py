@@ -43,11 +43,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bus.blob_backends.file import BlobStore
-from bus.events import BlobRef
-from producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
-from runtime.launch.vllm_args import DTYPE, WORKER_EXTENSION, cpu_env, quantization, router_replay_unsupported
-from runtime.model.config import MoEConfig
+from reel.bus.blob_backends.file import BlobStore
+from reel.bus.events import BlobRef
+from reel.producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
+from reel.runtime.launch.vllm_args import DTYPE, WORKER_EXTENSION, cpu_env, quantization, router_replay_unsupported
+from reel.runtime.model.config import MoEConfig
 
 try:
     import vllm

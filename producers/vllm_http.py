@@ -45,10 +45,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgspec
 import numpy as np
 
-from bus.blob_backends.file import BlobStore
-from bus.events import BlobRef
-from producers.engine import Completion, EngineClosed, EngineError, SamplingParams
-from producers.vllm import LOAD_WEIGHTS, VLLMEngineBase, cache_salt, policy_version, sampling_options
+from reel.bus.blob_backends.file import BlobStore
+from reel.bus.events import BlobRef
+from reel.producers.engine import Completion, EngineClosed, EngineError, SamplingParams
+from reel.producers.vllm import LOAD_WEIGHTS, VLLMEngineBase, cache_salt, policy_version, sampling_options
 
 try:
     import httpx

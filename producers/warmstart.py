@@ -33,16 +33,16 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-from producers.builtin_engine import BuiltinEngine
-from producers.engine import SamplingParams
-from producers.envs import Env, env_for
-from producers.episode import run_group
-from runtime.config import Config, cache_dir, warmup_steps
-from runtime.initial_policy import code_version
-from runtime.model.config import MoEConfig
-from runtime.model.determinism import set_determinism
-from runtime.model.model import MoEModel
-from runtime.model.weights import load, save
+from reel.producers.builtin_engine import BuiltinEngine
+from reel.producers.engine import SamplingParams
+from reel.producers.envs import Env, env_for
+from reel.producers.episode import run_group
+from reel.runtime.config import Config, cache_dir, warmup_steps
+from reel.runtime.initial_policy import code_version
+from reel.runtime.model.config import MoEConfig
+from reel.runtime.model.determinism import set_determinism
+from reel.runtime.model.model import MoEModel
+from reel.runtime.model.weights import load, save
 
 log = logging.getLogger("reel.warmstart")
 EVAL_PROMPTS = 256

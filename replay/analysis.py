@@ -29,23 +29,23 @@ import msgspec
 import numpy as np
 import torch
 
-from bus.blob_backends.file import BlobStore
-from bus.errors import ReelError
-from bus.events import StepCommitted
-from bus.log import RunLog
-from runtime import loss as loss_mod
-from runtime.batch import Batch, build_batch
-from runtime.config import Config
-from runtime.groups import GroupLookup
-from runtime.distributed import LOCAL
-from runtime.launch.supervisor import load_run_config
-from runtime.mismatch_split import WeightHistory, WeightsOf, sampler_logprobs, split_metrics
-from runtime.model.determinism import set_determinism
-from runtime.model.model import MoEModel
-from runtime.model.weights import load_state_dict_bytes
-from runtime.reexecute import ReplayMismatch, catch_up, check_reproduced, checkpoint_before
-from runtime.train_step import StepResult, TrainState, completion_tokens, scored_tokens, split, token_logprobs
-from runtime.trainer_group import TrainerGroup
+from reel.bus.blob_backends.file import BlobStore
+from reel.bus.errors import ReelError
+from reel.bus.events import StepCommitted
+from reel.bus.log import RunLog
+from reel.runtime import loss as loss_mod
+from reel.runtime.batch import Batch, build_batch
+from reel.runtime.config import Config
+from reel.runtime.groups import GroupLookup
+from reel.runtime.distributed import LOCAL
+from reel.runtime.launch.supervisor import load_run_config
+from reel.runtime.mismatch_split import WeightHistory, WeightsOf, sampler_logprobs, split_metrics
+from reel.runtime.model.determinism import set_determinism
+from reel.runtime.model.model import MoEModel
+from reel.runtime.model.weights import load_state_dict_bytes
+from reel.runtime.reexecute import ReplayMismatch, catch_up, check_reproduced, checkpoint_before
+from reel.runtime.train_step import StepResult, TrainState, completion_tokens, scored_tokens, split, token_logprobs
+from reel.runtime.trainer_group import TrainerGroup
 
 OnStep = Callable[[int], None]
 

@@ -22,18 +22,18 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bus.errors import ReelError
-from bus.jsonout import print_json
-from replay import debug_views
-from replay import report as report_mod
-from replay.analysis import OnStep, Run, replay_range, replay_step
-from replay.bisect import bisect, locate
-from replay.compare import compare
-from replay.console import print_view
-from runtime import distributed
-from runtime.launch.supervisor import load_run_config
-from runtime.reexecute import newest_checkpoint
-from runtime.trainer_group import TrainerGroup, run_as_group
+from reel.bus.errors import ReelError
+from reel.bus.jsonout import print_json
+from reel.replay import debug_views
+from reel.replay import report as report_mod
+from reel.replay.analysis import OnStep, Run, replay_range, replay_step
+from reel.replay.bisect import bisect, locate
+from reel.replay.compare import compare
+from reel.replay.console import print_view
+from reel.runtime import distributed
+from reel.runtime.launch.supervisor import load_run_config
+from reel.runtime.reexecute import newest_checkpoint
+from reel.runtime.trainer_group import TrainerGroup, run_as_group
 
 
 class RangeError(ReelError):

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import msgspec
 
-from bus.errors import ReelError
-from bus.events import StepCommitted
-from bus.log import RunLog
+from reel.bus.errors import ReelError
+from reel.bus.events import StepCommitted
+from reel.bus.log import RunLog
 
 
 class CompareError(ReelError):

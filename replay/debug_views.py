@@ -12,9 +12,9 @@ import numpy as np
 from rich.console import Group
 from rich.table import Table
 
-from replay.bisect import BisectReport
-from replay.compare import Comparison
-from replay.report import num
+from reel.replay.bisect import BisectReport
+from reel.replay.compare import Comparison
+from reel.replay.report import num
 
 CAUSE_COLORS = {"staleness": "tab:orange", "routing": "tab:purple", "numerics": "tab:blue", "tail": "tab:red"}
 CAUSE_MEANING = {

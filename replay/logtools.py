@@ -20,11 +20,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from bus.events import Tensor, Trajectory
-from bus.jsonout import json_line
-from bus.log import LogError, RunLog
-from runtime import config
-from runtime.tokenizer import Tokenizer, load_tokenizer
+from reel.bus.events import Tensor, Trajectory
+from reel.bus.jsonout import json_line
+from reel.bus.log import LogError, RunLog
+from reel.runtime import config
+from reel.runtime.tokenizer import Tokenizer, load_tokenizer
 
 # Tensors up to this many elements are printed whole; bigger ones as a summary and a head.
 _FULL_TENSOR = 256

@@ -12,7 +12,7 @@ import numpy as np
 from rich.console import Group
 from rich.table import Table
 
-from replay.analysis import KL, BatchAnalysis, RangeRow, StepReport
+from reel.replay.analysis import KL, BatchAnalysis, RangeRow, StepReport
 
 
 def num(x: float | None, fmt: str = ".3e") -> str:

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from bus.errors import ReelError
-from replay.workload import Pipeline, Workload
+from reel.bus.errors import ReelError
+from reel.replay.workload import Pipeline, Workload
 
 __all__ = ["Scenario", "SimResult", "SimulationError", "simulate", "GROUP_EVENTS"]
 

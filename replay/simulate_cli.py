@@ -15,12 +15,12 @@ from pathlib import Path
 
 import msgspec
 
-from bus.errors import ReelError
-from bus.jsonout import print_json
-from replay.console import print_view
-from replay.simulate import Scenario, simulate
-from replay.simulate_report import Row, compare, plot, view
-from replay.workload import Pipeline, Workload, extract
+from reel.bus.errors import ReelError
+from reel.bus.jsonout import print_json
+from reel.replay.console import print_view
+from reel.replay.simulate import Scenario, simulate
+from reel.replay.simulate_report import Row, compare, plot, view
+from reel.replay.workload import Pipeline, Workload, extract
 
 # --sweep keys -> (Scenario or Pipeline field, value type)
 SWEEPABLE = {

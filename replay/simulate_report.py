@@ -12,8 +12,8 @@ import msgspec
 from rich.console import Group
 from rich.table import Table
 
-from replay.simulate import Scenario, SimResult
-from replay.workload import Measured, Workload
+from reel.replay.simulate import Scenario, SimResult
+from reel.replay.workload import Measured, Workload
 
 __all__ = ["Row", "Comparison", "compare", "tv_distance", "view", "plot"]
 

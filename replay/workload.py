@@ -33,10 +33,10 @@ from typing import TypeVar
 import msgspec
 import numpy as np
 
-from bus.errors import ReelError
-from bus.events import Sample, StepCommitted, Trajectory, WorkerStats
-from bus.log import LogError, RunLog
-from runtime.config import Config, ConfigError, load
+from reel.bus.errors import ReelError
+from reel.bus.events import Sample, StepCommitted, Trajectory, WorkerStats
+from reel.bus.log import LogError, RunLog
+from reel.runtime.config import Config, ConfigError, load
 
 __all__ = ["WorkloadError", "Pipeline", "GroupShape", "StepModel", "TrainerModel", "Measured", "Workload", "extract",
            "pipeline_of", "measured_of"]

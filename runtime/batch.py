@@ -17,8 +17,8 @@ import msgspec
 import numpy as np
 import torch
 
-from bus.events import RoutingTrace, Tensor, Trajectory
-from runtime.loss import grpo_advantages
+from reel.bus.events import RoutingTrace, Tensor, Trajectory
+from reel.runtime.loss import grpo_advantages
 
 
 class Group(NamedTuple):
@@ -110,7 +110,7 @@ def build_batch(groups: list[Group]) -> Batch:
         row_groups = [g.trajectory.group_id for g in groups for _ in g.trajectory.samples]
         bad = next(g for g, r, n in zip(row_groups, rows, lengths) if r[4] is None or len(r[4]) != n)
         raise ValueError(f"group {bad} has no routing that matches its tokens while others have; "
-                         "drop it (runtime.batch.routing_problem) or drop every trace")
+                         "drop it (reel.runtime.batch.routing_problem) or drop every trace")
     input_ids = np.zeros((B, T), np.int64)
     mask = np.zeros((B, T), np.int64)
     targets = np.zeros((B, T), np.int64)

@@ -18,12 +18,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bus.events import StepCommitted, WorkerStats
-from bus.jsonout import print_json
-from bus.log import RunLog
-from runtime import config as config_mod
-from runtime.config import Config
-from runtime.launch.supervisor import Supervisor, bus_for, prepare_run_dir
+from reel.bus.events import StepCommitted, WorkerStats
+from reel.bus.jsonout import print_json
+from reel.bus.log import RunLog
+from reel.runtime import config as config_mod
+from reel.runtime.config import Config
+from reel.runtime.launch.supervisor import Supervisor, bus_for, prepare_run_dir
 
 # The agentic shape: mostly 3..6-character answers, 20% of prompts answering with max_tokens.
 WORKLOAD = {

@@ -16,14 +16,14 @@ from typing import NamedTuple
 
 import torch
 
-from bus.blob_backends.file import BlobStore
-from bus.errors import ReelError
-from bus.events import Trajectory, WeightsPublished
-from bus.log import RunLog
-from runtime.initial_policy import load_initial_model
-from runtime.launch.supervisor import load_run_config
-from runtime.model.model import MoEModel
-from runtime.model.weights import load_state_dict_bytes
+from reel.bus.blob_backends.file import BlobStore
+from reel.bus.errors import ReelError
+from reel.bus.events import Trajectory, WeightsPublished
+from reel.bus.log import RunLog
+from reel.runtime.initial_policy import load_initial_model
+from reel.runtime.launch.supervisor import load_run_config
+from reel.runtime.model.model import MoEModel
+from reel.runtime.model.weights import load_state_dict_bytes
 
 
 class TrainedRun(NamedTuple):

@@ -4,7 +4,7 @@ Figures: per-rank peak bytes of parameters + gradients + AdamW state (measured a
 when all three are held; `ratio` = 1 process / 2 ranks, target >= 1.8), seconds per step of both,
 and max |Δ| between the weights after the last step (not zero: the ranks' gradient sums round
 differently from one process; ~1e-5 expected). The 2-rank side runs as `python -m
-runtime.bench_fsdp OUT` under torchrun (gloo on CPU, NCCL on CUDA); rank 0 writes its figures and
+reel.runtime.bench_fsdp OUT` under torchrun (gloo on CPU, NCCL on CUDA); rank 0 writes its figures and
 weights to OUT. Inputs are random tokens with made-up rewards and logprobs: the step's cost and
 memory do not depend on what the tokens say.
 """
@@ -24,16 +24,16 @@ import numpy as np
 import torch
 from safetensors.torch import load
 
-from bus.events import Sample, Tensor, Trajectory
-from bus.jsonout import print_json
-from runtime import distributed
-from runtime.batch import Batch, Group, build_batch
-from runtime.config import Config, from_dict
-from runtime.distributed import World
-from runtime.model.config import MoEConfig
-from runtime.model.model import MoEModel
-from runtime.model.parallelize import apply_fsdp
-from runtime.train_step import TrainState, make_optimizer, train_step
+from reel.bus.events import Sample, Tensor, Trajectory
+from reel.bus.jsonout import print_json
+from reel.runtime import distributed
+from reel.runtime.batch import Batch, Group, build_batch
+from reel.runtime.config import Config, from_dict
+from reel.runtime.distributed import World
+from reel.runtime.model.config import MoEConfig
+from reel.runtime.model.model import MoEModel
+from reel.runtime.model.parallelize import apply_fsdp
+from reel.runtime.train_step import TrainState, make_optimizer, train_step
 
 MODEL = MoEConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -106,7 +106,7 @@ def bench_fsdp(args: argparse.Namespace) -> int:
     threads = 1
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="reel-bench-fsdp-") as tmp:
-        argv = [sys.executable, *distributed.torchrun_argv(2, "runtime.bench_fsdp"), tmp] + ["quick"] * args.quick
+        argv = [sys.executable, *distributed.torchrun_argv(2, "reel.runtime.bench_fsdp"), tmp] + ["quick"] * args.quick
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         done = subprocess.run(argv, capture_output=True, text=True, env=env)
         if done.returncode != 0:

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import msgspec
 
-from bus.blob_backends import open_blobs
-from bus.blob_backends.mooncake import MooncakeAddress
-from bus.blob_backends.mooncake_service import MooncakeService
-from bus.blobs import BlobBackend, BlobError
-from runtime.config import Config
+from reel.bus.blob_backends import open_blobs
+from reel.bus.blob_backends.mooncake import MooncakeAddress
+from reel.bus.blob_backends.mooncake_service import MooncakeService
+from reel.bus.blobs import BlobBackend, BlobError
+from reel.runtime.config import Config
 
 __all__ = ["run_blobs", "mooncake_address", "mooncake_for", "MOONCAKE_FILE"]
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import msgspec
 import redis
 
-from bus.cluster import cluster_from_env
-from bus.events import STREAMS
-from bus.log import LogError, RunLog
-from bus.partitions import lane_key, lanes
+from reel.bus.cluster import cluster_from_env
+from reel.bus.events import STREAMS
+from reel.bus.log import LogError, RunLog
+from reel.bus.partitions import lane_key, lanes
 
 __all__ = ["LossWindow", "find_loss_window", "describe"]
 

@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from runtime.config import cache_dir
+from reel.runtime.config import cache_dir
 
 __all__ = ["enabled", "load"]
 

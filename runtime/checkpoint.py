@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from bus.errors import ReelError
-from runtime.config import TrainerSection
-from runtime.model.model import MoEModel
-from runtime.train_step import TrainState, make_optimizer
+from reel.bus.errors import ReelError
+from reel.runtime.config import TrainerSection
+from reel.runtime.model.model import MoEModel
+from reel.runtime.train_step import TrainState, make_optimizer
 
 FORMAT = "reel-checkpoint-1"
 

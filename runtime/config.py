@@ -17,14 +17,14 @@ from typing import Any, Literal
 import msgspec
 import tomli_w
 
-from runtime.config_engine import EngineSection, Precision, validate_engine
-from runtime.config_keys import ConfigError, name_key, require
+from reel.runtime.config_engine import EngineSection, Precision, validate_engine
+from reel.runtime.config_keys import ConfigError, name_key, require
 
 Objective = Literal["tis", "icepop", "mis", "none"]
 
 
 # env.name is checked against the env registry, reached by name (runtime/ never imports producers/).
-ENV_NAME_CHECK = "producers.envs.registry:check_name"
+ENV_NAME_CHECK = "reel.producers.envs.registry:check_name"
 
 
 class RunSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -283,7 +283,7 @@ def check_model_path(c: Config, text: str) -> None:
     Checked where this machine must read the checkpoint (`reel run`), not at every load: a Slurm
     launch renders paths that may exist only on the compute nodes.
     """
-    from runtime.model.config import ModelError, read_checkpoint_config  # torch-free
+    from reel.runtime.model.config import ModelError, read_checkpoint_config  # torch-free
 
     model = c.model
     if not model.path:

@@ -10,7 +10,7 @@ from typing import Literal
 
 import msgspec
 
-from runtime.config_keys import ConfigError, require
+from reel.runtime.config_keys import ConfigError, require
 
 Precision = Literal["fp32", "bf16", "fp8"]
 

@@ -14,7 +14,7 @@ from typing import Literal, get_args, get_origin
 
 import msgspec
 
-from bus.errors import ReelError
+from reel.bus.errors import ReelError
 
 
 class ConfigError(ReelError, ValueError):

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.batch import Batch, MicroBatch, micro_batches, take
+from reel.runtime.batch import Batch, MicroBatch, micro_batches, take
 
 
 class World(NamedTuple):
@@ -90,7 +90,7 @@ def shutdown(world: World, *, drain: bool = True) -> None:
         dist.destroy_process_group()
 
 
-def torchrun_argv(ranks: int, module: str = "runtime.launch.cli") -> list[str]:
+def torchrun_argv(ranks: int, module: str = "reel.runtime.launch.cli") -> list[str]:
     """Python arguments that start `module` (its arguments follow) as `ranks` local processes of one
     torch.distributed group; when any of them fails, torchrun stops the others."""
     # "--": torchrun would otherwise take an argument such as --run for an abbreviated option.

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from bus.blobs import BlobBackend
-from bus.errors import ReelError
-from bus.events import AnyEvent, RoutingTrace, StepCommitted, Trajectory
-from bus.log import RunLog
-from runtime.batch import Group, decode_routing
+from reel.bus.blobs import BlobBackend
+from reel.bus.errors import ReelError
+from reel.bus.events import AnyEvent, RoutingTrace, StepCommitted, Trajectory
+from reel.bus.log import RunLog
+from reel.runtime.batch import Group, decode_routing
 
 
 class MissingGroup(ReelError):

@@ -17,12 +17,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from bus.errors import ReelError
-from runtime.config import Config, warmup_steps
-from runtime.model.model import MoEModel
-from runtime.model.weights import load, save, shard_files
+from reel.bus.errors import ReelError
+from reel.runtime.config import Config, warmup_steps
+from reel.runtime.model.model import MoEModel
+from reel.runtime.model.weights import load, save, shard_files
 
-WARM_START = "producers.warmstart:warm_start"
+WARM_START = "reel.producers.warmstart:warm_start"
 INFO_FILE = "init.json"  # beside the weights: where they came from and, for a warm-start, its reward
 
 

@@ -24,11 +24,11 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from bus.blobs import BlobBackend
-from bus.events import AnyEvent, BlobRef, WeightsPublished
-from runtime import loss as loss_mod
-from runtime.model.model import MoEModel
-from runtime.model.weights import load_state_dict_bytes
+from reel.bus.blobs import BlobBackend
+from reel.bus.events import AnyEvent, BlobRef, WeightsPublished
+from reel.runtime import loss as loss_mod
+from reel.runtime.model.model import MoEModel
+from reel.runtime.model.weights import load_state_dict_bytes
 
 # version -> the weights blob's bytes (state_dict_bytes), None when that version is not known
 WeightsOf = Callable[[int], bytes | None]

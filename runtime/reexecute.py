@@ -12,18 +12,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bus.blobs import BlobBackend
-from bus.errors import ReelError
-from bus.events import StepCommitted
-from runtime import checkpoint, sharded_checkpoint
-from runtime.batch import Batch, build_batch
-from runtime.config import Config, config_hash
-from runtime.distributed import LOCAL, World
-from runtime.groups import GroupLookup
-from runtime.initial_policy import code_version, load_initial_model
-from runtime.model.parallelize import parallelize
-from runtime.model.weights import load
-from runtime.train_step import StepResult, TrainState, make_optimizer, train_step
+from reel.bus.blobs import BlobBackend
+from reel.bus.errors import ReelError
+from reel.bus.events import StepCommitted
+from reel.runtime import checkpoint, sharded_checkpoint
+from reel.runtime.batch import Batch, build_batch
+from reel.runtime.config import Config, config_hash
+from reel.runtime.distributed import LOCAL, World
+from reel.runtime.groups import GroupLookup
+from reel.runtime.initial_policy import code_version, load_initial_model
+from reel.runtime.model.parallelize import parallelize
+from reel.runtime.model.weights import load
+from reel.runtime.train_step import StepResult, TrainState, make_optimizer, train_step
 
 StepFn = Callable[[TrainState, Batch], tuple[TrainState, StepResult]]
 

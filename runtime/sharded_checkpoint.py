@@ -20,9 +20,9 @@ import msgspec
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from runtime.checkpoint import CheckpointError
-from runtime.distributed import World, barrier
-from runtime.train_step import TrainState
+from reel.runtime.checkpoint import CheckpointError
+from reel.runtime.distributed import World, barrier
+from reel.runtime.train_step import TrainState
 
 FORMAT = "reel-dcp-1"
 

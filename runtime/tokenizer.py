@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Protocol
 
-from bus.errors import ReelError
+from reel.bus.errors import ReelError
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 # Lower-case letters, digits, space and the punctuation task prompts use ("reverse:abc=").

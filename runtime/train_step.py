@@ -18,16 +18,16 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-from runtime import loss as loss_mod
-from runtime.batch import Batch, MicroBatch, micro_batches, take
-from runtime.config import Config, TrainerSection
-from runtime.distributed import (LOCAL, World, all_sum, clip_grad_norm, full_state_dict, gather_tokens, plan,
+from reel.runtime import loss as loss_mod
+from reel.runtime.batch import Batch, MicroBatch, micro_batches, take
+from reel.runtime.config import Config, TrainerSection
+from reel.runtime.distributed import (LOCAL, World, all_sum, clip_grad_norm, full_state_dict, gather_tokens, plan,
                                  sync_gradients)
-from runtime.mismatch_split import WeightsOf, sampler_logprobs, split_metrics
-from runtime.model.context_parallel import sequence_shard, with_context_parallel
-from runtime.model.determinism import set_determinism
-from runtime.model.model import MoEModel
-from runtime.model.weights import state_dict_bytes, state_dict_to_bytes
+from reel.runtime.mismatch_split import WeightsOf, sampler_logprobs, split_metrics
+from reel.runtime.model.context_parallel import sequence_shard, with_context_parallel
+from reel.runtime.model.determinism import set_determinism
+from reel.runtime.model.model import MoEModel
+from reel.runtime.model.weights import state_dict_bytes, state_dict_to_bytes
 
 
 class TrainState(NamedTuple):

@@ -26,12 +26,12 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from runtime.batch import Batch
-from runtime.config import Config
-from runtime.distributed import World, broadcast_bytes, shutdown
-from runtime.mismatch_split import WeightsOf
-from runtime.reexecute import initial_state, restored_state, save_checkpoint
-from runtime.train_step import StepResult, TrainState, full_weights, train_step
+from reel.runtime.batch import Batch
+from reel.runtime.config import Config
+from reel.runtime.distributed import World, broadcast_bytes, shutdown
+from reel.runtime.mismatch_split import WeightsOf
+from reel.runtime.reexecute import initial_state, restored_state, save_checkpoint
+from reel.runtime.train_step import StepResult, TrainState, full_weights, train_step
 
 log = logging.getLogger("reel.trainer")
 INIT, RESTORE, STEP, SAVE, WEIGHTS, STOP = "init", "restore", "step", "save", "weights", "stop"

@@ -58,7 +58,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory):
     """A real three-master Redis Cluster (bus/local_cluster.py), created once per test session."""
-    from bus.local_cluster import LocalCluster
+    from reel.bus.local_cluster import LocalCluster
 
     with LocalCluster(tmp_path_factory.mktemp("cluster"), _redis_binary()) as cluster:
         yield cluster
@@ -90,9 +90,9 @@ def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     """The test runs twice: on the C kernels (the KV-cache forward and the sampler; they must build
     here, CI has a compiler) and on the torch ops they replace (REEL_NATIVE=0)."""
     if request.param == "C":
-        from producers import sampling
-        from runtime import cbuild
-        from runtime.model import native
+        from reel.producers import sampling
+        from reel.runtime import cbuild
+        from reel.runtime.model import native
 
         for source in (native._SOURCE, sampling._SOURCE):
             assert cbuild.load(source) is not None, f"{source.name} did not build (see the log for the compiler's error)"

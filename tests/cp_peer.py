@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from fsdp_peer import MICRO_BATCH_TOKENS, batches
-from runtime import distributed
-from runtime.model.context_parallel import sequence_shard
+from reel.runtime import distributed
+from reel.runtime.model.context_parallel import sequence_shard
 
 
 def main(out: str) -> None:

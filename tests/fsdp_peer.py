@@ -18,12 +18,12 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from runtime import distributed, sharded_checkpoint
-from runtime.batch import build_batch
-from runtime.config import Config
-from runtime.model.model import MoEModel
-from runtime.model.parallelize import parallelize
-from runtime.train_step import TrainState, make_optimizer, train_step
+from reel.runtime import distributed, sharded_checkpoint
+from reel.runtime.batch import build_batch
+from reel.runtime.config import Config
+from reel.runtime.model.model import MoEModel
+from reel.runtime.model.parallelize import parallelize
+from reel.runtime.train_step import TrainState, make_optimizer, train_step
 from test_train_step import MODEL, _config, _groups
 
 MICRO_BATCH_TOKENS = 24  # several micro-batches per rank, of different counts across ranks

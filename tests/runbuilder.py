@@ -2,7 +2,7 @@
 
 The run directory looks like one `reel run` leaves behind: config.toml, init/ (the warm-started
 version-0 policy), blobs/ (weights after every step, checkpoints every `checkpoint_every`) and a
-log written through bus.log.RunLog with the events the roles would have published: RunStarted,
+log written through reel.bus.log.RunLog with the events the roles would have published: RunStarted,
 WeightsPublished, Trajectory + RoutingTrace per group, StepCommitted per step.
 
 Rollouts come from a small sampling loop over `MoEModel.forward` (the full sequence each token, so
@@ -24,22 +24,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from bus.blob_backends.file import BlobStore
-from bus.events import (
+from reel.bus.blob_backends.file import BlobStore
+from reel.bus.events import (
     AnyEvent, RoutingTrace, RunStarted, Sample, StepCommitted, StepTiming, Tensor, Trajectory, WeightsPublished,
     encode,
 )
-from bus.log import RunLog
-from producers.envs import Env, make_env
-from runtime import checkpoint
-from runtime import config as config_mod
-from runtime.batch import Group, build_batch
-from runtime.config import Config
-from runtime.initial_policy import code_version, ensure_initial_policy, load_initial_model
-from runtime.mismatch_split import WeightHistory
-from runtime.model.model import MoEModel
-from runtime.model.weights import state_dict_bytes
-from runtime.train_step import TrainState, make_optimizer, train_step
+from reel.bus.log import RunLog
+from reel.producers.envs import Env, make_env
+from reel.runtime import checkpoint
+from reel.runtime import config as config_mod
+from reel.runtime.batch import Group, build_batch
+from reel.runtime.config import Config
+from reel.runtime.initial_policy import code_version, ensure_initial_policy, load_initial_model
+from reel.runtime.mismatch_split import WeightHistory
+from reel.runtime.model.model import MoEModel
+from reel.runtime.model.weights import state_dict_bytes
+from reel.runtime.train_step import TrainState, make_optimizer, train_step
 
 # The tiny MoE of the tests that start real `reel` processes (a TOML section for their configs).
 TINY_MODEL_TOML = """[model]

@@ -15,16 +15,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bus.events import (STREAM_OF, STREAMS, BlobRef, RunFinished, Sample, StepCommitted, StepTiming, Tensor, Trajectory,
+from reel.bus.events import (STREAM_OF, STREAMS, BlobRef, RunFinished, Sample, StepCommitted, StepTiming, Tensor, Trajectory,
                         WeightsPublished, WorkerStats, decode, stream_key)
-from bus.log import LogError, RunLog
-from bus.streams import DEAD, Publisher, connect
-from consumers.archiver import GROUP, Archiver
+from reel.bus.log import LogError, RunLog
+from reel.bus.streams import DEAD, Publisher, connect
+from reel.consumers.archiver import GROUP, Archiver
 
 _ARCHIVER_CHILD = """
 import asyncio, sys
 from pathlib import Path
-from consumers.archiver import Archiver
+from reel.consumers.archiver import Archiver
 import logging
 logging.basicConfig(level=logging.INFO)
 asyncio.run(Archiver(Path(sys.argv[1]), sys.argv[2], sys.argv[3], batch=int(sys.argv[4]), block_ms=100,
@@ -194,7 +194,7 @@ def small_disk(tmp_path: Path):
 
 async def test_full_disk_stops_acking_and_freeing_space_resumes(redis_url: str, run_name: str, small_disk: Path,
                                                                 caplog: pytest.LogCaptureFixture, monkeypatch):
-    monkeypatch.setattr("consumers.archiver.DISK_FULL_RETRY_S", 0.2)
+    monkeypatch.setattr("reel.consumers.archiver.DISK_FULL_RETRY_S", 0.2)
     run_dir = small_disk / "run"
     async with connect(redis_url) as client:
         publisher = Publisher(client, run_name, "rollout:0")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from runtime.launch import cli
+from reel.runtime.launch import cli
 
 
 @pytest.mark.parametrize("name", ["bus", "log", "blobs", "fsdp"])

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from bus.blob_backends.file import BlobStore
-from bus.blobs import BlobError
-from bus.events import BlobRef
+from reel.bus.blob_backends.file import BlobStore
+from reel.bus.blobs import BlobError
+from reel.bus.events import BlobRef
 
 
 def test_put_get_bytes_and_path(tmp_path: Path):
@@ -77,7 +77,7 @@ def test_uri_fallback_only_to_a_file_laid_out_as_that_blob(tmp_path: Path):
 _PUT_CHILD = """
 import hashlib, sys
 from pathlib import Path
-from bus.blob_backends.file import BlobStore
+from reel.bus.blob_backends.file import BlobStore
 data = bytes(128 << 20)
 print(hashlib.sha256(data).hexdigest(), flush=True)
 BlobStore(Path(sys.argv[1])).put(data)

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from bus.events import RunFinished, StepCommitted
-from bus.log import RunLog
-from bus.streams import BusError, GroupConsumer, Publisher, boundary, connect, recover_next_seq, safe_trim
+from reel.bus.events import RunFinished, StepCommitted
+from reel.bus.log import RunLog
+from reel.bus.streams import BusError, GroupConsumer, Publisher, boundary, connect, recover_next_seq, safe_trim
 from runbuilder import TINY_MODEL_TOML
-from runtime import config as config_mod
-from runtime.launch.bus_access import acl_setuser, bus_url
+from reel.runtime import config as config_mod
+from reel.runtime.launch.bus_access import acl_setuser, bus_url
 
 PASSWORD = "s3cret-Pa55word-for-reel"
 ADMIN_PASSWORD = "admin-only-9f2"
@@ -190,10 +190,10 @@ def test_a_run_through_tls_and_acl_leaks_no_secret(tmp_path, secure_redis, run_n
                                  password_file=secret))
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "REEL_BUS_PASSWORD"}
-    shown = subprocess.run([sys.executable, "-m", "runtime.launch.cli", "config", "show", str(config)], env=env,
+    shown = subprocess.run([sys.executable, "-m", "reel.runtime.launch.cli", "config", "show", str(config)], env=env,
                            capture_output=True, text=True, check=True).stdout
     assert PASSWORD not in shown and "password_file" in shown
-    launcher = subprocess.Popen([sys.executable, "-m", "runtime.launch.cli", "run", str(config), "--out", str(run_dir),
+    launcher = subprocess.Popen([sys.executable, "-m", "reel.runtime.launch.cli", "run", str(config), "--out", str(run_dir),
                                  "--no-live"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     argvs: list[str] = []
     try:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producers.envs.calc_lang import MAX_CHARS, MAX_DEPTH, MAX_VALUE, CalcError, evaluate
+from reel.producers.envs.calc_lang import MAX_CHARS, MAX_DEPTH, MAX_VALUE, CalcError, evaluate
 
 
 @pytest.mark.parametrize("text,value", [

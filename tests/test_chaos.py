@@ -19,12 +19,12 @@ import msgspec
 import pytest
 import redis
 
-from bus.events import STREAMS, StepCommitted, Trajectory, stream_key
-from bus.log import RunLog
-from bus.server import EmbeddedRedis
-from bus.streams import DEAD
+from reel.bus.events import STREAMS, StepCommitted, Trajectory, stream_key
+from reel.bus.log import RunLog
+from reel.bus.server import EmbeddedRedis
+from reel.bus.streams import DEAD
 from runbuilder import TINY_MODEL_TOML
-from runtime.launch.cli import main
+from reel.runtime.launch.cli import main
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ class Launch:
     """`reel run` (or --resume) as a child process."""
 
     def __init__(self, config: Path, run_dir: Path, resume: bool):
-        argv = [sys.executable, "-m", "runtime.launch.cli", "run", str(config), "--out", str(run_dir), "--no-live"]
+        argv = [sys.executable, "-m", "reel.runtime.launch.cli", "run", str(config), "--out", str(run_dir), "--no-live"]
         self.proc = subprocess.Popen(argv + (["--resume"] if resume else []), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.output = ""

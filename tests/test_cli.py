@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from runtime.launch.cli import _parser
+from reel.runtime.launch.cli import _parser
 
 _NO_HELP_NEEDED = (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
 
@@ -68,7 +68,7 @@ def test_every_command_ends_with_examples():
 
 
 def test_version_and_the_run_option_of_launch():
-    out = subprocess.run([sys.executable, "-m", "runtime.launch.cli", "--version"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "reel.runtime.launch.cli", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("reel ") and out.stdout.split()[1][0].isdigit()
     for verb in ("status", "cancel"):
         assert _parser().parse_args(["launch", verb, "--run", "runs/r"]).run_dir == "runs/r"

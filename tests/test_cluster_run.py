@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from bus.cluster import CLUSTER_ENV
-from bus.events import StepCommitted, Trajectory, stream_key
-from bus.log import RunLog
-from bus.partitions import lane_key
+from reel.bus.cluster import CLUSTER_ENV
+from reel.bus.events import StepCommitted, Trajectory, stream_key
+from reel.bus.log import RunLog
+from reel.bus.partitions import lane_key
 from runbuilder import e2e_config
-from runtime.launch.cli import main
+from reel.runtime.launch.cli import main
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +80,7 @@ def test_a_master_killed_mid_run_and_restarted_loses_nothing(
     run_dir = tmp_path / "run"
     run_name = _spread(redis_cluster, run_name)
     steps = 4
-    argv = [sys.executable, "-m", "runtime.launch.cli", "run",
+    argv = [sys.executable, "-m", "reel.runtime.launch.cli", "run",
             str(_config(tmp_path, run_name, redis_cluster.url, steps)), "--out", str(run_dir), "--no-live"]
     env = {k: v for k, v in os.environ.items() if k != CLUSTER_ENV}
     victim = redis_cluster.owner(stream_key(run_name, "steps"))

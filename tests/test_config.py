@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime import config
-from runtime.launch.cli import main
+from reel.runtime import config
+from reel.runtime.launch.cli import main
 
 EXAMPLES = sorted(Path(__file__).parent.parent.joinpath("examples").glob("*.toml"))
 

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from producers.builtin_engine import BuiltinEngine
-from producers.engine import SamplingParams
-from runtime.model.config import MoEConfig
-from runtime.model.fp8 import fp8_linear, per_block_cast_to_fp8, per_token_cast_to_fp8
-from runtime.model.model import MoEModel
+from reel.producers.builtin_engine import BuiltinEngine
+from reel.producers.engine import SamplingParams
+from reel.runtime.model.config import MoEConfig
+from reel.runtime.model.fp8 import fp8_linear, per_block_cast_to_fp8, per_token_cast_to_fp8
+from reel.runtime.model.model import MoEModel
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -15,9 +15,9 @@ import orjson
 import pytest
 import torch
 
-from replay.analysis import Run
-from replay.bisect import bisect
-from runtime.launch.cli import main as reel
+from reel.replay.analysis import Run
+from reel.replay.bisect import bisect
+from reel.runtime.launch.cli import main as reel
 from runbuilder import build_run
 
 pytestmark = pytest.mark.slow

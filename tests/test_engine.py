@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from bus.blob_backends.file import BlobStore
-from bus.blobs import BlobError
-from bus.events import BlobRef
-from producers.builtin_engine import BuiltinEngine
-from producers.engine import EngineClosed, EngineError, SamplingParams
-from runtime.model import state_dict_adapter
-from runtime.model.config import MoEConfig
-from runtime.model.model import MoEModel
-from runtime.model.weights import state_dict_bytes
+from reel.bus.blob_backends.file import BlobStore
+from reel.bus.blobs import BlobError
+from reel.bus.events import BlobRef
+from reel.producers.builtin_engine import BuiltinEngine
+from reel.producers.engine import EngineClosed, EngineError, SamplingParams
+from reel.runtime.model import state_dict_adapter
+from reel.runtime.model.config import MoEConfig
+from reel.runtime.model.model import MoEModel
+from reel.runtime.model.weights import state_dict_bytes
 
 torch.set_num_threads(2)
 VOCAB = 49
@@ -238,7 +238,7 @@ async def test_requests_the_engine_cannot_serve(model: MoEModel) -> None:
 
 
 def test_vllm_engine_says_how_to_install_vllm(tmp_path, monkeypatch) -> None:
-    from producers import vllm
+    from reel.producers import vllm
 
     monkeypatch.setattr(vllm, "vllm", None)  # as on a machine where `import vllm` failed
     with pytest.raises(EngineError, match="pip install"):
@@ -246,7 +246,7 @@ def test_vllm_engine_says_how_to_install_vllm(tmp_path, monkeypatch) -> None:
 
 
 def test_bench_engine_quick_prints_one_json_line(capsys: pytest.CaptureFixture) -> None:
-    from runtime.launch import cli
+    from reel.runtime.launch import cli
 
     assert cli.main(["bench", "engine", "--quick"]) == 0
     (line,) = capsys.readouterr().out.splitlines()

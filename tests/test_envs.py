@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producers.envs import CharTokenizer, Continue, Finish, HFTokenizer, TokenizerError, make_env
-from producers.envs.reverse_text import lcs_length
-from runtime.config import ConfigError, EnvSection
+from reel.producers.envs import CharTokenizer, Continue, Finish, HFTokenizer, TokenizerError, make_env
+from reel.producers.envs.reverse_text import lcs_length
+from reel.runtime.config import ConfigError, EnvSection
 
 TOK = CharTokenizer()
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bus.events import (
+from reel.bus.events import (
     STREAM_OF, AnyEvent, BlobRef, DroppedGroup, MalformedEvent, RoutingTrace, RunFinished, RunStarted, Sample,
     StepCommitted, StepTiming, Tensor, Trajectory, WeightsPublished, WorkerStats, decode, encode, event_key,
     stream_key,

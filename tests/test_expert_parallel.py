@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.config import ConfigError, from_dict
-from runtime.distributed import World
-from runtime.model.expert_parallel import received_order
-from runtime.model.moe import combine, sort_by_expert
-from runtime.model.parallelize import expert_degree
+from reel.runtime.config import ConfigError, from_dict
+from reel.runtime.distributed import World
+from reel.runtime.model.expert_parallel import received_order
+from reel.runtime.model.moe import combine, sort_by_expert
+from reel.runtime.model.parallelize import expert_degree
 
 
 @pytest.mark.parametrize("trainer, model, key", [

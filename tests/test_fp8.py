@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.model import fp8
-from runtime.model.fp8 import (
+from reel.runtime.model import fp8
+from reel.runtime.model.fp8 import (
     cast_to_e4m3,
     dequant_blocks,
     dequant_tokens,

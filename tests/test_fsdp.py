@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load, load_file
 
 import fsdp_peer
-from runtime import sharded_checkpoint
-from runtime.distributed import LOCAL, World
-from runtime.train_step import train_step
+from reel.runtime import sharded_checkpoint
+from reel.runtime.distributed import LOCAL, World
+from reel.runtime.train_step import train_step
 
 pytestmark = pytest.mark.slow
 PEER = Path(__file__).with_name("fsdp_peer.py")

@@ -9,9 +9,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from runtime.model import weights  # noqa: E402
-from runtime.model.config import MoEConfig  # noqa: E402
-from runtime.model.model import MoEModel  # noqa: E402
+from reel.runtime.model import weights  # noqa: E402
+from reel.runtime.model.config import MoEConfig  # noqa: E402
+from reel.runtime.model.model import MoEModel  # noqa: E402
 
 torch.set_num_threads(2)
 

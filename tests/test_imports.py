@@ -16,7 +16,7 @@ def _modules() -> dict[str, Path]:
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
-            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+            found["reel." + ".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 
@@ -81,3 +81,12 @@ def test_no_import_cycles():
 def test_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {frozenset("abc")}
     assert cycles({"a": {"b"}, "b": set()}) == set()
+
+
+def test_wheel_lists_every_package():
+    """pyproject's explicit package list (the folders mapped into `reel`) names every folder with code."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {"reel." + ".".join(p.parent.relative_to(ROOT).parts)
+               for package in PACKAGES for p in (ROOT / package).rglob("__init__.py")}
+    assert listed == folders

@@ -9,7 +9,7 @@ import msgspec
 import numpy as np
 import orjson
 
-from bus.jsonout import json_line, print_json
+from reel.bus.jsonout import json_line, print_json
 
 
 class _Row(msgspec.Struct):

@@ -10,10 +10,10 @@ import numpy as np
 import orjson
 import pytest
 
-from bus.events import Sample, Tensor, Trajectory, WorkerStats, encode
-from bus.log import INDEX_EVERY, LogCorrupted, LogError, RunLog, StreamLog
-from bus.logformat import Appender
-from runtime.launch import cli
+from reel.bus.events import Sample, Tensor, Trajectory, WorkerStats, encode
+from reel.bus.log import INDEX_EVERY, LogCorrupted, LogError, RunLog, StreamLog
+from reel.bus.logformat import Appender
+from reel.runtime.launch import cli
 
 
 def _event(seq: int, producer: str = "rollout:0") -> bytes:
@@ -160,7 +160,7 @@ def test_torn_tail_is_repaired_and_logged(tmp_path: Path, shape: str, caplog: py
             f.seek(size)
             f.write(tail[:-10])
             keep = records + _records(2, start=20)
-    with caplog.at_level(logging.WARNING, logger="bus.log"):
+    with caplog.at_level(logging.WARNING, logger="reel.bus.log"):
         assert _read(tmp_path / "s") == keep
     assert "torn tail" in caplog.text and "truncated" in caplog.text
     caplog.clear()

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from runtime.config import TrainerSection
-from runtime.loss import (MISMATCH_KEYS, LossConfig, grpo_advantages, importance_weights, mismatch_metrics,
+from reel.runtime.config import TrainerSection
+from reel.runtime.loss import (MISMATCH_KEYS, LossConfig, grpo_advantages, importance_weights, mismatch_metrics,
                           policy_loss, staleness_histogram)
 
 torch.set_num_threads(1)

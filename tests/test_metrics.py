@@ -16,17 +16,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
-from bus.events import (
+from reel.bus.events import (
     STREAM_OF, STREAMS, BlobRef, DroppedGroup, RunFinished, Sample, StepCommitted, StepTiming, Tensor,
     Trajectory, WeightsPublished, WorkerStats, decode, encode, stream_key,
 )
-from bus.log import RunLog
-from bus.streams import DEAD, GroupConsumer, Publisher, connect
-from consumers.aggregates import RunAggregates
-from consumers.metric_views import SnapshotCollector
-from consumers.metrics import MetricsError, RunSource, Watcher, locate, read_log, serve
-from runtime.launch import cli
-from runtime.launch.supervisor import announce_finished
+from reel.bus.log import RunLog
+from reel.bus.streams import DEAD, GroupConsumer, Publisher, connect
+from reel.consumers.aggregates import RunAggregates
+from reel.consumers.metric_views import SnapshotCollector
+from reel.consumers.metrics import MetricsError, RunSource, Watcher, locate, read_log, serve
+from reel.runtime.launch import cli
+from reel.runtime.launch.supervisor import announce_finished
 
 _seq = itertools.count()
 

@@ -14,8 +14,8 @@ import msgspec
 import orjson
 import pytest
 
-from runtime import config as config_mod
-from runtime.launch.cli import main as reel
+from reel.runtime import config as config_mod
+from reel.runtime.launch.cli import main as reel
 
 pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).parent.parent / "examples" / "moe_mismatch.toml"

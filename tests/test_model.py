@@ -6,13 +6,13 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from runtime import cbuild
-from runtime.model import native, weights
-from runtime.model.cached_forward import forward_cached
-from runtime.model.config import ModelError, MoEConfig
-from runtime.model.determinism import set_determinism
-from runtime.model.kvcache import new_cache
-from runtime.model.model import MoEModel
+from reel.runtime import cbuild
+from reel.runtime.model import native, weights
+from reel.runtime.model.cached_forward import forward_cached
+from reel.runtime.model.config import ModelError, MoEConfig
+from reel.runtime.model.determinism import set_determinism
+from reel.runtime.model.kvcache import new_cache
+from reel.runtime.model.model import MoEModel
 
 torch.set_num_threads(2)
 

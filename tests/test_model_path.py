@@ -11,14 +11,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as st_load
 
-from bus.blob_backends.file import BlobStore
-from bus.events import Trajectory, WeightsPublished
-from bus.log import RunLog
+from reel.bus.blob_backends.file import BlobStore
+from reel.bus.events import Trajectory, WeightsPublished
+from reel.bus.log import RunLog
 from hf_checkpoint import make_checkpoint
-from runtime.launch.cli import main
-from runtime.model import state_dict_adapter
-from runtime.model.config import MoEConfig
-from runtime.tokenizer import HFTokenizer
+from reel.runtime.launch.cli import main
+from reel.runtime.model import state_dict_adapter
+from reel.runtime.model.config import MoEConfig
+from reel.runtime.tokenizer import HFTokenizer
 
 RUN = """
 [run]

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from bus.blob_backends.file import BlobStore
-from bus.blob_backends.mooncake import MooncakeBlobs
-from bus.blob_backends.mooncake_service import MooncakeService
-from bus.blobs import BlobError
-from bus.events import BlobRef, WeightsPublished
-from bus.log import RunLog
+from reel.bus.blob_backends.file import BlobStore
+from reel.bus.blob_backends.mooncake import MooncakeBlobs
+from reel.bus.blob_backends.mooncake_service import MooncakeService
+from reel.bus.blobs import BlobError
+from reel.bus.events import BlobRef, WeightsPublished
+from reel.bus.log import RunLog
 from runbuilder import e2e_config
-from runtime.launch.cli import main
+from reel.runtime.launch.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_put_get_upsert_and_verify(store: MooncakeService, tmp_path: Path) -> No
 
 _WRITER = """
 import os, signal, sys
-from bus.blob_backends.mooncake import MooncakeAddress, MooncakeBlobs
+from reel.bus.blob_backends.mooncake import MooncakeAddress, MooncakeBlobs
 blobs = MooncakeBlobs(MooncakeAddress(sys.argv[1], sys.argv[2]))
 ref = blobs.put(bytes.fromhex(sys.argv[3]) * 100_000)
 print(ref.uri, ref.sha256, ref.nbytes, flush=True)

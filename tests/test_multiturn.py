@@ -11,20 +11,20 @@ import numpy as np
 import pytest
 import torch
 
-from bus.events import RoutingTrace, Tensor, Trajectory
-from producers.builtin_engine import BuiltinEngine
-from producers.engine import SamplingParams
-from producers.envs import CharTokenizer, make_env
-from producers.envs.registry import check_name
-from producers.episode import run_group
-from producers.rollout import _sample
-from runtime import loss as loss_mod
-from runtime.batch import Group, build_batch
-from runtime.config import ConfigError, EnvSection, from_dict
-from runtime.model import state_dict_adapter
-from runtime.model.config import MoEConfig
-from runtime.model.model import MoEModel
-from runtime.train_step import token_logprobs
+from reel.bus.events import RoutingTrace, Tensor, Trajectory
+from reel.producers.builtin_engine import BuiltinEngine
+from reel.producers.engine import SamplingParams
+from reel.producers.envs import CharTokenizer, make_env
+from reel.producers.envs.registry import check_name
+from reel.producers.episode import run_group
+from reel.producers.rollout import _sample
+from reel.runtime import loss as loss_mod
+from reel.runtime.batch import Group, build_batch
+from reel.runtime.config import ConfigError, EnvSection, from_dict
+from reel.runtime.model import state_dict_adapter
+from reel.runtime.model.config import MoEConfig
+from reel.runtime.model.model import MoEModel
+from reel.runtime.train_step import token_logprobs
 from user_env_module import install
 
 torch.set_num_threads(2)

@@ -14,21 +14,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bus.cluster import CLUSTER_ENV, SlotReader
-from bus.events import (STREAMS, RoutingTrace, RunFinished, Sample, Tensor, Trajectory, WorkerStats, decode,
+from reel.bus.cluster import CLUSTER_ENV, SlotReader
+from reel.bus.events import (STREAMS, RoutingTrace, RunFinished, Sample, Tensor, Trajectory, WorkerStats, decode,
                         stream_key)
-from bus.log import RunLog
-from bus.logformat import entry_order
-from bus.partitions import lane_key, lanes, seq_keys, slot_key, stream_of, worker_partition
-from bus.streams import DEAD, GroupConsumer, Publisher, connect, recover_next_seq, safe_trim
-from bus.tail import Tail
-from consumers.archiver import GROUP, Archiver
+from reel.bus.log import RunLog
+from reel.bus.logformat import entry_order
+from reel.bus.partitions import lane_key, lanes, seq_keys, slot_key, stream_of, worker_partition
+from reel.bus.streams import DEAD, GroupConsumer, Publisher, connect, recover_next_seq, safe_trim
+from reel.bus.tail import Tail
+from reel.consumers.archiver import GROUP, Archiver
 
 P = 3
 _ARCHIVER_CHILD = """
 import asyncio, sys
 from pathlib import Path
-from consumers.archiver import Archiver
+from reel.consumers.archiver import Archiver
 asyncio.run(Archiver(Path(sys.argv[1]), sys.argv[2], sys.argv[3], batch=int(sys.argv[4]), block_ms=100,
                      trim_every_s=0.2, partitions=3).run(asyncio.Event()))
 """

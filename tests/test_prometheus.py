@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from test_metrics import _free_port, _step, _synthetic_run, _write_run_dir
 
-from bus.events import RunFinished
-from consumers.aggregates import MISMATCH_KEYS
+from reel.bus.events import RunFinished
+from reel.consumers.aggregates import MISMATCH_KEYS
 
 OPS = Path(__file__).parent.parent / "ops"
 pytestmark = pytest.mark.slow
@@ -74,8 +74,8 @@ def test_prometheus_scrapes_every_dashboard_query(tmp_path: Path):
         target.unlink()
     (config_dir / "targets" / "test.json").write_text(json.dumps([{"targets": [f"127.0.0.1:{port}"]}]))
 
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
-    exporter = subprocess.Popen([sys.executable, "-m", "runtime.launch.cli", "metrics", "serve", "--run",
+    env = dict(os.environ)
+    exporter = subprocess.Popen([sys.executable, "-m", "reel.runtime.launch.cli", "metrics", "serve", "--run",
                                  str(tmp_path / "run"), "--port", str(port)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     prometheus = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",

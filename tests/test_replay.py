@@ -15,10 +15,10 @@ import orjson
 import pytest
 import torch
 
-from bus.log import LogCorrupted, RunLog
-from replay.analysis import Run, StepNotLogged, replay_step
-from runtime.launch.cli import main as reel
-from runtime.reexecute import ReplayMismatch
+from reel.bus.log import LogCorrupted, RunLog
+from reel.replay.analysis import Run, StepNotLogged, replay_step
+from reel.runtime.launch.cli import main as reel
+from reel.runtime.reexecute import ReplayMismatch
 from runbuilder import build_run
 
 torch.set_num_threads(1)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bus.events import StepCommitted
-from bus.log import RunLog
-from runtime.launch.cli import main
+from reel.bus.events import StepCommitted
+from reel.bus.log import RunLog
+from reel.runtime.launch.cli import main
 from runbuilder import build_run
 
 pytestmark = pytest.mark.slow

@@ -14,19 +14,19 @@ import numpy as np
 import pytest
 import torch
 
-from bus.blob_backends.file import BlobStore
-from bus.events import (
+from reel.bus.blob_backends.file import BlobStore
+from reel.bus.events import (
     RoutingTrace, StepCommitted, StepTiming, Trajectory, WeightsPublished, WorkerStats, decode, stream_key,
 )
-from bus.streams import BusError, Publisher, connect
+from reel.bus.streams import BusError, Publisher, connect
 from faultproxy import FaultProxy
-from producers import rollout
-from producers.rollout import RolloutWorker
-from runtime.batch import decode_routing
-from runtime.config import load
-from runtime.model.config import MoEConfig
-from runtime.model.model import MoEModel
-from runtime.model.weights import save, state_dict_bytes
+from reel.producers import rollout
+from reel.producers.rollout import RolloutWorker
+from reel.runtime.batch import decode_routing
+from reel.runtime.config import load
+from reel.runtime.model.config import MoEConfig
+from reel.runtime.model.model import MoEModel
+from reel.runtime.model.weights import save, state_dict_bytes
 
 torch.set_num_threads(2)
 
@@ -88,7 +88,7 @@ async def wait_for(url: str, run: str, count: int, timeout: float = 20.0) -> lis
 
 
 def initial_model(run_dir: Path) -> MoEModel:
-    from runtime.model.weights import load as load_model
+    from reel.runtime.model.weights import load as load_model
 
     return load_model(run_dir / "init")
 
@@ -230,7 +230,7 @@ async def test_killed_worker_loses_no_group_and_a_new_one_uses_fresh_seqs(redis_
                                                                          tmp_path) -> None:
     run_dir = make_run(tmp_path, run_name, async_level=100)
     await publish_weights(redis_url, run_dir, 0, initial_model(run_dir), commit=False)
-    code = (f"from pathlib import Path; from producers.rollout import main; "
+    code = (f"from pathlib import Path; from reel.producers.rollout import main; "
             f"main(Path({str(run_dir)!r}), {redis_url!r}, 0)")
     with open(tmp_path / "worker.log", "wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, REEL_TORCH_THREADS="1"),

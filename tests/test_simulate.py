@@ -16,13 +16,13 @@ import msgspec
 import numpy as np
 import pytest
 
-from bus.events import Sample, StepCommitted, StepTiming, Tensor, Trajectory, WorkerStats, encode
-from bus.log import RunLog
-from replay.simulate import Scenario, SimulationError, simulate
-from replay.simulate_report import tv_distance
-from replay.workload import WorkloadError, extract
-from runtime import config as config_mod
-from runtime.launch.cli import main as reel
+from reel.bus.events import Sample, StepCommitted, StepTiming, Tensor, Trajectory, WorkerStats, encode
+from reel.bus.log import RunLog
+from reel.replay.simulate import Scenario, SimulationError, simulate
+from reel.replay.simulate_report import tv_distance
+from reel.replay.workload import WorkloadError, extract
+from reel.runtime import config as config_mod
+from reel.runtime.launch.cli import main as reel
 
 L, N, G, P = 6, 4, 4, 3  # tokens per sample, samples per group, groups per step, prompt tokens
 A, B, X = 0.010, 0.0005, 0.0002  # decode step seconds: A + B · running sequences + X · prefill tokens

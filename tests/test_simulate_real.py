@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from bus.events import Trajectory
-from bus.log import RunLog
+from reel.bus.events import Trajectory
+from reel.bus.log import RunLog
 
-from replay.simulate import Scenario, simulate
-from replay.simulate_report import compare
-from replay.workload import extract
+from reel.replay.simulate import Scenario, simulate
+from reel.replay.simulate_report import compare
+from reel.replay.workload import extract
 from runbuilder import TINY_MODEL_TOML
-from runtime.launch.cli import main
+from reel.runtime.launch.cli import main
 
 pytestmark = pytest.mark.slow
 

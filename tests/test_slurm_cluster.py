@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.launch import slurm
-from runtime.launch.cli import main
+from reel.runtime.launch import slurm
+from reel.runtime.launch.cli import main
 
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parent.parent

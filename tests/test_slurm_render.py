@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from bus.errors import ReelError
-from runtime import config, config_engine
-from runtime.config import ConfigError
-from runtime.launch import slurm, vllm_args
-from runtime.launch.cli import main
+from reel.bus.errors import ReelError
+from reel.runtime import config, config_engine
+from reel.runtime.config import ConfigError
+from reel.runtime.launch import slurm, vllm_args
+from reel.runtime.launch.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "reverse_text.toml"

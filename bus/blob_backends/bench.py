@@ -16,11 +16,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from bus.blob_backends.file import BlobStore
-from bus.blob_backends.mooncake import MooncakeBlobs
-from bus.blob_backends.mooncake_service import MooncakeService
-from bus.blobs import BlobBackend
-from bus.jsonout import print_json
+from reel.bus.blob_backends.file import BlobStore
+from reel.bus.blob_backends.mooncake import MooncakeBlobs
+from reel.bus.blob_backends.mooncake_service import MooncakeService
+from reel.bus.blobs import BlobBackend
+from reel.bus.jsonout import print_json
 
 __all__ = ["bench_blobs"]
 

@@ -12,9 +12,9 @@ import tempfile
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from bus.blobs import BlobBackend, BlobError, check_key
-from bus.events import BlobRef
-from bus.logformat import fsync_dir
+from reel.bus.blobs import BlobBackend, BlobError, check_key
+from reel.bus.events import BlobRef
+from reel.bus.logformat import fsync_dir
 
 __all__ = ["BlobStore"]
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import msgspec
 
-from bus.blobs import BlobBackend, BlobError
-from bus.events import BlobRef
+from reel.bus.blobs import BlobBackend, BlobError
+from reel.bus.events import BlobRef
 
 __all__ = ["MooncakeAddress", "MooncakeBlobs", "SCHEME"]
 

@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from bus.blob_backends.mooncake import MooncakeAddress, MooncakeBlobs
-from bus.blobs import BlobError
+from reel.bus.blob_backends.mooncake import MooncakeAddress, MooncakeBlobs
+from reel.bus.blobs import BlobError
 
 __all__ = ["MooncakeService", "mooncake_binary"]
 

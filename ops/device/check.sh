@@ -16,7 +16,8 @@ OUT=${OUT:-/tmp/reel-device}
 mkdir -p "$OUT"
 nvidia-smi -L
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1  # reel.* itself
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name())"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -o "filterwarnings=ignore::DeprecationWarning" \
     -m gpu tests/test_cuda.py tests/test_fp8.py tests/test_fsdp.py 2>&1 | tee "$OUT/gpu_tests.log"
@@ -27,6 +28,6 @@ else
     echo "vLLM is not installed here: routed-expert capture and the vllm tests not run" | tee "$OUT/vllm_tests.log"
 fi
 echo "cores: $(nproc)"
-timeout 120 python3 -m runtime.launch.cli bench bus 2>&1 | tee "$OUT/bench_bus.json"
-timeout 150 python3 -m runtime.launch.cli bench engine 2>&1 | tee "$OUT/bench_engine.json"
-timeout 200 python3 -m runtime.launch.cli bench swap 2>&1 | tee "$OUT/bench_swap.json"
+timeout 120 python3 -m reel.runtime.launch.cli bench bus 2>&1 | tee "$OUT/bench_bus.json"
+timeout 150 python3 -m reel.runtime.launch.cli bench engine 2>&1 | tee "$OUT/bench_engine.json"
+timeout 200 python3 -m reel.runtime.launch.cli bench swap 2>&1 | tee "$OUT/bench_swap.json"

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from producers.envs import registry
-from producers.envs.base import Continue, Env, Finish, Prompt, Reply, StringTask
-from runtime.config import Config, EnvSection
-from runtime.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, TokenizerError, load_tokenizer
+from reel.producers.envs import registry
+from reel.producers.envs.base import Continue, Env, Finish, Prompt, Reply, StringTask
+from reel.runtime.config import Config, EnvSection
+from reel.runtime.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, TokenizerError, load_tokenizer
 
 
 def make_env(section: EnvSection, max_tokens: int = 16, tokenizer: Tokenizer | None = None) -> Env:

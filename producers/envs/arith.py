@@ -11,9 +11,9 @@ from __future__ import annotations
 import random
 import re
 
-from producers.envs.base import Env, Prompt
-from runtime.config import ConfigError, EnvSection
-from runtime.tokenizer import Tokenizer
+from reel.producers.envs.base import Env, Prompt
+from reel.runtime.config import ConfigError, EnvSection
+from reel.runtime.tokenizer import Tokenizer
 
 NAMES = ("ann", "bob", "eve", "sam", "kim", "tom", "liz", "max")
 THINGS = ("pens", "apples", "coins", "books", "cards", "shells")

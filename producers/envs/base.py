@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from runtime.config import ConfigError, EnvSection
-from runtime.tokenizer import Tokenizer
+from reel.runtime.config import ConfigError, EnvSection
+from reel.runtime.tokenizer import Tokenizer
 
 
 class Prompt(msgspec.Struct):

@@ -14,7 +14,7 @@ arithmetic (Python ints, bounded by MAX_VALUE at every step so no input can make
 
 from __future__ import annotations
 
-from bus.errors import ReelError
+from reel.bus.errors import ReelError
 
 MAX_CHARS = 200
 MAX_DEPTH = 32

@@ -17,10 +17,10 @@ from __future__ import annotations
 import random
 import re
 
-from producers.envs.base import Continue, Env, Finish, Prompt, Reply
-from producers.envs.calc_lang import CalcError, evaluate
-from runtime.config import ConfigError, EnvSection
-from runtime.tokenizer import Tokenizer
+from reel.producers.envs.base import Continue, Env, Finish, Prompt, Reply
+from reel.producers.envs.calc_lang import CalcError, evaluate
+from reel.runtime.config import ConfigError, EnvSection
+from reel.runtime.tokenizer import Tokenizer
 
 CALL = "call:"
 _TERM = re.compile(r"[+-]?\d+")

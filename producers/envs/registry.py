@@ -14,14 +14,14 @@ import importlib.util
 import re
 from collections.abc import Callable
 
-from runtime.config import ConfigError, EnvSection
-from runtime.tokenizer import Tokenizer
+from reel.runtime.config import ConfigError, EnvSection
+from reel.runtime.tokenizer import Tokenizer
 
 BUILTIN: dict[str, str] = {
-    "reverse_text": "producers.envs.reverse_text:ReverseText.from_section",
-    "sort_digits": "producers.envs.sort_digits:SortDigits.from_section",
-    "arith": "producers.envs.arith:Arith.from_section",
-    "calc_tool": "producers.envs.calc_tool:CalcTool.from_section",
+    "reverse_text": "reel.producers.envs.reverse_text:ReverseText.from_section",
+    "sort_digits": "reel.producers.envs.sort_digits:SortDigits.from_section",
+    "arith": "reel.producers.envs.arith:Arith.from_section",
+    "calc_tool": "reel.producers.envs.calc_tool:CalcTool.from_section",
 }
 _PLUGIN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
@@ -66,7 +66,7 @@ def resolve(name: str) -> Callable[..., object]:
 
 def make_env(section: EnvSection, max_tokens: int, tokenizer: Tokenizer):
     """The env of env.name built by its factory; a factory rejecting env.options is a ConfigError."""
-    from producers.envs.base import Env
+    from reel.producers.envs.base import Env
 
     factory = resolve(section.name)
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import string
 
-from producers.envs.base import Prompt, StringTask
+from reel.producers.envs.base import Prompt, StringTask
 
 
 class SortDigits(StringTask):

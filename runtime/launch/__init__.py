@@ -10,5 +10,5 @@
 
 What a training step computes lives beside this package in runtime/ (model/, loss, batch,
 train_step, checkpoint, reexecute); the run schema both sides read is runtime/config.py.
-Roles are reached by name ("consumers.trainer:main"): runtime/ never imports producers/ or consumers/.
+Roles are reached by name ("reel.consumers.trainer:main"): runtime/ never imports producers/ or consumers/.
 """

@@ -20,8 +20,8 @@ import stat
 from pathlib import Path
 from urllib.parse import quote, urlencode, urlsplit
 
-from bus.events import stream_key
-from runtime.config import Config, ConfigError
+from reel.bus.events import stream_key
+from reel.runtime.config import Config, ConfigError
 
 __all__ = ["bus_url", "acl_setuser", "REEL_COMMANDS", "PASSWORD_ENV"]
 

@@ -13,20 +13,20 @@ import importlib
 import importlib.metadata
 import sys
 
-from bus.errors import ReelError
-from bus.events import STREAMS
+from reel.bus.errors import ReelError
+from reel.bus.events import STREAMS
 
 # `reel bench NAME` -> handler; each prints one JSON line with a `ratio` key.
 BENCHES = {
-    "bus": "bus.bench_cluster:bench_bus_any",
-    "log": "bus.bench:bench_log",
-    "blobs": "bus.blob_backends.bench:bench_blobs",
-    "r3": "runtime.model.bench:bench_r3",
-    "fp8": "runtime.model.bench:bench_fp8",
-    "engine": "producers.bench:bench_engine",
-    "swap": "producers.bench_swap:bench_swap",
-    "async": "runtime.bench_async:bench_async",
-    "fsdp": "runtime.bench_fsdp:bench_fsdp",
+    "bus": "reel.bus.bench_cluster:bench_bus_any",
+    "log": "reel.bus.bench:bench_log",
+    "blobs": "reel.bus.blob_backends.bench:bench_blobs",
+    "r3": "reel.runtime.model.bench:bench_r3",
+    "fp8": "reel.runtime.model.bench:bench_fp8",
+    "engine": "reel.producers.bench:bench_engine",
+    "swap": "reel.producers.bench_swap:bench_swap",
+    "async": "reel.runtime.bench_async:bench_async",
+    "fsdp": "reel.runtime.bench_fsdp:bench_fsdp",
 }
 
 
@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--out", default=None, help="run directory (default: <run.out_dir>/<run.name>)")
     run.add_argument("--resume", action="store_true", help="continue a stopped run from its log")
     run.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live view")
-    run.set_defaults(handler="runtime.launch.supervisor:main_run")
+    run.set_defaults(handler="reel.runtime.launch.supervisor:main_run")
 
     role = _command(sub, "role", "start one role of a run (multi-node use)",
                     "reel role trainer --run /shared/runs/r1 --bus redis://head:6379",
@@ -83,27 +83,27 @@ def _parser() -> argparse.ArgumentParser:
     role.add_argument("--worker", type=int, default=0, help="rollout worker index")
     role.add_argument("--bus", default=None, help="Redis URL (default: REEL_BUS_URL, else the run dir's bus_url); "
                       "argv is visible to every user, so pass a URL with a password through REEL_BUS_URL")
-    role.set_defaults(handler="runtime.launch.supervisor:main_role")
+    role.set_defaults(handler="reel.runtime.launch.supervisor:main_role")
 
     config = _command(sub, "config", "inspect a config", "reel config show examples/reverse_text.toml")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="COMMAND")
     show = _command(config_sub, "show", "print the resolved config with defaults, as TOML",
                     "reel config show examples/reverse_text.toml > resolved.toml")
     show.add_argument("config", help="TOML config file")
-    show.set_defaults(handler="runtime.launch.cli:config_show")
+    show.set_defaults(handler="reel.runtime.launch.cli:config_show")
 
     log = _command(sub, "log", "inspect a run's on-disk event log", "reel log verify --run runs/reverse_text")
     log_sub = log.add_subparsers(dest="log_command", required=True, metavar="COMMAND")
     verify = _command(log_sub, "verify", "check every record's CRC", "reel log verify --run runs/reverse_text")
     verify.add_argument("--run", required=True, dest="run_dir", help="run directory")
-    verify.set_defaults(handler="replay.logtools:verify")
+    verify.set_defaults(handler="reel.replay.logtools:verify")
     cat = _command(log_sub, "cat", "print a stream's events as JSON lines",
                    "reel log cat --run runs/reverse_text --stream steps | head",
                    "reel log cat --run runs/calc_tool --stream trajectories --decode | head -1")
     cat.add_argument("--run", required=True, dest="run_dir", help="run directory")
     cat.add_argument("--stream", required=True, choices=STREAMS, help="which stream to print")
     cat.add_argument("--decode", action="store_true", help="add the text of token ids (the run's tokenizer)")
-    cat.set_defaults(handler="replay.logtools:cat")
+    cat.set_defaults(handler="reel.replay.logtools:cat")
 
     bench = _command(sub, "bench", "run a benchmark; prints one JSON line with a `ratio` against its baseline",
                      "reel bench bus", "reel bench engine --quick")
@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="bus only: the pipeline on a local 3-master Redis Cluster with 1 and P partitions")
     bench.add_argument("--from-run", default=None, metavar="DIR",
                        help="r3, fp8: measure on a run's latest weights and prompts (default: random weights)")
-    bench.set_defaults(handler="runtime.launch.cli:run_bench")
+    bench.set_defaults(handler="reel.runtime.launch.cli:run_bench")
 
     replay = _command(sub, "replay", "re-execute and analyse logged training steps",
                       "reel replay step 3 --run runs/reverse_text", "reel replay range 1..10 --run runs/reverse_text")
@@ -129,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     step.add_argument("--plot", default=None, metavar="FILE.png", help="also save a figure (default: no figure)")
     step.add_argument("--ranks", type=int, default=None,
                       help="re-execute on this many ranks (default: the step's recorded world size)")
-    step.set_defaults(handler="replay.cli:main_step")
+    step.set_defaults(handler="reel.replay.cli:main_step")
     rng = _command(replay_sub, "range",
                    "per-step figures over A..B; with --recompute exit 1 if any step does not reproduce",
                    "reel replay range 1..10 --run runs/reverse_text",
@@ -141,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     rng.add_argument("--recompute", action="store_true", help="recompute KL by re-executing each step")
     rng.add_argument("--ranks", type=int, default=None,
                      help="with --recompute: ranks to re-execute on (default: the recorded world size)")
-    rng.set_defaults(handler="replay.cli:main_range")
+    rng.set_defaults(handler="reel.replay.cli:main_range")
     bis = _command(replay_sub, "bisect", "first step where a logged metric crosses a threshold, and why; "
                    "exit 1 if it never does (re-executes on one process)",
                    "reel replay bisect --run runs/moe_mismatch --metric grad_norm --above 5",
@@ -155,7 +155,7 @@ def _parser() -> argparse.ArgumentParser:
     bis.add_argument("--after", type=int, default=1, help="steps after the crossing to re-execute")
     bis.add_argument("--json", action="store_true", help="print the result as one JSON object")
     bis.add_argument("--plot", default=None, metavar="FILE.png", help="also save a figure (default: no figure)")
-    bis.set_defaults(handler="replay.cli:main_bisect")
+    bis.set_defaults(handler="reel.replay.cli:main_bisect")
 
     cmp = _command(sub, "compare", "two runs side by side: reward, KL, grad norm, staleness, weights",
                    "reel compare runs/a runs/b", "reel compare runs/a runs/b --json --plot ab.png")
@@ -163,7 +163,7 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("run_b", metavar="RUN_B", help="second run directory")
     cmp.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
     cmp.add_argument("--plot", default=None, metavar="FILE.png", help="also save a figure (default: no figure)")
-    cmp.set_defaults(handler="replay.cli:main_compare")
+    cmp.set_defaults(handler="reel.replay.cli:main_compare")
 
     sim = _command(sub, "simulate", "capacity planning: simulate the pipeline on a run's measured speeds",
                    "reel simulate --run runs/reverse_text --rollout-workers 4",
@@ -192,7 +192,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="simulate DIR's configuration and compare with what DIR measured (default: no comparison)")
     sim.add_argument("--json", action="store_true", help="print the result as one JSON object")
     sim.add_argument("--plot", default=None, metavar="FILE.png", help="also save a figure (default: no figure)")
-    sim.set_defaults(handler="replay.simulate_cli:main")
+    sim.set_defaults(handler="reel.replay.simulate_cli:main")
 
     top = _command(sub, "top", "live terminal view of a run",
                    "reel top --run runs/reverse_text", "reel top --bus redis://head:6379 --name reverse_text --once")
@@ -200,7 +200,7 @@ def _parser() -> argparse.ArgumentParser:
     top.add_argument("--bus", default=None, help="Redis URL, with --name (default: the run directory's bus)")
     top.add_argument("--name", default=None, help="run name on --bus (default: the run directory's)")
     top.add_argument("--once", action="store_true", help="print the current state and exit")
-    top.set_defaults(handler="consumers.metrics:main_top")
+    top.set_defaults(handler="reel.consumers.metrics:main_top")
 
     metrics = _command(sub, "metrics", "export a run's metrics", "reel metrics serve --run runs/reverse_text")
     metrics_sub = metrics.add_subparsers(dest="metrics_command", required=True, metavar="COMMAND")
@@ -213,12 +213,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--addr", default="127.0.0.1",
                        help="interface to bind (default 127.0.0.1, this machine only; 0.0.0.0 = every interface); "
                             "it serves figures only (no events, weights or secrets), unauthenticated")
-    serve.set_defaults(handler="consumers.metrics:main_serve")
+    serve.set_defaults(handler="reel.consumers.metrics:main_serve")
     export = _command(metrics_sub, "export", "write one JSON line per step",
                       "reel metrics export --run runs/reverse_text --jsonl steps.jsonl")
     export.add_argument("--run", required=True, dest="run_dir", help="run directory")
     export.add_argument("--jsonl", required=True, help="output file (JSON lines)")
-    export.set_defaults(handler="consumers.metrics:main_export")
+    export.set_defaults(handler="reel.consumers.metrics:main_export")
 
     retrain = _command(sub, "retrain", "train a new policy offline from a run's log",
                        "reel retrain --from runs/reverse_text --out runs/retrained",
@@ -233,7 +233,7 @@ def _parser() -> argparse.ArgumentParser:
                          help="shuffle batches with SEED (default: logged order)")
     retrain.add_argument("--init", default=None, help="initial weights (HF layout; default: the source run's)")
     retrain.add_argument("--ranks", type=int, default=1, help="train on this many ranks (FSDP2 under torchrun)")
-    retrain.set_defaults(handler="consumers.retrain:main")
+    retrain.set_defaults(handler="reel.consumers.retrain:main")
 
     launch = _command(sub, "launch", "launch on a cluster scheduler",
                       "reel launch slurm examples/reverse_text.toml --partition gpu", "reel launch status --run runs/reverse_text")
@@ -250,11 +250,11 @@ def _parser() -> argparse.ArgumentParser:
     slurm.add_argument("--rollout-nodes", type=int, default=1, help="nodes of the rollout component")
     slurm.add_argument("--trainer-nodes", type=int, default=1, help="nodes of the trainer component")
     slurm.add_argument("--gpus-per-node", type=int, default=0, help="GPUs requested per node (0 = CPU only)")
-    slurm.set_defaults(handler="runtime.launch.slurm:main_submit")
+    slurm.set_defaults(handler="reel.runtime.launch.slurm:main_submit")
     for verb in ("status", "cancel"):
         v = _command(launch_sub, verb, f"{verb} a submitted run", f"reel launch {verb} --run runs/reverse_text")
         v.add_argument("--run", required=True, dest="run_dir", help="run directory the job was submitted with")
-        v.set_defaults(handler=f"runtime.launch.slurm:main_{verb}")
+        v.set_defaults(handler=f"reel.runtime.launch.slurm:main_{verb}")
     return p
 
 
@@ -264,7 +264,7 @@ def _call(target: str, args: argparse.Namespace) -> int:
 
 
 def config_show(args: argparse.Namespace) -> int:
-    from runtime import config
+    from reel.runtime import config
 
     print(config.to_toml(config.load(args.config)), end="")
     return 0
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _call(args.handler, args)
     except ReelError as exc:
-        from runtime.config import ConfigError
+        from reel.runtime.config import ConfigError
 
         print(f"reel: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) or args.errors_exit_2 else 1

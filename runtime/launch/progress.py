@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from bus.events import MalformedEvent, RunStarted, StepCommitted, WorkerStats, decode, stream_key
-from runtime.config import Config
+from reel.bus.events import MalformedEvent, RunStarted, StepCommitted, WorkerStats, decode, stream_key
+from reel.runtime.config import Config
 
 
 class Progress:
@@ -87,7 +87,7 @@ class Progress:
 
     def _read(self) -> list[StepCommitted]:
         if self._client is None:
-            from bus.cluster import cluster_from_env  # bus.cluster = true: the launcher set REEL_BUS_CLUSTER
+            from reel.bus.cluster import cluster_from_env  # bus.cluster = true: the launcher set REEL_BUS_CLUSTER
 
             client_class = redis.RedisCluster if cluster_from_env() else redis.Redis
             self._client = client_class.from_url(self.url, socket_timeout=5.0)

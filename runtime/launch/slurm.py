@@ -29,13 +29,13 @@ import textwrap
 from pathlib import Path
 from typing import NamedTuple
 
-from bus.errors import ReelError
-from runtime import config as config_mod
-from runtime.config import Config, ConfigError
-from runtime.config_engine import PD_CONNECTORS
-from runtime.launch import vllm_args
-from runtime.launch.supervisor import beside_python
-from runtime.launch.vllm_args import Expand, Pool
+from reel.bus.errors import ReelError
+from reel.runtime import config as config_mod
+from reel.runtime.config import Config, ConfigError
+from reel.runtime.config_engine import PD_CONNECTORS
+from reel.runtime.launch import vllm_args
+from reel.runtime.launch.supervisor import beside_python
+from reel.runtime.launch.vllm_args import Expand, Pool
 
 OPS = Path(__file__).resolve().parents[2] / "ops"
 TEMPLATE = OPS / "slurm" / "reel.sbatch"
@@ -78,7 +78,7 @@ def main_submit(args: argparse.Namespace) -> int:
         print(script, end="")
         return 0
     _which("sbatch")
-    from runtime.launch.supervisor import prepare_run_dir  # the run directory layout is the local launcher's
+    from reel.runtime.launch.supervisor import prepare_run_dir  # the run directory layout is the local launcher's
 
     prepare_run_dir(run_dir, Path(args.config).read_text(), config, resume=False)
     try:

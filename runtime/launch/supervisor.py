@@ -35,19 +35,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bus.errors import ReelError
-from runtime import config as config_mod
-from runtime.blob_store import mooncake_for
-from runtime.config import Config
-from runtime.distributed import torchrun_argv
-from runtime.launch import vllm_args
-from runtime.launch.progress import Progress
+from reel.bus.errors import ReelError
+from reel.runtime import config as config_mod
+from reel.runtime.blob_store import mooncake_for
+from reel.runtime.config import Config
+from reel.runtime.distributed import torchrun_argv
+from reel.runtime.launch import vllm_args
+from reel.runtime.launch.progress import Progress
 
 # Roles are reached by name (runtime/ never imports producers/ or consumers/ directly).
 ROLE_ENTRY = {
-    "archiver": "consumers.archiver:main",
-    "trainer": "consumers.trainer:main",
-    "rollout": "producers.rollout:main",
+    "archiver": "reel.consumers.archiver:main",
+    "trainer": "reel.consumers.trainer:main",
+    "rollout": "reel.producers.rollout:main",
 }
 STOP_TIMEOUT_S = 20.0
 LOG_TAIL_LINES = 25
@@ -69,7 +69,7 @@ def main_run(args: argparse.Namespace) -> int:
     with bus_for(run_dir, config) as url, mooncake_for(run_dir, config):
         supervisor = Supervisor(run_dir, url, config, live=not args.no_live and sys.stdout.isatty())
         if args.resume:  # before any role publishes: new entries would hide the gap
-            from runtime.bus_loss import describe, find_loss_window
+            from reel.runtime.bus_loss import describe, find_loss_window
 
             window = find_loss_window(url, config.run.name, run_dir, config.bus.partitions)
             if window is not None:
@@ -96,8 +96,8 @@ def main_role(args: argparse.Namespace) -> int:
 
 def use_cluster_client(config: Config) -> None:
     """bus.cluster = true: every bus client of this process and of the roles it starts is a cluster
-    client (bus.streams.connect reads REEL_BUS_CLUSTER)."""
-    from bus.cluster import CLUSTER_ENV
+    client (reel.bus.streams.connect reads REEL_BUS_CLUSTER)."""
+    from reel.bus.cluster import CLUSTER_ENV
 
     if config.bus.cluster:
         os.environ[CLUSTER_ENV] = "1"
@@ -138,7 +138,7 @@ def bus_for(run_dir: Path, config: Config) -> Iterator[str]:
     """The run's bus URL; starts (and finally stops) the embedded Redis when bus.url is empty."""
     url_file = run_dir / "bus_url"
     if config.bus.url:
-        from runtime.launch.bus_access import bus_url
+        from reel.runtime.launch.bus_access import bus_url
 
         url = bus_url(config)
         _write_private(url_file, url)  # it holds the password
@@ -147,7 +147,7 @@ def bus_for(run_dir: Path, config: Config) -> Iterator[str]:
         finally:
             url_file.unlink(missing_ok=True)
         return
-    from bus.server import EmbeddedRedis
+    from reel.bus.server import EmbeddedRedis
 
     server = EmbeddedRedis(run_dir)
     url = server.start()
@@ -179,9 +179,9 @@ def announce_finished(url: str, run: str, reason: str, partitions: int = 1, run_
     """Publish RunFinished; the archiver exits once it has logged it and drained every stream."""
     import asyncio
 
-    from bus.events import RunFinished
-    from bus.seqs import recover_seq
-    from bus.streams import Publisher, connect, dead_letters_added, recover_next_seq
+    from reel.bus.events import RunFinished
+    from reel.bus.seqs import recover_seq
+    from reel.bus.streams import Publisher, connect, dead_letters_added, recover_next_seq
 
     async def publish() -> None:
         redis = connect(url)
@@ -278,7 +278,7 @@ class Supervisor:
     def _start(self, name: str, role: str, *extra: str, threads: int = 1, env: dict[str, str] | None = None,
                ranks: int = 1) -> None:
         args = ["role", role, "--run", str(self.run_dir), *extra]
-        python = torchrun_argv(ranks) if ranks > 1 else ["-m", "runtime.launch.cli"]
+        python = torchrun_argv(ranks) if ranks > 1 else ["-m", "reel.runtime.launch.cli"]
         # The bus URL (maybe with a password) goes by environment: argv is public to `ps`.
         env = {"REEL_BUS_URL": self.url, **(self.trainer_env if role == "trainer" else {}), **(env or {})}
         self.roles[name] = RoleProcess(name, [sys.executable, *python, *args], self.run_dir / "roles" / f"{name}.log",
@@ -288,7 +288,7 @@ class Supervisor:
         """Start the local `vllm serve` once the trainer has written the version-0 weights it loads."""
         if self.vllm_port is None or "vllm" in self.roles:
             return
-        from runtime.initial_policy import init_dir  # here: it imports the model (torch)
+        from reel.runtime.initial_policy import init_dir  # here: it imports the model (torch)
 
         weights = init_dir(self.run_dir)
         if not (weights / "config.json").is_file():

@@ -37,8 +37,8 @@ import shlex
 from pathlib import Path
 from typing import NamedTuple
 
-from runtime.config import Config, ConfigError
-from runtime.config_engine import PD_CONNECTORS
+from reel.runtime.config import Config, ConfigError
+from reel.runtime.config_engine import PD_CONNECTORS
 
 # vLLM pools run on nodes of their own, so their ports are fixed.
 API_PORT = 8000
@@ -47,7 +47,7 @@ NIXL_SIDE_CHANNEL_PORT = 5600
 MOONCAKE_BOOTSTRAP_PORT = 8998
 MOONCAKE_LOCAL_BUFFER_BYTES = 4 << 30  # a store client's staging buffer
 # Loads Reel's weight blobs inside vLLM's workers; named, not imported (runtime/ never imports producers/).
-WORKER_EXTENSION = "producers.vllm.ReelWorkerExtension"
+WORKER_EXTENSION = "reel.producers.vllm.ReelWorkerExtension"
 
 DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
 # vLLM's online quantisation with DeepSeek-style 128x128 block scales, the trainer's FP8 numerics
@@ -174,11 +174,10 @@ def _max_model_len(c: Config, model_dir: Path) -> int:
 
 
 def local_serve_env(c: Config) -> dict[str, str]:
-    # vLLM's workers import Reel's worker extension (producers.vllm) from wherever this Reel is.
-    root = str(Path(__file__).resolve().parents[2])
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    # vLLM's workers import Reel's worker extension (reel.producers.vllm) from the installed `reel`
+    # package, the same interpreter as the server's.
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENGINE_READY_TIMEOUT_S": "3600",
-           "OMP_NUM_THREADS": str(c.engine.threads), "PYTHONPATH": path}
+           "OMP_NUM_THREADS": str(c.engine.threads)}
     if c.trainer.router_replay:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     return env | cpu_env()

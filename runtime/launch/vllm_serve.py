@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bus.errors import ReelError
-from runtime.config import Config
-from runtime.launch import vllm_args
+from reel.bus.errors import ReelError
+from reel.runtime.config import Config
+from reel.runtime.launch import vllm_args
 
 STARTUP_TIMEOUT_S = 900.0  # imports and model load: ~1 minute on an idle CPU machine, many on a busy one
 STOP_TIMEOUT_S = 30.0
@@ -34,7 +34,7 @@ class VLLMServeError(ReelError):
 def local_vllm(config: Config, model_dir: Path, log_path: Path, *,
                startup_timeout_s: float = STARTUP_TIMEOUT_S) -> Iterator[str]:
     """The URL of a healthy `vllm serve` on `model_dir` (its output in `log_path`), stopped on exit."""
-    from runtime.launch.supervisor import beside_python, free_port
+    from reel.runtime.launch.supervisor import beside_python, free_port
 
     port = free_port()
     argv = vllm_args.local_serve_argv(config, beside_python("vllm"), model_dir, port)

@@ -27,12 +27,12 @@ from typing import NamedTuple
 import msgspec
 import torch
 
-from bus.jsonout import print_json
-from runtime.model.cached_forward import forward_cached
-from runtime.model.config import MoEConfig
-from runtime.model.determinism import set_determinism
-from runtime.model.kvcache import new_cache
-from runtime.model.model import MoEModel
+from reel.bus.jsonout import print_json
+from reel.runtime.model.cached_forward import forward_cached
+from reel.runtime.model.config import MoEConfig
+from reel.runtime.model.determinism import set_determinism
+from reel.runtime.model.kvcache import new_cache
+from reel.runtime.model.model import MoEModel
 
 BENCH_CONFIG = MoEConfig(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -112,7 +112,7 @@ def _sample(args: argparse.Namespace, inference_precision: str, init_std: float)
     set_determinism(0)
     B, P, G = (8, 16, 32) if args.quick else (32, 32, 128)
     if getattr(args, "from_run", None):
-        from runtime.bench_from_run import completion_mask, load_trained_run
+        from reel.runtime.bench_from_run import completion_mask, load_trained_run
 
         # Completions of a trained policy are short (it stops): more prompts for as many tokens.
         run = load_trained_run(Path(args.from_run), prompts=8 * B)

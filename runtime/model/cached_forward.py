@@ -31,12 +31,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from runtime.model import native
-from runtime.model.config import ModelError
-from runtime.model.fp8 import dequant_tokens, per_token_cast_to_fp8
-from runtime.model.kvcache import KVCache, PreparedWeights, prepared_weights
-from runtime.model.layers import unquantised
-from runtime.model.model import ModelOutput, MoEModel
+from reel.runtime.model import native
+from reel.runtime.model.config import ModelError
+from reel.runtime.model.fp8 import dequant_tokens, per_token_cast_to_fp8
+from reel.runtime.model.kvcache import KVCache, PreparedWeights, prepared_weights
+from reel.runtime.model.layers import unquantised
+from reel.runtime.model.model import ModelOutput, MoEModel
 
 
 @torch.no_grad()

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from bus.errors import ReelError
+from reel.bus.errors import ReelError
 
 
 class ModelError(ReelError, ValueError):

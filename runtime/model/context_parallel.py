@@ -33,10 +33,10 @@ from typing import Iterator
 
 import torch
 
-from runtime.batch import Batch
-from runtime.distributed import World
-from runtime.model.config import ModelError
-from runtime.model.model import positions_from_mask
+from reel.runtime.batch import Batch
+from reel.runtime.distributed import World
+from reel.runtime.model.config import ModelError
+from reel.runtime.model.model import positions_from_mask
 
 # Batch fields indexed [B, T, ...]: the ones a CP rank holds a slice of, and what their padding holds.
 PER_POSITION = {"input_ids_BT": 0, "attention_mask_BT": 0, "targets_BT": 0, "loss_mask_BT": False,

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from runtime.model.moe import Experts, combine, sort_by_expert, swiglu_grouped
+from reel.runtime.model.moe import Experts, combine, sort_by_expert, swiglu_grouped
 
 
 def received_order(recv_counts_RE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
-from runtime.model.fp8 import dequant_blocks, per_block_cast_to_fp8
-from runtime.model.layers import rope_cos_sin, unquantised
-from runtime.model.moe import DenseMLP
+from reel.runtime.model.fp8 import dequant_blocks, per_block_cast_to_fp8
+from reel.runtime.model.layers import rope_cos_sin, unquantised
+from reel.runtime.model.moe import DenseMLP
 
 if TYPE_CHECKING:
-    from runtime.model.model import MoEModel
+    from reel.runtime.model.model import MoEModel
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.model.fp8 import fake_quant_blocks, fake_quant_tokens, fp8_linear
+from reel.runtime.model.fp8 import fake_quant_blocks, fake_quant_tokens, fp8_linear
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 

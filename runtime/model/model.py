@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.model.config import ModelError, MoEConfig
-from runtime.model.layers import PRECISIONS, Linear, RMSNorm, apply_rope, linear, rope_cos_sin, unquantised
-from runtime.model.moe import DenseMLP, MoE, load_balancing_loss
+from reel.runtime.model.config import ModelError, MoEConfig
+from reel.runtime.model.layers import PRECISIONS, Linear, RMSNorm, apply_rope, linear, rope_cos_sin, unquantised
+from reel.runtime.model.moe import DenseMLP, MoE, load_balancing_loss
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (q_NhD, k_NgD, v_NgD) -> o_NhD
 

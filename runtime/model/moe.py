@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.model.layers import Linear, grouped_linear, linear, unquantised
+from reel.runtime.model.layers import Linear, grouped_linear, linear, unquantised
 
 
 class Router(nn.Module):

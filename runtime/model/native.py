@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from runtime import cbuild
-from runtime.model.config import ModelError
+from reel.runtime import cbuild
+from reel.runtime.model.config import ModelError
 
 if TYPE_CHECKING:
-    from runtime.model.kvcache import KVCache, PreparedWeights
-    from runtime.model.model import MoEModel
+    from reel.runtime.model.kvcache import KVCache, PreparedWeights
+    from reel.runtime.model.model import MoEModel
 
 __all__ = ["forward_cached", "usable"]
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import warnings
 
-from runtime.distributed import World
-from runtime.model.config import ModelError
-from runtime.model.context_parallel import context_degree
-from runtime.model.model import MoEModel
-from runtime.model.moe import MoE
+from reel.runtime.distributed import World
+from reel.runtime.model.config import ModelError
+from reel.runtime.model.context_parallel import context_degree
+from reel.runtime.model.model import MoEModel
+from reel.runtime.model.moe import MoE
 
 
 def expert_degree(world: World, expert_parallel: int) -> int:
@@ -42,7 +42,7 @@ def parallelize(model: MoEModel, world: World, expert_parallel: int = 1, context
 def apply_ep(model: MoEModel, world: World, degree: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from runtime.model.expert_parallel import ExpertParallelExperts
+    from reel.runtime.model.expert_parallel import ExpertParallelExperts
 
     if model.config.num_experts % degree:
         raise ModelError(f"trainer.expert_parallel = {degree} does not divide model.num_experts = "
@@ -58,7 +58,7 @@ def apply_fsdp(model: MoEModel, world: World) -> MoEModel:
         return model
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from runtime.model.expert_parallel import ExpertParallelExperts
+    from reel.runtime.model.expert_parallel import ExpertParallelExperts
 
     # The model returns logits as a view; nothing downstream modifies them in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")

@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from runtime.model.config import MoEConfig
+from reel.runtime.model.config import MoEConfig
 
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")

@@ -18,9 +18,9 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save_file
 from safetensors.torch import save as st_save
 
-from runtime.model import state_dict_adapter
-from runtime.model.config import ModelError, MoEConfig
-from runtime.model.model import MoEModel
+from reel.runtime.model import state_dict_adapter
+from reel.runtime.model.config import ModelError, MoEConfig
+from reel.runtime.model.model import MoEModel
 
 
 def _as_hf(state_dict: dict[str, torch.Tensor], config: MoEConfig) -> dict[str, torch.Tensor]:
