@@ -111,6 +111,9 @@ class WeightsPublished(Event, tag="weights_published"):
     version: int
     step: int
     weights: BlobRef
+    # "safetensors": `weights` is one whole-model safetensors blob (logs before sharded publish);
+    # "manifest": `weights` is a bus/weight_manifest.py WeightManifest naming the version's shards.
+    format: str = "safetensors"
 
 
 class Sample(msgspec.Struct, frozen=True, gc=False):

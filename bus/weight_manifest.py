@@ -1,0 +1,56 @@
+"""What a published weight version is made of: a manifest of shards in the blob store.
+
+A `WeightsPublished` with `format = "manifest"` names this manifest (msgpack, itself a blob) in its
+`weights` BlobRef; the older `format = "safetensors"` names one whole-model safetensors blob. Each
+trainer rank writes its own shards (safetensors, one file per parameter bucket), so no process holds
+the whole state; readers stream shard by shard and verify each shard's hash as they go.
+
+A version is either full (every tensor in its shards) or a delta against `base_version`: each shard
+then holds, per changed tensor, the flat indices and new values, and `result_sha256` per tensor
+checks what applying it produced. A reader that does not hold `base_version` takes a full version.
+
+Retention (bus/retention.py) and `reel log gc` keep or delete a version as a unit: `blob_refs` is
+everything a version occupies in the store.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from reel.bus.events import BlobRef
+
+__all__ = ["WeightShard", "WeightManifest", "encode_manifest", "decode_manifest", "blob_refs"]
+
+
+class WeightShard(msgspec.Struct, frozen=True):
+    """One safetensors file of a version: the tensors of one parameter bucket, written by one rank."""
+
+    blob: BlobRef
+    rank: int  # the trainer rank that wrote it
+    tensors: list[str]  # tensor names (HF / Qwen3-MoE keys), so a TP reader can skip shards it does not hold
+
+
+class WeightManifest(msgspec.Struct, frozen=True):
+    version: int
+    step: int
+    dtype: str  # dtype the shards hold ("bfloat16" where the engine serves bf16, else "float32")
+    shards: list[WeightShard]
+    base_version: int = -1  # -1: a full version; else a delta that applies to this version
+    hash: str = "sha256"  # digest algorithm of every shard's blob.sha256 field
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(WeightManifest)
+
+
+def encode_manifest(manifest: WeightManifest) -> bytes:
+    return _encoder.encode(manifest)
+
+
+def decode_manifest(data: bytes) -> WeightManifest:
+    return _decoder.decode(data)
+
+
+def blob_refs(manifest_ref: BlobRef, manifest: WeightManifest) -> list[BlobRef]:
+    """Every blob the version occupies: the manifest itself and its shards."""
+    return [manifest_ref, *(shard.blob for shard in manifest.shards)]
