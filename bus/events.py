@@ -18,7 +18,8 @@ from reel.bus.errors import ReelError
 
 __all__ = [
     "BlobRef", "Tensor", "Event", "RunStarted", "WeightsPublished", "Sample", "Trajectory",
-    "RoutingTrace", "DroppedGroup", "StepTiming", "StepCommitted", "WorkerStats", "RunFinished",
+    "RoutingTrace", "DroppedGroup", "StepTiming", "StepCommitted", "WorkerStats", "EvalResult",
+    "ConfigChanged", "RunFinished",
     "AnyEvent", "MalformedEvent", "encode", "decode", "event_key", "STREAM_OF", "stream_key",
 ]
 
@@ -213,6 +214,30 @@ class WorkerStats(Event, tag="worker_stats"):
     swap_s: list[float] = []  # weight swaps since the last stats: seconds from reading the event to live
 
 
+class EvalResult(Event, tag="eval_result"):
+    """Eval role (or `reel eval`) -> metrics, sinks, compare, report: held-out scores of one version."""
+
+    version: int
+    step: int  # trainer step that produced the version
+    env: str  # the eval env's name
+    prompts: int
+    samples_per_prompt: int  # k of pass@k
+    mean_reward: float
+    pass_at_1: float
+    pass_at_k: float
+    per_task: dict[str, float] = {}  # task -> mean reward, for mixtures
+    skipped_versions: list[int] = []  # versions passed over since the last result (eval runs behind)
+    wall_s: float = 0.0
+
+
+class ConfigChanged(Event, tag="config_changed"):
+    """Launcher -> everyone: `--resume` changed keys that are safe to change, after step `after_step`."""
+
+    config_toml: str  # the whole config as it now runs
+    changed: dict[str, list[Any]]  # key -> [old, new]
+    after_step: int
+
+
 class RunFinished(Event, tag="run_finished"):
     """Launcher -> everyone: the run is over."""
 
@@ -221,7 +246,8 @@ class RunFinished(Event, tag="run_finished"):
 
 
 AnyEvent = Union[
-    RunStarted, WeightsPublished, Trajectory, RoutingTrace, StepCommitted, WorkerStats, RunFinished
+    RunStarted, WeightsPublished, Trajectory, RoutingTrace, StepCommitted, WorkerStats, EvalResult,
+    ConfigChanged, RunFinished,
 ]
 
 # Which stream each event type travels on (DESIGN.md "Events").
@@ -232,6 +258,8 @@ STREAM_OF: dict[type, str] = {
     RoutingTrace: "routing",
     StepCommitted: "steps",
     WorkerStats: "control",
+    EvalResult: "control",
+    ConfigChanged: "control",
     RunFinished: "control",
 }
 STREAMS = ("control", "weights", "trajectories", "routing", "steps")
