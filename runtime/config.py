@@ -152,6 +152,18 @@ class LogSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"  # Python logging level of each role
 
 
+Tracker = Literal["wandb", "tensorboard", "mlflow"]
+
+
+class MetricsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    sinks: list[Tracker] = []  # trackers `reel run` feeds as roles (consumers/sinks/); needs the `tracking` extra
+    tensorboard_dir: str = ""  # TensorBoard event files; empty = RUN_DIR/tracking/tensorboard
+    mlflow_tracking_uri: str = ""  # any MLflow tracking URI; empty = SQLite at RUN_DIR/tracking/mlflow.db
+    mlflow_experiment: str = "reel"  # MLflow experiment that holds the run
+    wandb_dir: str = ""  # W&B offline run files go under its wandb/; empty = RUN_DIR/tracking
+    wandb_project: str = "reel"  # W&B project the offline run is synced into
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     run: RunSection = msgspec.field(default_factory=RunSection)
     bus: BusSection = msgspec.field(default_factory=BusSection)
@@ -163,6 +175,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
     blobs: BlobsSection = msgspec.field(default_factory=BlobsSection)
     log: LogSection = msgspec.field(default_factory=LogSection)
+    metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
 
 
 def loads(text: str, source: str = "config") -> Config:
@@ -274,6 +287,8 @@ def validate(c: Config) -> None:
     require(b.mooncake_segment_bytes > 0 and b.mooncake_buffer_bytes > 0,
              "blobs.mooncake_segment_bytes and blobs.mooncake_buffer_bytes must be > 0")
     validate_engine(c.engine, router_replay=c.trainer.router_replay)
+    require(len(set(c.metrics.sinks)) == len(c.metrics.sinks),
+             f"metrics.sinks = {c.metrics.sinks} names a sink twice; list each once")
 
 
 def check_model_path(c: Config, text: str) -> None:

@@ -78,9 +78,11 @@ def _parser() -> argparse.ArgumentParser:
     role = _command(sub, "role", "start one role of a run (multi-node use)",
                     "reel role trainer --run /shared/runs/r1 --bus redis://head:6379",
                     "reel role rollout --run /shared/runs/r1 --worker 2 --bus redis://head:6379")
-    role.add_argument("name", choices=["trainer", "rollout", "archiver"], help="which role to start")
+    role.add_argument("name", choices=["trainer", "rollout", "archiver", "sink"], help="which role to start")
     role.add_argument("--run", required=True, dest="run_dir", help="run directory")
     role.add_argument("--worker", type=int, default=0, help="rollout worker index")
+    role.add_argument("--sink", choices=["wandb", "tensorboard", "mlflow"], default=None,
+                      help="sink role: which tracker (default: none; a sink role needs it)")
     role.add_argument("--bus", default=None, help="Redis URL (default: REEL_BUS_URL, else the run dir's bus_url); "
                       "argv is visible to every user, so pass a URL with a password through REEL_BUS_URL")
     role.set_defaults(handler="reel.runtime.launch.supervisor:main_role")
@@ -219,6 +221,24 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--run", required=True, dest="run_dir", help="run directory")
     export.add_argument("--jsonl", required=True, help="output file (JSON lines)")
     export.set_defaults(handler="reel.consumers.metrics:main_export")
+    for tracker, what in (("tensorboard", "TensorBoard event files"), ("mlflow", "an MLflow run (local store or tracking URI)"),
+                          ("wandb", "W&B offline run files (sync them with `wandb sync`)")):
+        sink = _command(metrics_sub, tracker, f"write every step's figures, eval results and the config into {what}; "
+                        "resumes where it stopped", f"reel metrics {tracker} --run runs/reverse_text",
+                        f"reel metrics {tracker} --run runs/reverse_text --follow")
+        sink.add_argument("--run", required=True, dest="run_dir", help="run directory")
+        sink.add_argument("--follow", action="store_true", help="keep writing until the run finishes (default: what is there now)")
+        sink.add_argument("--bus", default=None, help="Redis URL (default: the run directory's bus)")
+        if tracker == "mlflow":
+            sink.add_argument("--tracking-uri", default=None,
+                              help="MLflow tracking URI (default: metrics.mlflow_tracking_uri, else SQLite in the run directory)")
+            sink.add_argument("--experiment", default=None, help="MLflow experiment (default: metrics.mlflow_experiment)")
+        else:
+            sink.add_argument("--out", default=None, help=f"output directory (default: metrics.{tracker}_dir, "
+                              "else under RUN_DIR/tracking)")
+        if tracker == "wandb":
+            sink.add_argument("--project", default=None, help="W&B project (default: metrics.wandb_project)")
+        sink.set_defaults(handler="reel.consumers.sinks.cli:main")
 
     retrain = _command(sub, "retrain", "train a new policy offline from a run's log",
                        "reel retrain --from runs/reverse_text --out runs/retrained",

@@ -48,7 +48,10 @@ ROLE_ENTRY = {
     "archiver": "reel.consumers.archiver:main",
     "trainer": "reel.consumers.trainer:main",
     "rollout": "reel.producers.rollout:main",
+    "sink": "reel.consumers.sinks.cli:role_main",
 }
+SINK_CHECK = "reel.consumers.sinks.cli:check_available"  # the trackers' libraries, before anything starts
+SINK_DRAIN_S = 60.0  # how long a finished run waits for its sinks to write the last steps
 STOP_TIMEOUT_S = 20.0
 LOG_TAIL_LINES = 25
 
@@ -62,6 +65,9 @@ def main_run(args: argparse.Namespace) -> int:
     if serves_vllm_locally(config):
         vllm_args.check_local_server(config)
     use_cluster_client(config)
+    if config.metrics.sinks:
+        module, function = SINK_CHECK.split(":")
+        getattr(importlib.import_module(module), function)(config.metrics.sinks)
     text = Path(args.config).read_text()
     config_mod.check_model_path(config, text)
     run_dir = Path(args.out) if args.out else Path(config.run.out_dir) / config.run.name
@@ -89,6 +95,10 @@ def main_role(args: argparse.Namespace) -> int:
     entry = getattr(importlib.import_module(module), function)
     if args.name == "rollout":
         return int(entry(run_dir, url, args.worker) or 0)
+    if args.name == "sink":
+        if args.sink is None:
+            raise RunDirError("reel role sink needs --sink wandb|tensorboard|mlflow")
+        return int(entry(run_dir, url, args.sink) or 0)
     if args.name == "archiver":
         return int(entry(run_dir, url, config.run.name, config.bus.partitions) or 0)
     return int(entry(run_dir, url) or 0)
@@ -305,6 +315,8 @@ class Supervisor:
             self._start("trainer", "trainer", threads=trainer_threads, ranks=self.config.trainer.ranks)
             for w in range(self.config.rollout.workers):
                 self._start(f"rollout-{w}", "rollout", "--worker", str(w), env=rollout_env)
+            for sink in self.config.metrics.sinks:
+                self._start(f"sink-{sink}", "sink", "--sink", sink)
             with self.progress:
                 failed = self._watch()
             if failed is not None:
@@ -322,9 +334,14 @@ class Supervisor:
         while True:
             self.progress.refresh()
             self._start_vllm_when_ready()
-            for name, role in self.roles.items():
+            for name, role in list(self.roles.items()):
                 code = role.poll()
                 if code is None:
+                    continue
+                if name.startswith("sink-"):  # a tracker never stops training: say so, train on
+                    print(f"reel: role {name} stopped with exit code {code} (see {role.log_path}); training goes on; "
+                          f"`reel metrics {name[5:]} --run {self.run_dir} --follow` resumes it", file=sys.stderr)
+                    del self.roles[name]
                     continue
                 if name == "trainer" and code == 0:
                     return None
@@ -336,6 +353,8 @@ class Supervisor:
         self.progress.finish(self.run_dir)
         announce_finished(self.url, self.config.run.name, "completed", self.config.bus.partitions, self.run_dir)
         code = self.roles["archiver"].wait(timeout=120.0)
+        for name in [n for n in self.roles if n.startswith("sink-")]:  # they stop at RunFinished
+            self.roles[name].wait(timeout=SINK_DRAIN_S)
         self._stop_all()
         if code != 0:
             return self._fail("archiver")
