@@ -240,6 +240,16 @@ def _parser() -> argparse.ArgumentParser:
             sink.add_argument("--project", default=None, help="W&B project (default: metrics.wandb_project)")
         sink.set_defaults(handler="reel.consumers.sinks.cli:main")
 
+    report = _command(sub, "report", "one self-contained HTML page of a run (charts, evals, config), from its log",
+                      "reel report --run runs/reverse_text -o report.html",
+                      "reel replay bisect --run runs/moe_mismatch --metric kl_k3 --above 0.03 --json > why.json; "
+                      "reel report --run runs/moe_mismatch -o report.html --bisect why.json")
+    report.add_argument("--run", required=True, dest="run_dir", help="run directory")
+    report.add_argument("-o", "--output", required=True, metavar="FILE.html", help="the HTML file to write")
+    report.add_argument("--bisect", default=None, metavar="FILE.json",
+                        help="include the findings of `reel replay bisect --json` (default: none)")
+    report.set_defaults(handler="reel.replay.html_report:main")
+
     retrain = _command(sub, "retrain", "train a new policy offline from a run's log",
                        "reel retrain --from runs/reverse_text --out runs/retrained",
                        "reel retrain --from runs/reverse_text --out runs/r2 --epochs 3 --shuffle 7")
