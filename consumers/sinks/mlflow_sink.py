@@ -7,6 +7,7 @@ Eval scores go under eval/ at the trainer step of the version they scored.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,18 @@ def find_run(client: Any, experiment_id: str, run: str) -> Any | None:
     return found[0] if found else None
 
 
+def _create_sqlite_store(tracking: Any, path: Path) -> None:
+    """A new SQLite store is created aside and renamed into place: MLflow builds its tables in many
+    migrations, and a sink killed halfway would leave a store no later MLflow can open."""
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    aside = path.with_name(f"{path.name}.{os.getpid()}.new")
+    aside.unlink(missing_ok=True)
+    tracking.MlflowClient(f"sqlite:///{aside}").search_experiments()  # runs the migrations
+    os.replace(aside, path)
+
+
 def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
     flat: dict[str, str] = {}
     for key, value in config.items():
@@ -48,7 +61,7 @@ class MlflowSink(Sink):
         try:
             Path(artifacts).mkdir(parents=True, exist_ok=True)
             if tracking_uri.startswith("sqlite:///"):
-                Path(tracking_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+                _create_sqlite_store(tracking, Path(tracking_uri.removeprefix("sqlite:///")))
             self.client = tracking.MlflowClient(tracking_uri)
             known = self.client.get_experiment_by_name(experiment)
             experiment_id = (known.experiment_id if known else

@@ -93,6 +93,10 @@ def _parser() -> argparse.ArgumentParser:
                     "reel config show examples/reverse_text.toml > resolved.toml")
     show.add_argument("config", help="TOML config file")
     show.set_defaults(handler="reel.runtime.launch.cli:config_show")
+    schema = _command(config_sub, "schema", "every config key with its type, default and help (Markdown; "
+                      "docs/reference/config.md is this output)", "reel config schema", "reel config schema --json")
+    schema.add_argument("--json", action="store_true", help="one JSON list of {key, type, default, help}")
+    schema.set_defaults(handler="reel.runtime.config_schema:main")
 
     log = _command(sub, "log", "inspect a run's on-disk event log", "reel log verify --run runs/reverse_text")
     log_sub = log.add_subparsers(dest="log_command", required=True, metavar="COMMAND")
