@@ -179,7 +179,7 @@ def test_a_missing_library_names_the_extra(tmp_path: Path) -> None:
                              str(tmp_path / "run"), "--no-live"], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert "metrics.sinks lists wandb" in result.stderr and "pip install 'reel-rl[tracking]'" in result.stderr
+    assert "the wandb sink needs wandb" in result.stderr and "pip install 'reel-rl[tracking]'" in result.stderr
     assert not (tmp_path / "run").exists()
 
 

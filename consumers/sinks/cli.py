@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 
 from reel.consumers.metrics import locate
-from reel.consumers.sinks.base import EXTRA, Sink, SinkError
+from reel.consumers.sinks.base import EXTRA, Sink
 from reel.consumers.sinks.feed import Feed, run_meta
 from reel.runtime import config as run_config
 from reel.runtime.config import MetricsSection
@@ -33,8 +33,8 @@ def check_available(sinks: list[str]) -> None:
     for sink in sinks:
         missing = [m for m in LIBRARIES[sink] if importlib.util.find_spec(m.split(".")[0]) is None]
         if missing:
-            raise run_config.ConfigError(f"metrics.sinks lists {sink}, which needs {', '.join(missing)}; install it "
-                                         f"with pip install 'reel-rl[{EXTRA}]' or remove it from metrics.sinks")
+            raise run_config.ConfigError(f"the {sink} sink needs {', '.join(missing)}; install it with "
+                                         f"pip install 'reel-rl[{EXTRA}]' (or take {sink} out of metrics.sinks)")
 
 
 def make_sink(name: str, run_dir: Path, run: str, section: MetricsSection) -> Sink:
