@@ -42,13 +42,14 @@ class RunFacts(msgspec.Struct):
     steps: list[StepCommitted] = []
     evals: list[EvalResult] = []
     rollout_tokens_per_s: list[tuple[float, float]] = []  # (seconds since the first stats, sum over workers)
+    rollout_idle: list[tuple[float, float]] = []  # (seconds since the first stats, mean idle share over workers)
 
 
 def read_facts(run_dir: Path) -> RunFacts:
     if not (run_dir / "log" / "steps").is_dir():
         raise ReportError(f"{run_dir / 'log' / 'steps'} does not exist; is {run_dir} a run directory with a log?")
     facts = RunFacts(run=run_dir.name)
-    latest: dict[str, float] = {}
+    latest: dict[str, WorkerStats] = {}
     with RunLog(run_dir, readonly=True) as log:
         facts.steps = [e for _, e in log.events("steps") if isinstance(e, StepCommitted)]
         for entry_id, event in log.events("control") if "control" in log.names() else []:
@@ -59,14 +60,16 @@ def read_facts(run_dir: Path) -> RunFacts:
                 case EvalResult():
                     facts.evals.append(event)
                 case WorkerStats():
-                    latest[event.worker] = event.tokens_per_s
+                    latest[event.worker] = event
                     seconds = int(entry_id.split("-")[0]) / 1000  # entry ids are the bus's clock (ms)
-                    facts.rollout_tokens_per_s.append((seconds, sum(latest.values())))
+                    facts.rollout_tokens_per_s.append((seconds, sum(w.tokens_per_s for w in latest.values())))
+                    facts.rollout_idle.append((seconds, sum(w.idle_share for w in latest.values()) / len(latest)))
                 case RunFinished():
                     facts.finished = event.reason
     if facts.rollout_tokens_per_s:
         t0 = facts.rollout_tokens_per_s[0][0]
         facts.rollout_tokens_per_s = [(t - t0, v) for t, v in facts.rollout_tokens_per_s]
+        facts.rollout_idle = [(t - t0, v) for t, v in facts.rollout_idle]
     return facts
 
 
@@ -136,7 +139,9 @@ def _sections(facts: RunFacts, bisect: dict | None) -> list[str]:
                      y_label="tokens/s"),
                  line_chart("rollout tokens/s (sum over workers)", {"rollout": facts.rollout_tokens_per_s},
                             x_label="seconds", y_label="tokens/s"),
-                 line_chart("trainer idle share (waiting for groups)", {"idle": _per_step(steps, _idle)}, y_label="share")),
+                 line_chart("trainer idle share (waiting for groups)", {"idle": _per_step(steps, _idle)}, y_label="share"),
+                 line_chart("rollout idle share (mean over workers)", {"idle": facts.rollout_idle},
+                            x_label="seconds", y_label="share")),
         _section("Eval results",
                  line_chart("held-out scores", {"mean_reward": [(e.step, e.mean_reward) for e in evals],
                                                 "pass@1": [(e.step, e.pass_at_1) for e in evals],
