@@ -72,6 +72,8 @@ class Feed:
             self._described = True
 
     def backfill(self) -> None:
+        if not (self.source.run_dir / "log").is_dir():
+            return  # a run starting with its sinks: the archiver has not begun, the bus holds it all
         for event in log_events(self.source.run_dir, FEED_STREAMS):
             self.apply(event)
         self.sink.flush()
