@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 
 from reel.bus.events import EvalResult, StepCommitted, encode
 from reel.bus.log import RunLog
+from reel.runtime.config import ConfigError, loads
 from runbuilder import build_run, e2e_config
 
 # The tracking extra is installed on the test path (ops/install.sh).
@@ -171,6 +173,11 @@ def test_a_finished_run_is_backfilled_whole_and_a_rerun_adds_nothing(finished_ru
     assert repeats == 0
 
 
+def test_an_unknown_sink_names_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"metrics\.sinks"):
+        loads('[metrics]\nsinks = ["neptune"]\n')
+
+
 def test_a_missing_library_names_the_extra(tmp_path: Path) -> None:
     config = e2e_config(tmp_path / "c.toml", "nolib", 2, {"metrics": {"sinks": ["wandb"]}})
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None  # as if not installed\n")
@@ -217,9 +224,12 @@ def test_sink_roles_killed_mid_run_and_restarted_leave_no_gap_and_no_duplicate(t
         out, err = launcher.communicate(timeout=600)
         assert launcher.returncode == 0, err
         assert "role sink-tensorboard stopped" in err and "training goes on" in err
-        for follower in followers:
+        for sink, follower in zip(SINKS, followers):
             f_out, f_err = follower.communicate(timeout=300)
             assert follower.returncode == 0, f_err
+            resumed = int(re.search(r"wrote (\d+) new steps", f_out).group(1))
+            # TensorBoard held >= 2 steps when it was killed: the restart wrote only the rest.
+            assert resumed <= (steps - 2 if sink == "tensorboard" else steps), f_out
     finally:
         for process in (launcher, *followers):
             if process.poll() is None:
