@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from reel.bus.events import EvalResult, StepCommitted, encode
+from reel.bus.events import EvalResult, encode
 from reel.bus.log import RunLog
-from runbuilder import build_run
+from runbuilder import e2e_config
 
 CHROMIUM = shutil.which("chromium") or "chromium"  # Debian's; ops/install.sh installs it on the test path
 
@@ -34,16 +34,23 @@ def _console(result: subprocess.CompletedProcess) -> list[str]:
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run_dir = build_run(tmp_path_factory.mktemp("report") / "run", {"run": {"name": "reportrun", "steps": STEPS}})
+    """A short real `reel run` (every role a process), then two eval results as the eval role logs them."""
+    tmp = tmp_path_factory.mktemp("report")
+    run_dir = tmp / "run"
+    config = e2e_config(tmp / "c.toml", "reportrun", STEPS)
+    result = subprocess.run([sys.executable, "-m", "reel.runtime.launch.cli", "run", str(config), "--out", str(run_dir),
+                             "--no-live"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
     with RunLog(run_dir) as log:
-        last = [entry for entry, e in log.events("steps") if isinstance(e, StepCommitted)][-1]
+        last = log.stream("control").last_entry_id()
         for i, step in enumerate((3, 6)):
             event = EvalResult(run="reportrun", producer="eval", seq=i, version=step, step=step, env="reverse_text",
                                prompts=8, samples_per_prompt=4, mean_reward=0.25 * i + 0.1, pass_at_1=0.2, pass_at_k=0.5)
-            log.stream("control").append_batch([(f"{last.split('-')[0]}-{i + 1}", encode(event))])
+            log.stream("control").append_batch([(f"{last.split('-')[0]}-{int(last.split('-')[1]) + i + 1}", encode(event))])
     return run_dir
 
 
+@pytest.mark.slow
 def test_report_renders_in_headless_chromium_with_no_console_errors(run_dir: Path, tmp_path: Path) -> None:
     bisect = tmp_path / "bisect.json"
     bisect.write_text(json.dumps({"metric": "kl_k3", "direction": "above", "threshold": 0.01, "first_crossing": 4,
@@ -66,7 +73,7 @@ def test_report_renders_in_headless_chromium_with_no_console_errors(run_dir: Pat
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert _console(dom) == []
     charts = int(re.search(r'data-charts="(\d+)"', dom.stdout).group(1))
-    assert charts == html.count('<svg class="chart"') and charts >= 7  # every chart laid out with its series
+    assert charts == html.count('<svg class="chart"') and charts >= 9  # every chart laid out with its series
     shot = tmp_path / "report.png"
     assert _chromium(page, f"--screenshot={shot}", cwd=tmp_path).returncode == 0
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
