@@ -219,6 +219,9 @@ class WorkerStats(Event, tag="worker_stats"):
     forward_tokens: int = 0  # tokens fed through the model: decode_tokens plus the prompts' prefill
     busy_s: float = 0.0  # seconds the engine spent decoding
     swap_s: list[float] = []  # weight swaps since the last stats: seconds from reading the event to live
+    # Samples since the worker started whose version spans were assumed (the engine, vLLM, sent no
+    # weight_versions): each is labelled with the version it started under.
+    version_spans_assumed: int = 0
 
 
 class EvalResult(Event, tag="eval_result"):
