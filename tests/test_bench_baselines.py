@@ -49,3 +49,28 @@ def test_bench_fsdp_measures_peak_memory_and_sharding_lowers_it(capsys: pytest.C
     assert result["one_rank_peak_bytes"] > result["one_rank_held_bytes"]
     assert result["two_rank_peak_bytes_per_rank"] > result["two_rank_held_bytes_per_rank"]
     assert result["ratio"] >= FSDP_QUICK_RATIO_FLOOR, result
+
+
+def _allowed_cores(pid: int) -> set[int]:
+    return set(os.sched_getaffinity(pid))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning splits at least two cores")
+def test_bench_async_pins_trainer_and_rollout_side_to_disjoint_cores(tmp_path: Path):
+    from reel.runtime.bench_async import PinnedSupervisor, role_cores
+    from reel.runtime.config import from_dict
+
+    trainer_cores, rollout_cores = role_cores()
+    assert trainer_cores and rollout_cores and not trainer_cores & rollout_cores
+    assert trainer_cores | rollout_cores == _allowed_cores(0)
+    (tmp_path / "roles").mkdir()
+    supervisor = PinnedSupervisor(tmp_path, "redis://127.0.0.1:1/0", from_dict({}), live=False)
+    before = _allowed_cores(0)
+    try:
+        for name, role in (("trainer", "trainer"), ("rollout-0", "rollout"), ("archiver", "archiver")):
+            supervisor._start(name, role)
+        pinned = {name: _allowed_cores(p.popen.pid) for name, p in supervisor.roles.items()}
+    finally:
+        supervisor._stop_all()
+    assert pinned == {"trainer": trainer_cores, "rollout-0": rollout_cores, "archiver": rollout_cores}
+    assert _allowed_cores(0) == before  # the bench process itself is left as it was
