@@ -6,7 +6,7 @@ the engine runs nearly empty and the trainer idles. Both runs use the same confi
 and number of steps, one after the other in this process; the warm-start is shared (cached).
 
 Pinning: the trainer gets the first half of this process's cores and the rollout side (workers,
-archiver) the rest, with os.sched_setaffinity, the same in both modes; unpinned, both sides
+archiver, the embedded Redis, this process watching them) the rest, with os.sched_setaffinity, the same in both modes; unpinned, both sides
 compete for the same cores and overlapping them cannot save time, so the bench would measure the
 scheduler, not the pipeline. With one core there is nothing to split (`pinned` says so).
 
@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -81,20 +82,29 @@ def role_cores() -> tuple[set[int], set[int]] | None:
     return set(cores[:half]), set(cores[half:])
 
 
+@contextlib.contextmanager
+def forking_on(side: int) -> Iterator[None]:
+    """Processes started inside inherit the cores of `side` (0 trainer, 1 rollout side); this
+    process's own affinity is back as it was after. No-op with one core."""
+    split = role_cores()
+    if split is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, split[side])
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 class PinnedSupervisor(Supervisor):
     """Starts the trainer on the trainer cores and every other role on the rollout-side cores: a
     child inherits the affinity of the process that forks it, threads included."""
 
     def _start(self, name: str, role: str, *extra: str, **kw: object) -> None:
-        split = role_cores()
-        if split is None:
-            return super()._start(name, role, *extra, **kw)
-        before = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, split[0] if role == "trainer" else split[1])
-        try:
+        with forking_on(0 if role == "trainer" else 1):
             super()._start(name, role, *extra, **kw)
-        finally:
-            os.sched_setaffinity(0, before)
 
 
 def _pinning_note() -> str:
@@ -123,7 +133,7 @@ def _simulated_dedicated(run_dir: Path, async_level: int) -> float | None:
 def _measure(run_dir: Path, config: Config) -> dict[str, float]:
     prepare_run_dir(run_dir, config_mod.to_toml(config), config, resume=False)
     with contextlib.redirect_stdout(sys.stderr):  # progress lines must not mix with the JSON line
-        with bus_for(run_dir, config) as url:
+        with forking_on(1), bus_for(run_dir, config) as url:  # Redis serves the rollout side: its cores
             supervisor = PinnedSupervisor(run_dir, url, config, live=False)
             code = supervisor.run()
     if code != 0:
