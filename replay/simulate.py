@@ -55,6 +55,7 @@ class Scenario(msgspec.Struct, kw_only=True):
     speedup_rollout: float = 1.0  # decode steps this many times faster than measured
     speedup_trainer: float = 1.0  # trainer compute this many times faster than measured
     rank_efficiency: float = 0.9  # trainer compute scales as ranks x this (ranks > 1)
+    rank_efficiency_source: str = ""  # where rank_efficiency came from (replay/rank_efficiency.py)
     redis_s_per_event: float = 0.0  # Redis CPU seconds per event (`reel bench bus`)
     dedicated: bool = False  # rollout and trainer on their own hardware: no shared-core slowdown
     seed: int = 0  # of the group resampling

@@ -295,3 +295,24 @@ def test_trainer_compute_is_calibrated_per_logged_rank(tmp_path: Path) -> None:
     one_rank = msgspec.structs.replace(two.pipeline, trainer_ranks=1)
     slower = simulate(two, Scenario(pipeline=one_rank, dedicated=True, rank_efficiency=0.5)).wall_s
     assert slower == pytest.approx(as_logged[0], rel=1e-9)
+
+
+def test_rank_efficiency_is_fitted_from_bench_fsdp_and_says_where_it_came_from(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _write_run(tmp_path / "run", async_level=0)
+    bench = tmp_path / "fsdp.json"
+    bench.write_text(json.dumps({"bench": "fsdp", "one_rank_step_s": 0.36, "two_rank_step_s": 0.3, "ratio": 1.3}))
+    runs = {}
+    for name, extra in (("assumed", []), ("fitted", ["--rank-efficiency-from", str(bench)]),
+                        ("given", ["--rank-efficiency", "0.75"])):
+        assert reel(["simulate", "--run", str(run), "--trainer-ranks", "2", "--dedicated", "--json", *extra]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)
+    assert runs["assumed"]["rank_efficiency"] == 0.9 and "assumed, not measured" in runs["assumed"]["rank_efficiency_source"]
+    assert runs["fitted"]["rank_efficiency"] == pytest.approx(0.36 / (2 * 0.3))
+    assert runs["fitted"]["rank_efficiency_source"].startswith(f"fitted from {bench}: 1 process 0.360 s/step")
+    assert runs["given"]["rank_efficiency_source"] == "given (--rank-efficiency)"
+    walls = {name: r["rows"][0]["result"]["wall_s"] for name, r in runs.items()}
+    assert walls["fitted"] > walls["given"] > walls["assumed"]  # 2 x 0.6 < 2 x 0.75 < 2 x 0.9
+    bench.write_text("not json")
+    assert reel(["simulate", "--run", str(run), "--rank-efficiency-from", str(bench)]) != 0
+    assert "not a `reel bench fsdp` JSON line" in capsys.readouterr().err
