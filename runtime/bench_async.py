@@ -111,7 +111,7 @@ def _pinning_note() -> str:
     split = role_cores()
     if split is None:
         return "no: one core, nothing to split"
-    return f"trainer on cores {sorted(split[0])}, rollout and archiver on {sorted(split[1])}"
+    return f"trainer on cores {sorted(split[0])}, rollout side (workers, archiver, Redis) on {sorted(split[1])}"
 
 
 def _simulated_dedicated(run_dir: Path, async_level: int) -> float | None:
