@@ -20,7 +20,7 @@ from reel.bus.jsonout import print_json
 from reel.replay.console import print_view
 from reel.replay.rank_efficiency import rank_efficiency
 from reel.replay.simulate import Scenario, simulate
-from reel.replay.simulate_report import Row, compare, plot, view
+from reel.replay.simulate_report import Row, caveats, compare, plot, view
 from reel.replay.workload import Pipeline, Workload, extract
 
 # --sweep keys -> (Scenario or Pipeline field, value type)
@@ -56,7 +56,8 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"run": workload.run_dir, "decode": workload.decode, "trainer": workload.trainer,
                     "swap_s": workload.swap_s, "rank_efficiency": base.rank_efficiency,
-                    "rank_efficiency_source": base.rank_efficiency_source, "rows": rows})
+                    "rank_efficiency_source": base.rank_efficiency_source, "caveats": caveats(workload, base),
+                    "rows": rows})
     else:
         print_view(view(workload, rows))
     if args.plot:

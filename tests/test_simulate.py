@@ -316,3 +316,17 @@ def test_rank_efficiency_is_fitted_from_bench_fsdp_and_says_where_it_came_from(
     bench.write_text("not json")
     assert reel(["simulate", "--run", str(run), "--rank-efficiency-from", str(bench)]) != 0
     assert "not a `reel bench fsdp` JSON line" in capsys.readouterr().err
+
+
+def test_a_synchronous_log_says_it_cannot_tell_what_sharing_costs(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    run = _write_run(tmp_path / "run", async_level=0)
+    notes = {}
+    for name, extra in (("async", ["--async-level", "2"]), ("dedicated", ["--async-level", "2", "--dedicated"]),
+                        ("as logged", [])):
+        assert reel(["simulate", "--run", str(run), "--json", *extra]) == 0
+        notes[name] = json.loads(capsys.readouterr().out)["caveats"]
+    assert len(notes["async"]) == 1 and "what sharing cores costs is unknown" in notes["async"][0]
+    assert notes["dedicated"] == [] and notes["as logged"] == []
+    assert reel(["simulate", "--run", str(run), "--async-level", "1"]) == 0
+    assert "note: calibrated on a synchronous log" in capsys.readouterr().out
