@@ -35,7 +35,8 @@ def rank_efficiency(given: float | None, bench_file: str | None) -> RankEfficien
     if given is not None:
         return RankEfficiency(given, "given (--rank-efficiency)")
     if bench_file is None:
-        return RankEfficiency(ASSUMED, "assumed, not measured (fit it: --rank-efficiency-from a `reel bench fsdp` line)")
+        return RankEfficiency(ASSUMED, "assumed, not measured (fit it: --rank-efficiency-from a "
+                                       "`reel bench fsdp` line)")
     path = Path(bench_file)
     try:
         lines = [line for line in path.read_text().splitlines() if line.strip()]

@@ -6,9 +6,9 @@ the engine runs nearly empty and the trainer idles. Both runs use the same confi
 and number of steps, one after the other in this process; the warm-start is shared (cached).
 
 Pinning: the trainer gets the first half of this process's cores and the rollout side (workers,
-archiver, the embedded Redis, this process watching them) the rest, with os.sched_setaffinity, the same in both modes; unpinned, both sides
-compete for the same cores and overlapping them cannot save time, so the bench would measure the
-scheduler, not the pipeline. With one core there is nothing to split (`pinned` says so).
+archiver, the embedded Redis, this process watching them) the rest, with os.sched_setaffinity,
+the same in both modes; unpinned, both sides compete for the same cores and overlapping them
+cannot save time, so the bench would measure the scheduler, not the pipeline. With one core there is nothing to split (`pinned` says so).
 
 Prints one JSON line: wall time, trainer idle share, rollout idle share and final reward of each;
 ratio = achieved speedup = sync wall / async wall; ideal = sync wall / max(rollout busy, trainer

@@ -7,7 +7,9 @@ all-gather buffers and allocator slack all included); `ratio` = 1 process / 2 ra
 >= 1.8, reported as measured even when below). Also the counted bytes of parameters + gradients +
 AdamW state (`*_held_bytes`: what FSDP's sharding halves by construction), seconds per step of
 both, and max |Δ| between the weights after the last step (not zero: the ranks' gradient sums
-round differently from one process; ~1e-5 expected). Each side runs in a fresh process, `python -m
+round differently from one process; ~1e-5 expected). A one-process trainer runs on CPU, so on a
+CUDA machine the 2-rank side (NCCL) is measured on the GPU and no ratio is printed (`memory` says
+why); `--quick` hides CUDA from both sides. Each side runs in a fresh process, `python -m
 reel.runtime.bench_fsdp OUT [quick]`, the 2-rank one under torchrun (gloo on CPU, NCCL on CUDA),
 so neither inherits the other's heap; rank 0 writes its figures and weights to OUT. Inputs are
 random tokens with made-up rewards and logprobs: the step's cost and memory do not depend on what
@@ -139,6 +141,8 @@ def bench_fsdp(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="reel-bench-fsdp-") as tmp:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), **MALLOC_ENV)
         env.pop("WORLD_SIZE", None)
+        if args.quick:  # the smoke run compares like with like anywhere: both sides on CPU
+            env["CUDA_VISIBLE_DEVICES"] = ""
         sides = {1: [sys.executable, "-m", "reel.runtime.bench_fsdp"],
                  2: [sys.executable, *distributed.torchrun_argv(2, "reel.runtime.bench_fsdp")]}
         for size, argv in sides.items():

@@ -307,7 +307,8 @@ def test_rank_efficiency_is_fitted_from_bench_fsdp_and_says_where_it_came_from(
                         ("given", ["--rank-efficiency", "0.75"])):
         assert reel(["simulate", "--run", str(run), "--trainer-ranks", "2", "--dedicated", "--json", *extra]) == 0
         runs[name] = json.loads(capsys.readouterr().out)
-    assert runs["assumed"]["rank_efficiency"] == 0.9 and "assumed, not measured" in runs["assumed"]["rank_efficiency_source"]
+    assert runs["assumed"]["rank_efficiency"] == 0.9
+    assert "assumed, not measured" in runs["assumed"]["rank_efficiency_source"]
     assert runs["fitted"]["rank_efficiency"] == pytest.approx(0.36 / (2 * 0.3))
     assert runs["fitted"]["rank_efficiency_source"].startswith(f"fitted from {bench}: 1 process 0.360 s/step")
     assert runs["given"]["rank_efficiency_source"] == "given (--rank-efficiency)"
