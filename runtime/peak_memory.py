@@ -35,7 +35,11 @@ class PeakMemory(msgspec.Struct, frozen=True):
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             return cls("cuda", torch.cuda.memory_allocated(device))
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        except OSError as exc:
+            raise RuntimeError(f"cannot reset the peak resident set through /proc/self/clear_refs ({exc}); "
+                               "peak memory on CPU needs Linux with a writable /proc") from exc
         return cls("cpu", _status_bytes("VmRSS"))
 
     def peak_bytes(self) -> int:
