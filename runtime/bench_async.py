@@ -23,12 +23,11 @@ import argparse
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-
-import msgspec
 
 from reel.bus.events import StepCommitted, WorkerStats
 from reel.bus.jsonout import print_json
@@ -116,18 +115,15 @@ def _pinning_note() -> str:
 
 def _simulated_dedicated(run_dir: Path, async_level: int) -> float | None:
     """Wall seconds `reel simulate --dedicated --async-level N` predicts from this run's log (None if
-    the log cannot be calibrated: the simulator says why on stderr)."""
-    from reel.bus.errors import ReelError
-    from reel.replay.simulate import Scenario, simulate
-    from reel.replay.workload import extract
-
-    try:
-        workload = extract(run_dir)
-        pipeline = msgspec.structs.replace(workload.pipeline, async_level=async_level)
-        return simulate(workload, Scenario(pipeline=pipeline, dedicated=True)).wall_s
-    except ReelError as exc:
-        print(f"bench async: no simulator prediction: {exc}", file=sys.stderr)
+    the log cannot be calibrated: the simulator's sentence goes to stderr). Run as the command a
+    user would type: runtime/ reaches replay/ by command, not by import."""
+    argv = [sys.executable, "-m", "reel.runtime.launch.cli", "simulate", "--run", str(run_dir), "--dedicated",
+            "--async-level", str(async_level), "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"bench async: no simulator prediction: {done.stderr.strip()}", file=sys.stderr)
         return None
+    return float(json.loads(done.stdout)["rows"][0]["result"]["wall_s"])
 
 
 def _measure(run_dir: Path, config: Config) -> dict[str, float]:
