@@ -104,6 +104,11 @@ class RunStarted(Event, tag="run_started"):
     model_config: dict[str, Any]
     config_hash: str = ""
     init_reward: float | None = None  # mean sampled reward of the warm-started policy (version 0)
+    # What replay compares besides config and code (runtime/environment.py): trainer.ranks,
+    # expert_parallel, context_parallel; torch/cuda/nccl/vllm versions ("" = absent; {} = not recorded).
+    layout: dict[str, int] = {}
+    libraries: dict[str, str] = {}
+    cpu_count: int = 0  # cores the launcher could run on (the simulator's shared-hardware model); 0 = unknown
 
 
 class WeightsPublished(Event, tag="weights_published"):
@@ -193,6 +198,8 @@ class StepCommitted(Event, tag="step_committed"):
     config_hash: str = ""
     code_version: str = ""
     world_size: int = 1  # trainer ranks that computed the step (replay re-executes on as many)
+    layout: dict[str, int] = {}  # as RunStarted.layout, for this step
+    libraries: dict[str, str] = {}  # as RunStarted.libraries, of the trainer that computed it
 
 
 class WorkerStats(Event, tag="worker_stats"):
@@ -212,6 +219,9 @@ class WorkerStats(Event, tag="worker_stats"):
     forward_tokens: int = 0  # tokens fed through the model: decode_tokens plus the prompts' prefill
     busy_s: float = 0.0  # seconds the engine spent decoding
     swap_s: list[float] = []  # weight swaps since the last stats: seconds from reading the event to live
+    # Samples since the worker started whose version spans were assumed (the engine, vLLM, sent no
+    # weight_versions): each is labelled with the version it started under.
+    version_spans_assumed: int = 0
 
 
 class EvalResult(Event, tag="eval_result"):

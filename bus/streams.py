@@ -134,6 +134,16 @@ class Publisher:
         """Like publish, in MULTI/EXEC: readers see all of the events or none."""
         return await self._send(events, transaction=True)
 
+    async def dead_letter(self, event: Event, reason: str) -> None:
+        """File an event this producer refuses to publish in the dead-letter stream beside its lane,
+        with why (same fields as GroupConsumer's dead letters; entry_id "": it never reached its stream)."""
+        stream = STREAM_OF[type(event)]
+        dead_key = slot_key(lane_key(self.run, lane_of(stream, self.partition)), DEAD)
+        with boundary(self.redis, f"dead-lettering {stream} event {self.producer}#{event.seq} to {dead_key}"):
+            await self.redis.xadd(dead_key, {"stream": stream, "entry_id": "", "raw": encode(event), "reason": reason,
+                                             "group": "", "consumer": self.producer})
+        log.warning("dead letter: %s from %s of run %s: %s", stream, self.producer, self.run, reason)
+
     async def _send(self, events: list[Event], *, transaction: bool) -> list[str]:
         if not events:
             return []

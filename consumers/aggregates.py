@@ -79,6 +79,7 @@ class WorkerView(msgspec.Struct, frozen=True):
     policy_version: int
     version_lag: int | None  # None until a WeightsPublished was seen
     idle_share: float
+    version_spans_assumed: int = 0  # samples whose policy-version spans the engine did not report
 
 
 class Snapshot(msgspec.Struct, frozen=True):
@@ -223,7 +224,7 @@ class RunAggregates:
                 worker=w.worker, tokens_per_s=w.tokens_per_s, running=w.running, waiting=w.waiting,
                 policy_version=w.policy_version,
                 version_lag=None if self._policy_version is None else self._policy_version - w.policy_version,
-                idle_share=w.idle_share,
+                idle_share=w.idle_share, version_spans_assumed=w.version_spans_assumed,
             )
             for w in sorted(self._workers.values(), key=lambda w: w.worker)
         ]

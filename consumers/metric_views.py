@@ -63,6 +63,8 @@ _WORKER_GAUGES: list[tuple[str, str, Callable]] = [
     ("reel_worker_running", "Sequences a rollout worker is decoding.", lambda w: w.running),
     ("reel_worker_waiting", "Sequences queued on a rollout worker.", lambda w: w.waiting),
     ("reel_worker_idle_ratio", "Share of time a rollout worker's engine is idle.", lambda w: w.idle_share),
+    ("reel_worker_version_spans_assumed", "Samples whose policy version was assumed (vLLM sent no weight_versions).",
+     lambda w: w.version_spans_assumed),
 ]
 
 

@@ -40,7 +40,7 @@ from reel.bus.log import LogCorrupted, LogError, RunLog
 from reel.bus.partitions import lane_key, lanes
 from reel.bus.seqs import recover_seq
 from reel.bus.streams import FIELD, Delivery, GroupConsumer, Publisher, connect
-from reel.runtime import distributed
+from reel.runtime import distributed, environment
 from reel.runtime.batch import Group, build_batch, decode_routing, routing_problem
 from reel.runtime.blob_store import run_blobs
 from reel.runtime.config import Config, config_hash
@@ -157,6 +157,7 @@ class Trainer:
             timing=StepTiming(wait=waited, compute=computed - started - waited, publish=time.perf_counter() - computed),
             metrics={**result.metrics, **self.bus_loss}, staleness=result.staleness, checkpoint=ckpt,
             config_hash=config_hash(self.config), code_version=code_version(), world_size=self.group.world.size,
+            layout=environment.layout(self.config), libraries=environment.library_versions(),
         )
         await self.publisher.publish_atomic([
             self.publisher.stamp(WeightsPublished, version=step, step=step, weights=weights), commit,
@@ -275,7 +276,8 @@ class Trainer:
             events.insert(0, self.publisher.stamp(
                 RunStarted, config_toml=config_text, seed=self.config.run.seed, code_version=code_version(),
                 model_config=model.config.to_hf_dict(), config_hash=config_hash(self.config),
-                init_reward=initial_reward(self.run_dir),
+                init_reward=initial_reward(self.run_dir), layout=environment.layout(self.config),
+                libraries=environment.library_versions(), cpu_count=environment.cpu_count(),
             ))
         await self.publisher.publish_atomic(events)
 

@@ -93,6 +93,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     generated_tokens: int  # completion tokens sampled since start
     busy_s: float = 0.0  # seconds spent running decode steps since start (0 when not measured)
     forward_tokens: int = 0  # tokens fed through the model since start: prompts and sampled tokens
+    version_spans_assumed: int = 0  # samples whose policy-version spans were assumed (vLLM sent none)
 
 
 def routing_dtype(num_experts: int) -> type[np.unsignedinteger[Any]]:

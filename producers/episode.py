@@ -15,6 +15,7 @@ under those experts), so the trace is [P + len(tokens) - 1, L, K] as for one tur
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 
 import msgspec
@@ -61,6 +62,19 @@ class Episode:
         self.tokens += ids
         self.logprobs += [0.0] * len(ids)
         self.turns.append(list(ids))
+
+
+def non_finite(episodes: list[Episode]) -> str | None:
+    """Why a group must not be trained, if an env's reward or an engine's logprob is NaN or inf.
+
+    One such value makes the loss, and from it every weight of every later version, NaN."""
+    for i, e in enumerate(episodes):
+        if not math.isfinite(e.reward):
+            return f"sample {i}: the env returned reward {e.reward}"
+        bad = np.flatnonzero(~np.isfinite(np.asarray(e.logprobs, np.float64)))
+        if bad.size:
+            return f"sample {i}: the engine returned logprob {e.logprobs[bad[0]]} at completion token {bad[0]}"
+    return None
 
 
 async def run_group(engine: Engine, env: Env, prompt: Prompt, params: SamplingParams) -> list[Episode]:

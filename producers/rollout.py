@@ -57,7 +57,7 @@ from reel.bus.streams import Publisher, connect
 from reel.bus.tail import Tail
 from reel.producers.engine import Engine, EngineError, SamplingParams
 from reel.producers.envs import Env, env_for
-from reel.producers.episode import Episode, run_group
+from reel.producers.episode import Episode, non_finite, run_group
 from reel.runtime.blob_store import run_blobs
 from reel.runtime.config import Config, load
 from reel.runtime.initial_policy import init_dir
@@ -90,6 +90,7 @@ class RolloutWorker:
     first_round: int  # c0 of the async gate: c when this process started its first group
     started: int  # groups started by this process
     published: int  # groups published by this process
+    refused: int  # groups dead-lettered for a non-finite reward or logprob (each replaced by a new one)
     in_flight: dict[str, asyncio.Task[None]]
     abandoned: list[str]
 
@@ -111,6 +112,7 @@ class RolloutWorker:
         self.first_round = 0
         self.started = 0
         self.published = 0
+        self.refused = 0
         self.in_flight = {}
         self.abandoned = []
         self._changed = asyncio.Event()  # set whenever a gate condition may have changed
@@ -168,7 +170,7 @@ class RolloutWorker:
         return min(self.committed, self.engine.version)
 
     def _may_start(self) -> bool:
-        round_ = self.first_round + self.started // self.round_size
+        round_ = self.first_round + (self.started - self.refused) // self.round_size
         return (len(self.in_flight) < self.config.rollout.concurrency
                 and round_ - self._gate_version() <= self.config.rollout.async_level)
 
@@ -227,6 +229,11 @@ class RolloutWorker:
             Trajectory, group_id=group_id, env=self.env.name,
             prompt=Tensor.from_numpy(np.asarray(prompt.ids, np.int32)), samples=[_sample(e) for e in episodes], worker=self.name, meta=prompt.meta,
             temperature=r.temperature, generate_s=generate_s)
+        problem = non_finite(episodes)
+        if problem is not None:  # the round gets a replacement group, so the trainer's batch still fills
+            self.refused += 1
+            await self.publisher.dead_letter(trajectory, f"group {group_id} refused: {problem}")
+            return
         trace = (self.publisher.stamp(RoutingTrace, group_id=group_id, blob=blob) if blob is not None
                  else self.publisher.stamp(RoutingTrace, group_id=group_id, experts=experts))
         self._publishing.add(group_id)
@@ -309,7 +316,7 @@ class RolloutWorker:
                 WorkerStats, worker=self.name, tokens_per_s=s.tokens_per_s, running=s.running, waiting=s.waiting,
                 policy_version=s.version, groups_published=self.published, idle_share=share,
                 decode_steps=s.steps, decode_tokens=s.generated_tokens, forward_tokens=s.forward_tokens,
-                busy_s=s.busy_s, swap_s=swaps)])
+                busy_s=s.busy_s, swap_s=swaps, version_spans_assumed=s.version_spans_assumed)])
 
     async def _recover_seq(self, redis) -> int:
         # Entries the archiver made durable may be trimmed from the bus; the log still has them.

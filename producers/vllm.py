@@ -35,6 +35,7 @@ import collections
 import hashlib
 import itertools
 import json
+import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -48,6 +49,8 @@ from reel.bus.events import BlobRef
 from reel.producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
 from reel.runtime.launch.vllm_args import DTYPE, WORKER_EXTENSION, cpu_env, quantization, router_replay_unsupported
 from reel.runtime.model.config import MoEConfig
+
+log = logging.getLogger("reel.vllm")
 
 try:
     import vllm
@@ -113,6 +116,7 @@ class VLLMEngineBase(Engine):
         self.version = version
         self._running = 0
         self._generated = 0
+        self._spans_assumed = 0  # samples vLLM returned without weight_versions (spans assumed)
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
 
     async def _weights_file(self, weights: Mapping[str, torch.Tensor] | BlobRef) -> tuple[str, str]:
@@ -145,9 +149,20 @@ class VLLMEngineBase(Engine):
             raise EngineError(f"vLLM returned {len(logprobs)} logprobs for {len(tokens)} tokens")
         self._generated += len(tokens)
         self._recent.append((time.monotonic(), len(tokens)))
+        if not spans:
+            self._assume_spans(version)
         return Completion(tokens=tokens, logprobs=logprobs, finish_reason=finish_reason,
                           routing=self._routing(routing, prompt_len + len(tokens) - 1),
                           spans=known_spans(spans, version), seed=seed)
+
+    def _assume_spans(self, version: int) -> None:
+        """No weight_versions: the sample is labelled with the version it started under, which a
+        weight swap during its generation makes wrong; say so (once) and count it for metrics."""
+        if not self._spans_assumed:
+            log.warning("vLLM returned no weight_versions; a sample's policy version is assumed to be the one "
+                        "it started under (%d), wrong if weights changed while it ran; counted in "
+                        "WorkerStats.version_spans_assumed (this vLLM lacks weight_versions spans)", version)
+        self._spans_assumed += 1
 
     def _routing(self, routing: np.ndarray | None, rows: int) -> np.ndarray:
         expected = (rows, *self._routing_shape)
@@ -191,7 +206,7 @@ class VLLMEngineBase(Engine):
         rate = sum(n for _, n in self._recent) / _RATE_WINDOW_S
         return EngineStats(version=self.version, tokens_per_s=rate, running=self._running, waiting=0,
                            kv_slots_used=min(self._running, self.max_batch), kv_slots_total=self.max_batch,
-                           steps=0, generated_tokens=self._generated)
+                           steps=0, generated_tokens=self._generated, version_spans_assumed=self._spans_assumed)
 
 
 class VLLMEngine(VLLMEngineBase):

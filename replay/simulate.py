@@ -17,7 +17,8 @@
     trainer         takes arrived groups in order, drops those with a token older than
                     max_off_policy versions (consumers/trainer.py), computes once batch_groups are
                     in, then publishes. Compute = (base + per_token · tokens) / speedup_trainer,
-                    divided by ranks x rank_efficiency when trainer_ranks > 1: the FSDP trainer is
+                    rescaled from the logged world size to trainer_ranks, N ranks counting as N x rank_efficiency
+                    times one (1 rank as 1): the FSDP trainer is
                     modelled as compute scaling with a stated efficiency, not simulated collective by
                     collective.
     shared cores    unless `dedicated`, a decode step that starts while the trainer computes, and a
@@ -54,6 +55,7 @@ class Scenario(msgspec.Struct, kw_only=True):
     speedup_rollout: float = 1.0  # decode steps this many times faster than measured
     speedup_trainer: float = 1.0  # trainer compute this many times faster than measured
     rank_efficiency: float = 0.9  # trainer compute scales as ranks x this (ranks > 1)
+    rank_efficiency_source: str = ""  # where rank_efficiency came from (replay/rank_efficiency.py)
     redis_s_per_event: float = 0.0  # Redis CPU seconds per event (`reel bench bus`)
     dedicated: bool = False  # rollout and trainer on their own hardware: no shared-core slowdown
     seed: int = 0  # of the group resampling
@@ -292,12 +294,16 @@ class _Simulation:
         t = self.workload.trainer
         tokens = sum(sum(g.tokens.values()) for g in self.batch)
         seconds = (t.base_s + t.per_token_s * tokens) / self.scenario.speedup_trainer
-        if self.pipeline.trainer_ranks > 1:
-            seconds /= self.pipeline.trainer_ranks * self.scenario.rank_efficiency
+        # The fit is of the logged ranks' compute: rescale from those to the scenario's, not from one.
+        seconds *= self._rank_speed(t.ranks) / self._rank_speed(self.pipeline.trainer_ranks)
         if not self.scenario.dedicated:
             decoding = sum(1 for w in self.workers if w.running) / len(self.workers)
             seconds *= 1.0 + t.shared_slowdown * decoding
         self._at(seconds, "computed")
+
+    def _rank_speed(self, ranks: int) -> float:
+        """Trainer throughput of `ranks` ranks relative to one process."""
+        return 1.0 if ranks <= 1 else ranks * self.scenario.rank_efficiency
 
     def _commit(self) -> None:
         for group in self.batch:

@@ -18,8 +18,9 @@ import msgspec
 from reel.bus.errors import ReelError
 from reel.bus.jsonout import print_json
 from reel.replay.console import print_view
+from reel.replay.rank_efficiency import rank_efficiency
 from reel.replay.simulate import Scenario, simulate
-from reel.replay.simulate_report import Row, compare, plot, view
+from reel.replay.simulate_report import Row, caveats, compare, plot, view
 from reel.replay.workload import Pipeline, Workload, extract
 
 # --sweep keys -> (Scenario or Pipeline field, value type)
@@ -54,7 +55,9 @@ def main(args: argparse.Namespace) -> int:
         rows = [_row(workload, base, "as logged" if logged else "scenario", target if logged else None)]
     if args.json:
         print_json({"run": workload.run_dir, "decode": workload.decode, "trainer": workload.trainer,
-                    "swap_s": workload.swap_s, "rows": rows})
+                    "swap_s": workload.swap_s, "rank_efficiency": base.rank_efficiency,
+                    "rank_efficiency_source": base.rank_efficiency_source, "caveats": caveats(workload, base),
+                    "rows": rows})
     else:
         print_view(view(workload, rows))
     if args.plot:
@@ -77,8 +80,10 @@ def parse_sweep(text: str) -> tuple[str, list[int | float]]:
 def _scenario(args: argparse.Namespace, pipeline: Pipeline) -> Scenario:
     overrides = {name: getattr(args, name) for name in ("rollout_workers", "trainer_ranks", "async_level",
                                                           "max_off_policy", "steps") if getattr(args, name) is not None}
+    efficiency = rank_efficiency(args.rank_efficiency, args.rank_efficiency_from)
     return Scenario(pipeline=msgspec.structs.replace(pipeline, **overrides), speedup_rollout=args.speedup_rollout,
-                    speedup_trainer=args.speedup_trainer, rank_efficiency=args.rank_efficiency,
+                    speedup_trainer=args.speedup_trainer, rank_efficiency=efficiency.value,
+                    rank_efficiency_source=efficiency.source,
                     redis_s_per_event=args.redis_us_per_event * 1e-6, dedicated=args.dedicated, seed=args.seed)
 
 

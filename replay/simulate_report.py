@@ -60,6 +60,25 @@ def _shares(hist: dict[int, int]) -> str:
     return " ".join(f"{k}:{v / tokens:.2f}" for k, v in sorted(hist.items()))
 
 
+def caveats(workload: Workload, scenario: Scenario) -> list[str]:
+    """What the calibration log cannot tell about this scenario, said instead of guessed."""
+    found = []
+    overlaps = workload.decode.shared_slowdown or workload.trainer.shared_slowdown
+    if workload.pipeline.async_level == 0 and scenario.pipeline.async_level > 0 and not scenario.dedicated \
+            and not overlaps:
+        found.append("calibrated on a synchronous log, which never overlaps rollout and trainer: what sharing "
+                     "cores costs is unknown and simulated as free, so the wall time is a lower bound; "
+                     "calibrate on an asynchronous run of this machine")
+    return found
+
+
+def _ranks(rows: list[Row]) -> str:
+    s = rows[0].scenario if rows else None
+    if s is None or not s.rank_efficiency_source:
+        return ""
+    return f"; rank efficiency {s.rank_efficiency:.2f} ({s.rank_efficiency_source})"
+
+
 def view(workload: Workload, rows: list[Row]) -> Group:
     d, t = workload.decode, workload.trainer
     shared = "" if not (d.shared_slowdown or t.shared_slowdown) else (
@@ -69,8 +88,9 @@ def view(workload: Workload, rows: list[Row]) -> Group:
                    f"tokens ({d.intervals} intervals); trainer compute "
                    f"{1e3 * t.base_s:.0f} ms + {1e6 * t.per_token_s:.1f} µs x tokens, publish "
                    f"{1e3 * t.publish_s:.0f} ms; swap {1e3 * workload.swap_s:.0f} ms{shared}; "
-                   f"{len(workload.groups)} logged groups{_episodes(workload)}")
-    table = Table(title=calibration, title_justify="left")
+                   f"{len(workload.groups)} logged groups{_episodes(workload)}{_ranks(rows)}")
+    notes = "".join(f"\nnote: {c}" for c in (caveats(workload, rows[0].scenario) if rows else []))
+    table = Table(title=calibration + notes, title_justify="left")
     for column in ("scenario", "", "steps/h", "wall s", "trainer idle", "rollout idle", "staleness mean",
                    "staleness shares", "dropped", "redis busy", "bottleneck"):
         table.add_column(column, justify="right")

@@ -89,6 +89,7 @@ class TrainerModel(msgspec.Struct, kw_only=True):
     per_token_s: float
     shared_slowdown: float  # extra share while a rollout worker decodes on the same machine
     publish_s: float  # writing the weights and committing, per step
+    ranks: int = 1  # trainer ranks of the logged steps (StepCommitted.world_size): the fit is of that many
 
 
 class Measured(msgspec.Struct, kw_only=True):
@@ -144,7 +145,7 @@ def pipeline_of(config: Config) -> Pipeline:
     r, t = config.rollout, config.trainer
     return Pipeline(rollout_workers=r.workers, concurrency=r.concurrency, group_size=r.group_size,
                     max_batch=config.engine.max_batch, async_level=r.async_level, batch_groups=t.batch_groups,
-                    max_off_policy=t.max_off_policy_steps, steps=config.run.steps)
+                    max_off_policy=t.max_off_policy_steps, steps=config.run.steps, trainer_ranks=t.ranks)
 
 
 def measured_of(commits: list[tuple[int, StepCommitted]], stats: list[tuple[int, WorkerStats]]) -> Measured:
@@ -215,7 +216,8 @@ def _fit_trainer(commits: list[tuple[int, StepCommitted]], active: dict[str, np.
     (base, per_token), slowdown = _fit_with_slowdown(np.ones_like(tokens), np.stack([np.ones_like(tokens), tokens],
                                                                                       axis=1), seconds, shared)
     return TrainerModel(base_s=base, per_token_s=per_token, shared_slowdown=slowdown,
-                        publish_s=_mean([e.timing.publish for _, e in commits[1:]]))
+                        publish_s=_mean([e.timing.publish for _, e in commits[1:]]),
+                        ranks=max(e.world_size for _, e in commits[1:]))
 
 
 def _fit_with_slowdown(weight: np.ndarray, x: np.ndarray, y: np.ndarray,

@@ -5,8 +5,16 @@ answers that take the whole max_tokens), so a synchronous step waits for its slo
 the engine runs nearly empty and the trainer idles. Both runs use the same config, seed, machine
 and number of steps, one after the other in this process; the warm-start is shared (cached).
 
-Prints one JSON line: wall time, trainer idle share, rollout idle share and final reward of each,
-and ratio = sync wall / async wall.
+Pinning: the trainer gets the first half of this process's cores and the rollout side (workers,
+archiver, the embedded Redis, this process watching them) the rest, with os.sched_setaffinity,
+the same in both modes; unpinned, both sides compete for the same cores and overlapping them
+cannot save time, so the bench would measure the scheduler, not the pipeline. With one core there is nothing to split (`pinned` says so).
+
+Prints one JSON line: wall time, trainer idle share, rollout idle share and final reward of each;
+ratio = achieved speedup = sync wall / async wall; ideal = sync wall / max(rollout busy, trainer
+busy) of the sync run (what perfect overlap would give); efficiency = ratio / ideal; and
+`simulated_dedicated`, the speedup `reel simulate --dedicated` predicts for async_level 2 from the
+sync run's log alone.
 """
 
 from __future__ import annotations
@@ -14,8 +22,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from reel.bus.events import StepCommitted, WorkerStats
@@ -47,19 +58,79 @@ def bench_async(args: argparse.Namespace) -> int:
             raw["rollout"]["async_level"] = level
             config = config_mod.from_dict(raw, source="bench async workload")
             results[level] = _measure(Path(tmp) / f"async{level}", config)
+            if level == 0:
+                predicted = _simulated_dedicated(Path(tmp) / "async0", async_level=2)
     sync, overlapped = results[0], results[2]
+    ratio = sync["wall_s"] / overlapped["wall_s"]
+    ideal = sync["wall_s"] / max(sync["rollout_busy_s"], sync["trainer_busy_s"])
     print_json({
-        "bench": "async", "steps": raw["run"]["steps"], "sync": sync, "async": overlapped,
-        "ratio": round(sync["wall_s"] / overlapped["wall_s"], 3),
+        "bench": "async", "steps": raw["run"]["steps"], "pinned": _pinning_note(), "sync": sync, "async": overlapped,
+        "ideal": round(ideal, 3), "efficiency": round(ratio / ideal, 3),
+        "simulated_dedicated": round(sync["wall_s"] / predicted, 3) if predicted else None,
+        "ratio": round(ratio, 3),
     })
     return 0
+
+
+def role_cores() -> tuple[set[int], set[int]] | None:
+    """(trainer cores, rollout-side cores): this process's cores split in two; None with one core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    half = len(cores) // 2
+    return set(cores[:half]), set(cores[half:])
+
+
+@contextlib.contextmanager
+def forking_on(side: int) -> Iterator[None]:
+    """Processes started inside inherit the cores of `side` (0 trainer, 1 rollout side); this
+    process's own affinity is back as it was after. No-op with one core."""
+    split = role_cores()
+    if split is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, split[side])
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+class PinnedSupervisor(Supervisor):
+    """Starts the trainer on the trainer cores and every other role on the rollout-side cores: a
+    child inherits the affinity of the process that forks it, threads included."""
+
+    def _start(self, name: str, role: str, *extra: str, **kw: object) -> None:
+        with forking_on(0 if role == "trainer" else 1):
+            super()._start(name, role, *extra, **kw)
+
+
+def _pinning_note() -> str:
+    split = role_cores()
+    if split is None:
+        return "no: one core, nothing to split"
+    return f"trainer on cores {sorted(split[0])}, rollout side (workers, archiver, Redis) on {sorted(split[1])}"
+
+
+def _simulated_dedicated(run_dir: Path, async_level: int) -> float | None:
+    """Wall seconds `reel simulate --dedicated --async-level N` predicts from this run's log (None if
+    the log cannot be calibrated: the simulator's sentence goes to stderr). Run as the command a
+    user would type: runtime/ reaches replay/ by command, not by import."""
+    argv = [sys.executable, "-m", "reel.runtime.launch.cli", "simulate", "--run", str(run_dir), "--dedicated",
+            "--async-level", str(async_level), "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"bench async: no simulator prediction: {done.stderr.strip()}", file=sys.stderr)
+        return None
+    return float(json.loads(done.stdout)["rows"][0]["result"]["wall_s"])
 
 
 def _measure(run_dir: Path, config: Config) -> dict[str, float]:
     prepare_run_dir(run_dir, config_mod.to_toml(config), config, resume=False)
     with contextlib.redirect_stdout(sys.stderr):  # progress lines must not mix with the JSON line
-        with bus_for(run_dir, config) as url:
-            supervisor = Supervisor(run_dir, url, config, live=False)
+        with forking_on(1), bus_for(run_dir, config) as url:  # Redis serves the rollout side: its cores
+            supervisor = PinnedSupervisor(run_dir, url, config, live=False)
             code = supervisor.run()
     if code != 0:
         raise RuntimeError(f"bench run at async_level {config.rollout.async_level} failed; see {run_dir}/roles")
@@ -75,11 +146,14 @@ def _measure(run_dir: Path, config: Config) -> dict[str, float]:
     stats = [e for i, e in stats if _ms(i) > first_commit_ms]
     wall = sum(s.timing.wait + s.timing.compute + s.timing.publish for s in timed)
     waited = sum(s.timing.wait for s in timed)
+    rollout_idle = sum(s.idle_share for s in stats) / len(stats) if stats else None
     return {
         "async_level": config.rollout.async_level,
         "wall_s": round(wall, 3),
         "trainer_idle": round(waited / wall, 3),
-        "rollout_idle": round(sum(s.idle_share for s in stats) / len(stats), 3) if stats else None,
+        "rollout_idle": round(rollout_idle, 3) if rollout_idle is not None else None,
+        "trainer_busy_s": round(wall - waited, 3),  # compute + publish
+        "rollout_busy_s": round(wall * (1 - rollout_idle), 3) if rollout_idle is not None else wall,
         "worker_stats": len(stats),
         "reward_first": round(steps[0].metrics.get("reward_mean", float("nan")), 3),
         "reward_last": round(steps[-1].metrics.get("reward_mean", float("nan")), 3),

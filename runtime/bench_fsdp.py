@@ -1,18 +1,25 @@
 """`reel bench fsdp`: the same MoE and batches trained on 1 process and on 2 FSDP2 ranks.
 
-Figures: per-rank peak bytes of parameters + gradients + AdamW state (measured after each step,
-when all three are held; `ratio` = 1 process / 2 ranks, target >= 1.8), seconds per step of both,
-and max |Δ| between the weights after the last step (not zero: the ranks' gradient sums round
-differently from one process; ~1e-5 expected). The 2-rank side runs as `python -m
-reel.runtime.bench_fsdp OUT` under torchrun (gloo on CPU, NCCL on CUDA); rank 0 writes its figures and
-weights to OUT. Inputs are random tokens with made-up rewards and logprobs: the step's cost and
-memory do not depend on what the tokens say.
+Figures: per-rank measured peak memory of building the model and training STEPS steps
+(runtime/peak_memory.py: peak RSS above the process's RSS before the model existed on CPU,
+torch.cuda.max_memory_allocated on CUDA; parameters, gradients, AdamW state, activations,
+all-gather buffers and allocator slack all included); `ratio` = 1 process / 2 ranks of it (target
+>= 1.8, reported as measured even when below). Also the counted bytes of parameters + gradients +
+AdamW state (`*_held_bytes`: what FSDP's sharding halves by construction), seconds per step of
+both, and max |Δ| between the weights after the last step (not zero: the ranks' gradient sums
+round differently from one process; ~1e-5 expected). A one-process trainer runs on CPU, so on a
+CUDA machine the 2-rank side (NCCL) is measured on the GPU and no ratio is printed (`memory` says
+why); `--quick` hides CUDA from both sides. Each side runs in a fresh process, `python -m
+reel.runtime.bench_fsdp OUT [quick]`, the 2-rank one under torchrun (gloo on CPU, NCCL on CUDA),
+so neither inherits the other's heap; rank 0 writes its figures and weights to OUT. Inputs are
+random tokens with made-up rewards and logprobs: the step's cost and memory do not depend on what
+the tokens say.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import gc
 import os
 import subprocess
 import sys
@@ -20,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import torch
 from safetensors.torch import load
@@ -33,6 +41,7 @@ from reel.runtime.distributed import World
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.parallelize import apply_fsdp
+from reel.runtime.peak_memory import MALLOC_ENV, PeakMemory, release_free_memory
 from reel.runtime.train_step import TrainState, make_optimizer, train_step
 
 MODEL = MoEConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
@@ -85,61 +94,96 @@ def _held_bytes(state: TrainState) -> int:
     return total
 
 
-def measure(world: World, model_cfg: MoEConfig, groups: int) -> tuple[int, float, bytes]:
-    """(peak held bytes on this rank, seconds per step, the final weights on rank 0)."""
-    torch.manual_seed(0)
-    model = apply_fsdp(MoEModel(model_cfg), world)
+class Figures(msgspec.Struct):
+    """One side's figures, as rank 0 writes them (the per-rank maxima)."""
+
+    peak_bytes: int  # measured peak memory of one rank (PeakMemory)
+    memory: str  # what measured it: "cpu" (resident set) or "cuda" (allocator)
+    held_bytes: int  # counted parameters + gradients + optimizer state of one rank
+    step_s: float
+    backend: str
+
+
+def measure(world: World, model_cfg: MoEConfig, groups: int) -> tuple[Figures, bytes]:
+    """This rank's figures and the final weights (on rank 0)."""
     config = _config(groups)
+    batches = _batches(model_cfg, groups, STEPS)  # inputs exist before the baseline: not counted
+    _warm_up(world, model_cfg, config, batches[0])
+    torch.manual_seed(0)
+    mark = PeakMemory.start(world.device)
+    model = apply_fsdp(MoEModel(model_cfg), world)
     state = TrainState(model, make_optimizer(model, config.trainer), 0)
-    peak, seconds, weights = 0, [], b""
-    for batch in _batches(model_cfg, groups, STEPS):
+    held, seconds, weights = 0, [], b""
+    for batch in batches:
         started = time.perf_counter()
         state, result = train_step(state, batch, config, world)
         seconds.append(time.perf_counter() - started)
-        peak = max(peak, _held_bytes(state))
+        held = max(held, _held_bytes(state))
         weights = result.weights
-    return peak, min(seconds[1:] or seconds), weights  # the first step pays for lazy init
+    backend = torch.distributed.get_backend() if world.distributed else "none"
+    # The first step pays for lazy init.
+    return Figures(mark.peak_bytes(), mark.device, held, min(seconds[1:] or seconds), backend), weights
+
+
+def _warm_up(world: World, model_cfg: MoEConfig, config: Config, batch: Batch) -> None:
+    """One step on a throwaway model, then its memory handed back: the code pages and one-off
+    buffers a first step faults in are resident before the baseline, not counted as the step's."""
+    model = apply_fsdp(MoEModel(model_cfg), world)
+    train_step(TrainState(model, make_optimizer(model, config.trainer), 0), batch, config, world)
+    del model
+    gc.collect()
+    release_free_memory()
 
 
 def bench_fsdp(args: argparse.Namespace) -> int:
     model_cfg, groups = (QUICK, 2) if args.quick else (MODEL, 4)
     threads = 1
-    torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory(prefix="reel-bench-fsdp-") as tmp:
-        argv = [sys.executable, *distributed.torchrun_argv(2, "reel.runtime.bench_fsdp"), tmp] + ["quick"] * args.quick
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        done = subprocess.run(argv, capture_output=True, text=True, env=env)
-        if done.returncode != 0:
-            print(done.stderr[-3000:], file=sys.stderr)
-            return 1
-        two = json.loads((Path(tmp) / "figures.json").read_text())
-        two_weights = load((Path(tmp) / "weights.safetensors").read_bytes())
-    one_bytes, one_seconds, one_weights = measure(distributed.LOCAL, model_cfg, groups)
-    one = load(one_weights)
-    diff = max(float((one[k] - two_weights[k]).abs().max()) for k in one)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), **MALLOC_ENV)
+        env.pop("WORLD_SIZE", None)
+        if args.quick:  # the smoke run compares like with like anywhere: both sides on CPU
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        sides = {1: [sys.executable, "-m", "reel.runtime.bench_fsdp"],
+                 2: [sys.executable, *distributed.torchrun_argv(2, "reel.runtime.bench_fsdp")]}
+        for size, argv in sides.items():
+            done = subprocess.run([*argv, tmp, *["quick"] * args.quick], capture_output=True, text=True, env=env)
+            if done.returncode != 0:
+                print(done.stderr[-3000:], file=sys.stderr)
+                return 1
+        one, two = (msgspec.json.decode((Path(tmp) / f"figures-{n}.json").read_bytes(), type=Figures) for n in (1, 2))
+        one_weights, two_weights = (load((Path(tmp) / f"weights-{n}.safetensors").read_bytes()) for n in (1, 2))
+    diff = max(float((one_weights[k] - two_weights[k]).abs().max()) for k in one_weights)
+    comparable = one.memory == two.memory
     print_json({
         "bench": "fsdp", "params": sum(p.numel() for p in MoEModel(model_cfg).parameters()),
-        "tokens_per_step": groups * 8 * 16, "steps": STEPS, "backend": two["backend"],
-        "one_rank_peak_bytes": one_bytes, "two_rank_peak_bytes_per_rank": two["peak_bytes"],
-        "one_rank_step_s": round(one_seconds, 4), "two_rank_step_s": round(two["step_s"], 4),
-        "max_abs_weight_diff": diff, "ratio": round(one_bytes / two["peak_bytes"], 3),
+        "tokens_per_step": groups * 8 * 16, "steps": STEPS, "backend": two.backend,
+        "memory": one.memory if comparable else f"{one.memory} (1 process) vs {two.memory} (2 ranks): no ratio",
+        "one_rank_peak_bytes": one.peak_bytes, "two_rank_peak_bytes_per_rank": two.peak_bytes,
+        "one_rank_held_bytes": one.held_bytes, "two_rank_held_bytes_per_rank": two.held_bytes,
+        "held_ratio": round(one.held_bytes / two.held_bytes, 3),
+        "one_rank_step_s": round(one.step_s, 4), "two_rank_step_s": round(two.step_s, 4),
+        "max_abs_weight_diff": diff,
+        "ratio": round(one.peak_bytes / two.peak_bytes, 3) if comparable else None,
     })
     return 0
 
 
 def _rank_main(out: str, quick: str = "") -> None:
-    """One rank of the 2-rank side (under torchrun)."""
+    """One side: a single process, or one rank of the 2-rank side (under torchrun)."""
     world = distributed.from_env()
     model_cfg, groups = (QUICK, 2) if quick else (MODEL, 4)
     torch.set_num_threads(1)
-    peak, seconds, weights = measure(world, model_cfg, groups)
-    peaks = [distributed.all_sum(world, float(peak) if r == world.rank else 0.0) for r in range(world.size)]
+    figures, weights = measure(world, model_cfg, groups)
+    peak, held = (_max_over_ranks(world, x) for x in (figures.peak_bytes, figures.held_bytes))
     if world.rank == 0:
-        backend = torch.distributed.get_backend()
-        (Path(out) / "figures.json").write_text(json.dumps({"peak_bytes": int(max(peaks)), "step_s": seconds,
-                                                            "backend": backend}))
-        (Path(out) / "weights.safetensors").write_bytes(weights)
+        figures = msgspec.structs.replace(figures, peak_bytes=peak, held_bytes=held)
+        (Path(out) / f"figures-{world.size}.json").write_bytes(msgspec.json.encode(figures))
+        (Path(out) / f"weights-{world.size}.safetensors").write_bytes(weights)
     distributed.shutdown(world)
+
+
+def _max_over_ranks(world: World, value: int) -> int:
+    return int(max(distributed.all_sum(world, float(value) if r == world.rank else 0.0) for r in range(world.size)))
 
 
 if __name__ == "__main__":

@@ -111,6 +111,11 @@ class TrainerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     optimizer_steps: int = 1  # >1 enables PPO clipping
     clip_eps: float = 0.2
     kl_coef: float = 0.0
+    # log ρ = log π_θ/π_old is clamped to ±ratio_clamp (verl's 20) so optimizer_steps > 1 cannot
+    # overflow the loss; dual_clip caps a negative-advantage token's loss at dual_clip·|A| (verl's
+    # 3, Ye et al. 2020), 0 = off. Both are inert on the first optimizer step (ρ = 1). docs/numerics.md
+    ratio_clamp: float = 20.0
+    dual_clip: float = 3.0
     tis_cap: float = 2.0
     icepop_low: float = 0.5
     icepop_high: float = 5.0
@@ -247,6 +252,10 @@ def validate(c: Config) -> None:
              f"trainer.checkpoint_every = {c.trainer.checkpoint_every} must be at least 1")
     require(c.trainer.icepop_low < c.trainer.icepop_high, "trainer.icepop_low must be below trainer.icepop_high")
     require(c.trainer.mis_low < c.trainer.mis_high, "trainer.mis_low must be below trainer.mis_high")
+    require(0 < c.trainer.ratio_clamp <= 80, f"trainer.ratio_clamp = {c.trainer.ratio_clamp} must be in (0, 80] "
+             "(exp(log ρ) overflows float32 past 88); the default 20 is verl's bound")
+    require(c.trainer.dual_clip == 0 or c.trainer.dual_clip > 1,
+             f"trainer.dual_clip = {c.trainer.dual_clip} must be 0 (off) or above 1 (the default 3 is verl's)")
     module, function = ENV_NAME_CHECK.split(":")
     getattr(importlib.import_module(module), function)(c.env.name)
     require(1 <= c.env.min_len <= c.env.max_len,

@@ -45,12 +45,14 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True):
     mis_high: float = 2.0  #      is dropped whole
     clip_eps: float = 0.2  # PPO: π_θ/π_old clipped to [1 - clip_eps, 1 + clip_eps]
     kl_coef: float = 0.0  # weight of the k3 penalty KL(π_old ‖ π_θ); 0 = off
+    ratio_clamp: float = 20.0  # log ρ clamped to ±ratio_clamp before exp (verl's bound): loss stays finite
+    dual_clip: float = 3.0  # A < 0: the per-token loss is capped at dual_clip·|A| (Ye et al. 2020); 0 = off
 
     @classmethod
     def from_trainer(cls, t: TrainerSection) -> LossConfig:
         return cls(objective=t.objective, tis_cap=t.tis_cap, icepop_low=t.icepop_low,
                    icepop_high=t.icepop_high, mis_low=t.mis_low, mis_high=t.mis_high,
-                   clip_eps=t.clip_eps, kl_coef=t.kl_coef)
+                   clip_eps=t.clip_eps, kl_coef=t.kl_coef, ratio_clamp=t.ratio_clamp, dual_clip=t.dual_clip)
 
 
 class LossStats(msgspec.Struct, frozen=True):
@@ -67,12 +69,19 @@ class LossStats(msgspec.Struct, frozen=True):
 
 
 def grpo_advantages(rewards_GS: Tensor, eps: float = 1e-6) -> Tensor:
-    """(r - group mean) / (group std + eps); a group whose rewards are all equal gets zeros."""
-    rewards_GS = rewards_GS.float()
+    """(r - group mean) / (group std + eps) in float32; a group whose rewards are all equal gets zeros.
+
+    The statistics are computed in float64 and a constant group is zeroed explicitly: a reward that
+    is not exact in binary (0.1, 0.7) has a float32 mean one rounding step off, and std ≈ 1e-8
+    against eps = 1e-6 would push every sample of a group that carries no signal by up to ±0.1.
+    """
+    rewards_GS = rewards_GS.double()
     mean_G1 = rewards_GS.mean(dim=1, keepdim=True)
-    # Population std (correction=0): defined for any group size, and a constant group gives 0/eps = 0.
+    # Population std (correction=0): defined for any group size, including groups of one.
     std_G1 = rewards_GS.std(dim=1, keepdim=True, correction=0)
-    return (rewards_GS - mean_G1) / (std_G1 + eps)
+    constant_G1 = rewards_GS.amax(dim=1, keepdim=True) == rewards_GS.amin(dim=1, keepdim=True)
+    advantages_GS = torch.where(constant_G1, 0.0, (rewards_GS - mean_G1) / (std_G1 + eps))
+    return advantages_GS.float()
 
 
 def importance_weights(logp_old_N: Tensor, logp_mu_N: Tensor, seq_index_N: Tensor, cfg: LossConfig,
@@ -106,8 +115,10 @@ def importance_weights(logp_old_N: Tensor, logp_mu_N: Tensor, seq_index_N: Tenso
 
 def policy_loss(logp_new_N: Tensor, logp_old_N: Tensor, logp_mu_N: Tensor, advantages_N: Tensor,
                 seq_index_N: Tensor, cfg: LossConfig, mask_N: Tensor | None = None) -> tuple[Tensor, LossStats]:
-    """Token-mean loss  -w · min(ρA, clip(ρ, 1±ε)A) + kl_coef · w · k3,  ρ = π_θ/π_old.
+    """Token-mean loss  w · L_pg + kl_coef · w · k3,  ρ = π_θ/π_old = exp(clamp(log ρ, ±ratio_clamp)).
 
+    L_pg = -min(ρA, clip(ρ, 1±ε)A), and for A < 0 with dual_clip = c > 0: min(L_pg, -cA), so a token
+    whose ratio ran far past the clip on a later optimizer step costs at most c·|A| (dual-clip PPO).
     logp_new_N carries the gradient; logp_old_N, logp_mu_N and advantages_N are constants.
 
     Both terms are expectations under π_old, estimated from μ's samples, so both carry w. The KL
@@ -121,13 +132,18 @@ def policy_loss(logp_new_N: Tensor, logp_old_N: Tensor, logp_mu_N: Tensor, advan
     tokens = mask_N.sum()
     n = tokens.clamp(min=1)
     w_N = importance_weights(logp_old_N, logp_mu_N, seq_index_N, cfg, keep_N).to(logp_new_N.dtype)
-    adv_N = advantages_N.detach().to(logp_new_N.dtype)
+    # Masked before anything multiplies it: NaN · 0 is NaN, so junk at padding would reach the loss.
+    adv_N = torch.where(keep_N, advantages_N.detach().to(logp_new_N.dtype), 0.0)
 
     log_ratio_N = torch.where(keep_N, logp_new_N - logp_old_N.detach(), 0.0)
+    log_ratio_N = log_ratio_N.clamp(-cfg.ratio_clamp, cfg.ratio_clamp)
     ratio_N = log_ratio_N.exp()
     unclipped_N = ratio_N * adv_N
     clipped_N = ratio_N.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv_N
-    pg_loss = (-w_N * torch.minimum(unclipped_N, clipped_N) * mask_N).sum() / n
+    pg_N = -torch.minimum(unclipped_N, clipped_N)
+    if cfg.dual_clip:
+        pg_N = torch.where(adv_N < 0, torch.minimum(pg_N, -cfg.dual_clip * adv_N), pg_N)
+    pg_loss = (w_N * pg_N * mask_N).sum() / n
     kl = (w_N * (torch.expm1(log_ratio_N) - log_ratio_N) * mask_N).sum() / n
     loss = pg_loss + cfg.kl_coef * kl if cfg.kl_coef else pg_loss
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from reel.bus.blobs import BlobBackend
 from reel.bus.errors import ReelError
 from reel.bus.events import StepCommitted
-from reel.runtime import checkpoint, sharded_checkpoint
+from reel.runtime import checkpoint, environment, sharded_checkpoint
 from reel.runtime.batch import Batch, build_batch
 from reel.runtime.config import Config, config_hash
 from reel.runtime.distributed import LOCAL, World
@@ -93,6 +93,7 @@ def check_reproduced(commit: StepCommitted, result: StepResult, config: Config) 
         reasons.append(f"config hash {config_hash(config)} differs from the run's {commit.config_hash}")
     if commit.code_version and commit.code_version != code_version():
         reasons.append(f"code version {code_version()} differs from the run's {commit.code_version}")
+    reasons += environment.differences(commit, config)
     why = "; ".join(reasons) or "same config and code: the step is not deterministic on this machine"
     raise ReplayMismatch(f"step {commit.step} re-executed to different weights ({why})")
 

@@ -23,6 +23,7 @@ from reel.runtime.batch import Batch, MicroBatch, micro_batches, take
 from reel.runtime.config import Config, TrainerSection
 from reel.runtime.distributed import (LOCAL, World, all_sum, clip_grad_norm, full_state_dict, gather_tokens, plan,
                                  sync_gradients)
+from reel.runtime.finite import check_update, check_weights
 from reel.runtime.mismatch_split import WeightsOf, sampler_logprobs, split_metrics
 from reel.runtime.model.context_parallel import sequence_shard, with_context_parallel
 from reel.runtime.model.determinism import set_determinism
@@ -166,7 +167,9 @@ def train_step(state: TrainState, batch: Batch, config: Config, world: World = L
             offset += n
         loss_total = all_sum(world, loss_total)
         grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
+        check_update(step, loss_total, grad_norm, model)
         optimizer.step()
+    check_weights(step, model, world)
 
     metrics = loss_mod.mismatch_metrics(logp_old_N, logp_mu_N, None, entropy_N)
     if weights_of is not None and not world.distributed:

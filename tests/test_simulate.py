@@ -40,12 +40,12 @@ def _sample(turns: tuple[int, ...]) -> Sample:
 
 
 def _write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: float = 0.0,
-               episodes: list[tuple[int, ...]] | None = None) -> Path:
+               episodes: list[tuple[int, ...]] | None = None, world_size: int = 1) -> Path:
     """A run directory whose log holds exactly the constants above (and `slowdown` while overlapping);
     every group's samples have the turns of `episodes` (default: N one-turn samples of L tokens)."""
     raw = {"run": {"name": "synthetic", "steps": steps},
            "rollout": {"workers": 1, "concurrency": G, "group_size": N, "async_level": async_level, "max_tokens": L},
-           "trainer": {"batch_groups": G, "max_off_policy_steps": 8}, "engine": {"max_batch": 64}}
+           "trainer": {"batch_groups": G, "max_off_policy_steps": 8, "ranks": world_size}, "engine": {"max_batch": 64}}
     run_dir.mkdir()
     (run_dir / "config.toml").write_text(config_mod.to_toml(config_mod.from_dict(raw, source="test")))
     meta = {"run": "synthetic", "producer": "test"}
@@ -65,7 +65,7 @@ def _write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: fl
             commits.append((f"{now_ms}-0", encode(StepCommitted(
                 **meta, seq=step, step=step, version=step, groups=[], dropped=[], loss=0.0, grad_norm=0.0,
                 weights_sha256="", timing=StepTiming(wait=1.0 - compute - PUBLISH, compute=compute, publish=PUBLISH),
-                metrics={"tokens": float(tokens)}))))
+                metrics={"tokens": float(tokens)}, world_size=world_size))))
         log.stream("steps").append_batch(commits)
         # WorkerStats every 700 ms (so intervals overlap compute by varying shares), batch sizes varying.
         stats, steps_done, tokens_done, forward, busy = [], 0, 0, 0, 0.0
@@ -281,3 +281,53 @@ def test_a_log_without_decode_timings_says_so(tmp_path: Path) -> None:
     shutil.rmtree(run / "log" / "control")  # as if no worker had reported its engine counters
     with pytest.raises(WorkloadError, match="0 WorkerStats intervals with decode timings.*re-run the config"):
         extract(run)
+
+
+def test_trainer_compute_is_calibrated_per_logged_rank(tmp_path: Path) -> None:
+    # The same step timings logged by one process and by two ranks: simulated as logged, both give
+    # those timings back; the 2-rank log is not divided by its ranks a second time.
+    one = extract(_write_run(tmp_path / "one", async_level=0, world_size=1))
+    two = extract(_write_run(tmp_path / "two", async_level=0, world_size=2))
+    assert (one.trainer.ranks, two.trainer.ranks, two.pipeline.trainer_ranks) == (1, 2, 2)
+    as_logged = [simulate(w, Scenario(pipeline=w.pipeline, dedicated=True)).wall_s for w in (one, two)]
+    assert as_logged[1] == pytest.approx(as_logged[0], rel=1e-9)
+    # From two ranks to one at rank_efficiency 0.5 (two ranks worth one process): the same wall time.
+    one_rank = msgspec.structs.replace(two.pipeline, trainer_ranks=1)
+    slower = simulate(two, Scenario(pipeline=one_rank, dedicated=True, rank_efficiency=0.5)).wall_s
+    assert slower == pytest.approx(as_logged[0], rel=1e-9)
+
+
+def test_rank_efficiency_is_fitted_from_bench_fsdp_and_says_where_it_came_from(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _write_run(tmp_path / "run", async_level=0)
+    bench = tmp_path / "fsdp.json"
+    bench.write_text(json.dumps({"bench": "fsdp", "one_rank_step_s": 0.36, "two_rank_step_s": 0.3, "ratio": 1.3}))
+    runs = {}
+    for name, extra in (("assumed", []), ("fitted", ["--rank-efficiency-from", str(bench)]),
+                        ("given", ["--rank-efficiency", "0.75"])):
+        assert reel(["simulate", "--run", str(run), "--trainer-ranks", "2", "--dedicated", "--json", *extra]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)
+    assert runs["assumed"]["rank_efficiency"] == 0.9
+    assert "assumed, not measured" in runs["assumed"]["rank_efficiency_source"]
+    assert runs["fitted"]["rank_efficiency"] == pytest.approx(0.36 / (2 * 0.3))
+    assert runs["fitted"]["rank_efficiency_source"].startswith(f"fitted from {bench}: 1 process 0.360 s/step")
+    assert runs["given"]["rank_efficiency_source"] == "given (--rank-efficiency)"
+    walls = {name: r["rows"][0]["result"]["wall_s"] for name, r in runs.items()}
+    assert walls["fitted"] > walls["given"] > walls["assumed"]  # 2 x 0.6 < 2 x 0.75 < 2 x 0.9
+    bench.write_text("not json")
+    assert reel(["simulate", "--run", str(run), "--rank-efficiency-from", str(bench)]) != 0
+    assert "not a `reel bench fsdp` JSON line" in capsys.readouterr().err
+
+
+def test_a_synchronous_log_says_it_cannot_tell_what_sharing_costs(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    run = _write_run(tmp_path / "run", async_level=0)
+    notes = {}
+    for name, extra in (("async", ["--async-level", "2"]), ("dedicated", ["--async-level", "2", "--dedicated"]),
+                        ("as logged", [])):
+        assert reel(["simulate", "--run", str(run), "--json", *extra]) == 0
+        notes[name] = json.loads(capsys.readouterr().out)["caveats"]
+    assert len(notes["async"]) == 1 and "what sharing cores costs is unknown" in notes["async"][0]
+    assert notes["dedicated"] == [] and notes["as logged"] == []
+    assert reel(["simulate", "--run", str(run), "--async-level", "1"]) == 0
+    assert "note: calibrated on a synchronous log" in capsys.readouterr().out

@@ -179,7 +179,12 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--trainer-ranks", type=int, default=None,
                      help="trainer compute divided by ranks x --rank-efficiency (FSDP modelled as scaling; "
                           "default: the run's)")
-    sim.add_argument("--rank-efficiency", type=float, default=0.9, help="scaling efficiency per added trainer rank")
+    sim.add_argument("--rank-efficiency", type=float, default=None,
+                     help="trainer throughput of N ranks = N x this (default: from --rank-efficiency-from, else 0.9, "
+                          "assumed)")
+    sim.add_argument("--rank-efficiency-from", default=None, metavar="BENCH.json",
+                     help="fit the rank efficiency from a `reel bench fsdp` JSON line (1-process vs 2-rank s/step; "
+                          "default: none)")
     sim.add_argument("--async-level", type=int, default=None, help="rollout.async_level (default: the run's)")
     sim.add_argument("--max-off-policy", type=int, default=None,
                      help="trainer.max_off_policy_steps (default: the run's)")
