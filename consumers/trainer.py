@@ -5,6 +5,7 @@
     compute train_step (runtime/train_step.py), in a thread so the bus connection stays live
     commit  1. new weights -> blob store      2. checkpoint -> blob store (every checkpoint_every)
             3. WeightsPublished + StepCommitted in one MULTI/EXEC      4. ack the consumed entries
+            5. delete the weight versions no worker or step can need any more (bus/retention.py)
 
 Why this order: blobs are content-addressed, so re-writing them after a crash is harmless; the
 commit is the single atomic point after which a group counts as trained; acking last means a
@@ -38,6 +39,7 @@ from reel.bus.events import (
 )
 from reel.bus.log import LogCorrupted, LogError, RunLog
 from reel.bus.partitions import lane_key, lanes
+from reel.bus.retention import Retention, RetentionPolicy
 from reel.bus.seqs import recover_seq
 from reel.bus.streams import FIELD, Delivery, GroupConsumer, Publisher, connect
 from reel.runtime import distributed
@@ -93,6 +95,7 @@ class Trainer:
     committed_groups: set[str]
     pending: dict[str, PendingGroup]
     weights: WeightHistory  # published versions, for the mismatch split of stale tokens
+    retention: Retention  # which published versions the blob store may let go
 
     def __init__(self, run_dir: Path, url: str, config: Config, group: TrainerGroup | None = None):
         self.config = config
@@ -104,6 +107,8 @@ class Trainer:
         self.committed_groups = set()
         self.pending = {}
         self.weights = WeightHistory(self.blobs, keep=config.trainer.max_off_policy_steps + 1)
+        self.retention = Retention(RetentionPolicy.of(config.rollout.async_level, config.trainer.max_off_policy_steps,
+                                                      config.log.keep_weights_every), self.blobs)
         # A loss window the launcher found on resume (runtime/bus_loss.py): recorded in the next commit.
         self.bus_loss = {key: float(os.environ[env]) for key, env in (
             ("bus_lost_events", "REEL_BUS_LOST_EVENTS"), ("bus_lost_window_s", "REEL_BUS_LOST_WINDOW_S"))
@@ -158,15 +163,16 @@ class Trainer:
             metrics={**result.metrics, **self.bus_loss}, staleness=result.staleness, checkpoint=ckpt,
             config_hash=config_hash(self.config), code_version=code_version(), world_size=self.group.world.size,
         )
-        await self.publisher.publish_atomic([
-            self.publisher.stamp(WeightsPublished, version=step, step=step, weights=weights), commit,
-        ])
+        published = self.publisher.stamp(WeightsPublished, version=step, step=step, weights=weights)
+        await self.publisher.publish_atomic([published, commit])
         self._crash_point(step, "committed")
         self.bus_loss = {}
         self.committed_groups.update(used)
         self.committed_groups.update(d.group_id for d in dropped)
         await self.consumer.ack([d for _, part in collected.groups + collected.dropped for d in part.deliveries()])
         self._crash_point(step, "acked")
+        self.retention.add([published, commit])
+        await asyncio.to_thread(self.retention.collect)
         m = result.metrics
         log.info("step %d committed: loss %.4f grad_norm %.3f reward %.3f kl_k3 %.2e (numerics %.2e drift %.2e) "
                  "dropped %d", step, result.loss, result.grad_norm, m.get("reward_mean", 0.0), m.get("kl_k3", 0.0),
@@ -240,9 +246,11 @@ class Trainer:
 
     async def _setup_or_resume(self) -> None:
         commits = await self._read_commits()
-        for event in logged_events(self.run_dir, "weights") + await self._bus_events("weights"):
+        published = logged_events(self.run_dir, "weights") + await self._bus_events("weights")
+        for event in published:
             if isinstance(event, WeightsPublished):
                 self.weights.add(event.version, event.weights)
+        self.retention.add([*published, *commits.values()])
         await asyncio.to_thread(ensure_initial_policy, self.run_dir, self.config)
         if not commits:
             self.state = await asyncio.to_thread(self.group.initial_state)
@@ -278,6 +286,7 @@ class Trainer:
                 init_reward=initial_reward(self.run_dir),
             ))
         await self.publisher.publish_atomic(events)
+        self.retention.add(events)
 
     async def _stream_has(self, kind: type) -> bool:
         stream = "weights" if kind is WeightsPublished else "control"
