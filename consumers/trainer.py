@@ -307,11 +307,10 @@ class Trainer:
         return commits
 
     async def _group_lookup(self) -> GroupLookup:
-        lookup = GroupLookup(self.blobs)
-        for stream in ("trajectories", "routing"):
-            on_bus = await self._bus_events(stream)
-            lookup.add(logged_events(self.run_dir, stream))
-            lookup.add(on_bus)
+        """The groups still on the bus, and the log's through its index (read a group at a time)."""
+        on_bus = [event for stream in ("trajectories", "routing") for event in await self._bus_events(stream)]
+        lookup = await asyncio.to_thread(indexed_groups, self.run_dir, self.blobs)
+        lookup.add(on_bus)
         return lookup
 
     async def _bus_events(self, stream: str, count: int | None = None) -> list[AnyEvent]:
@@ -351,6 +350,17 @@ def logged_events(run_dir: Path, stream: str) -> list[AnyEvent]:
         raise
     except LogError:
         return []
+
+
+def indexed_groups(run_dir: Path, blobs: BlobBackend) -> GroupLookup:
+    """The archived groups, located through the log's index (none archived yet: an empty lookup)."""
+    try:
+        with RunLog(run_dir, readonly=True) as run_log:
+            return GroupLookup.from_log(run_log, blobs)
+    except LogCorrupted:
+        raise
+    except LogError:
+        return GroupLookup(blobs)
 
 
 def main(run_dir: Path, bus_url: str) -> int:

@@ -27,6 +27,7 @@ BENCHES = {
     "swap": "reel.producers.bench_swap:bench_swap",
     "async": "reel.runtime.bench_async:bench_async",
     "fsdp": "reel.runtime.bench_fsdp:bench_fsdp",
+    "log-seek": "reel.bus.bench_seek:bench_log_seek",
 }
 
 
