@@ -142,10 +142,14 @@ def du(args: argparse.Namespace) -> int:
         print(f"\nextrapolation ({first.basis}), {first.steps} steps of {first.tokens_per_step:,} tokens:")
         print(f"{'shape':<40}{'params':>10}{'version':>10}{'ckpt':>10}{'events/step':>12}{'before':>11}{'after':>11}")
         for e in usage.extrapolation:
-            print(f"{e.shape.name:<40}{e.shape.params / 1e9:>9.2f}B{_size(e.weight_version_bytes):>10}"
+            print(f"{e.shape.name:<40}{_count(e.shape.params):>10}{_size(e.weight_version_bytes):>10}"
                   f"{_size(e.checkpoint_bytes):>10}{_size(e.event_bytes_per_step):>12}{_size(e.before_bytes):>11}"
                   f"{_size(e.after_bytes):>11}")
     return 0
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def _size(n: float) -> str:
