@@ -21,7 +21,7 @@ from pathlib import Path
 import msgspec
 
 from reel.bus.log import LogCorrupted, LogError, LogRecord, RunLog
-from reel.bus.logformat import HEADER, BadRecord, check
+from reel.bus.logformat import HEADER, BadRecord, check, good_record_after
 
 __all__ = ["LogIndex", "INDEX_FILE"]
 
@@ -62,7 +62,8 @@ class LogIndex:
         """Index the records appended since the last sync; how many were new.
 
         Reads the segment files from where the last sync stopped, so an unchanged stream costs one
-        stat; it stops at a partial record (a batch being written, a torn tail) and takes it next time."""
+        stat; it stops at a partial record (a batch being written, a torn tail) and takes it next time,
+        and raises LogCorrupted at a damaged one (a bad record that good ones follow)."""
         new = 0
         for stream in self.run_log.names():
             directory = self.run_log.root / stream
@@ -84,8 +85,12 @@ class LogIndex:
                 while at < len(buf):
                     try:
                         _, data, end = check(buf, at)
-                    except BadRecord:  # partial (being written) or damaged: readers of it find out which
-                        break
+                    except BadRecord as bad:
+                        if good_record_after(buf, at + 1) is None:  # a batch being written, or a torn tail
+                            break
+                        self._write(stream, rows, (count, segment, offset + at))  # what is good stays indexed
+                        raise LogCorrupted(f"log stream {stream!r} is corrupted: {bad} at byte {offset + at} of "
+                                           f"segment {directory / f'{segment:020d}.seg'}") from None
                     self._note(stream, data, (segment, offset + at), rows)
                     at, count = end, count + 1
                     if len(rows["keys"]) >= _BATCH:  # bounded memory on the first sync of a big log

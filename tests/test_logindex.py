@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import orjson
+import pytest
 
 from reel.bus.bench_seek import _write
 from reel.bus.events import decode
-from reel.bus.log import RunLog
+from reel.bus.log import LogCorrupted, RunLog
 from reel.bus.logindex import INDEX_FILE, LogIndex
 from reel.runtime.launch.cli import main as reel
 
@@ -55,3 +56,18 @@ def test_bench_log_seek_quick(capsys):
     assert reel(["bench", "log-seek", "--quick"]) == 0
     out = orjson.loads(capsys.readouterr().out)
     assert [s["events"] for s in out["sizes"]] == [986, 9996] and out["ratio"] > 0
+
+
+def test_a_damaged_record_is_named_not_taken_for_the_end_of_the_log(tmp_path):
+    _write(tmp_path, steps=3)
+    with RunLog(tmp_path, readonly=True) as run_log:
+        record = list(run_log.stream("trajectories").records())[5]
+    with open(record.segment, "r+b") as f:
+        f.seek(record.offset + 8 + len(record.data) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with LogIndex(RunLog(tmp_path, readonly=True), tmp_path) as index:
+        with pytest.raises(LogCorrupted, match=f"byte {record.offset} of segment {record.segment}"):
+            index.sync()
+        assert index.group("trajectories", "g1-4") is not None  # the records before it stay indexed
