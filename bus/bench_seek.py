@@ -3,8 +3,8 @@
 Each log is written with the project's own writer (bus/log.py RunLog, group commits as the archiver
 makes them) and indexed as the archiver indexes it (bus/logindex.py). Then a fresh process opens the
 index and reads step N's StepCommitted and each of its groups' Trajectory and RoutingTrace, decoded,
-N in the middle of the log: the time (best of 5) and the process's peak RSS (VmHWM: imports included). ratio = t(10^3) / t(10^6):
-1 when seeking costs the same at every size.
+N in the middle of the log: the time (best of 5) and the process's peak RSS (VmHWM: imports
+included). ratio = t(10^3) / t(10^6): 1 when seeking costs the same at every size.
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ class LogIndex:
         new = 0
         for stream in self.run_log.names():
             directory = self.run_log.root / stream
-            row = self.db.execute("SELECT records, segment, end_offset FROM seen WHERE stream = ?", (stream,)).fetchone()
+            row = self.db.execute("SELECT records, segment, end_offset FROM seen WHERE stream = ?",
+                                  (stream,)).fetchone()
             count, segment, offset = row if row else (0, 0, 0)
             segments = sorted(int(p.stem) for p in directory.glob("*.seg") if p.stem.isdigit())
             later = [first for first in segments if first >= segment]
@@ -160,7 +161,8 @@ class LogIndex:
                 buf = memoryview(head + f.read(length))
             entry_id, data, _ = check(buf, 0)
         except BadRecord as bad:
-            raise LogCorrupted(f"log stream {stream!r} is corrupted: {bad} at byte {offset} of segment {path}") from None
+            raise LogCorrupted(f"log stream {stream!r} is corrupted: {bad} at byte {offset} of segment "
+                               f"{path}") from None
         except OSError as exc:
             raise LogError(f"cannot read record at byte {offset} of {path}: {exc}") from exc
         return LogRecord(entry_id, data, path, offset)

@@ -96,7 +96,8 @@ class Retention:
         """Delete what the policy lets go; (versions deleted, bytes freed)."""
         doomed = self.doomed()
         gone = {v.version for v in doomed}
-        shared = self.protected | {ref.sha256 for v in self.versions.values() if v.version not in gone for ref in v.refs}
+        kept = [v for v in self.versions.values() if v.version not in gone]
+        shared = self.protected | {ref.sha256 for v in kept for ref in v.refs}
         freed = 0
         for stored in doomed:
             for ref in stored.refs:

@@ -60,7 +60,7 @@ def measure(run_dir: Path, config: Config, steps: int, tokens_per_step: int) -> 
     model: MoEConfig | None = None
     with RunLog(run_dir, readonly=True) as run_log:
         for stream in run_log.names():
-            kind = stream if stream in ("trajectories",) else "routing_traces" if stream == "routing" else "other_events"
+            kind = {"trajectories": "trajectories", "routing": "routing_traces"}.get(stream, "other_events")
             sizes[kind] += sum(p.stat().st_size for p in (run_log.root / stream).iterdir() if p.is_file())
         if "weights" in run_log.names():
             versions = [e for _, e in run_log.events("weights") if isinstance(e, WeightsPublished)]

@@ -83,4 +83,5 @@ def extrapolate(shape: Shape, *, trajectory_bytes_per_token: float, routing_byte
     stored = steps * events + checkpoints * ckpt
     return Extrapolated(shape=shape, steps=steps, tokens_per_step=tokens_per_step, weight_version_bytes=weights,
                         checkpoint_bytes=ckpt, event_bytes_per_step=events, checkpoints=checkpoints,
-                        versions_kept=kept, before_bytes=stored + versions * weights, after_bytes=stored + kept * weights)
+                        versions_kept=kept, before_bytes=stored + versions * weights,
+                        after_bytes=stored + kept * weights)

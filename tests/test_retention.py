@@ -78,8 +78,8 @@ def test_a_kept_delta_keeps_its_base_and_a_version_goes_with_its_shards(tmp_path
     for v in range(5):
         shards[v] = [store.put(f"v{v} shard {i}".encode()) for i in range(2)]
         base = -1 if v in (0, 2) else v - 1 if v != 4 else 2  # 4 is a delta against 2, 3 against 2, 1 against 0
-        manifest = WeightManifest(version=v, step=v, dtype="float32", base_version=base,
-                                  shards=[WeightShard(blob=s, rank=i, tensors=[f"t{i}"]) for i, s in enumerate(shards[v])])
+        parts = [WeightShard(blob=s, rank=i, tensors=[f"t{i}"]) for i, s in enumerate(shards[v])]
+        manifest = WeightManifest(version=v, step=v, dtype="float32", base_version=base, shards=parts)
         manifests[v] = store.put(encode_manifest(manifest))
     retention = Retention(RetentionPolicy(window=1), store)
     retention.add([_published(v, ref, "manifest") for v, ref in manifests.items()])
