@@ -297,7 +297,7 @@ class Archiver:
             stream_log.append_batch([(entry_id, data) for entry_id, data in batch if not stream_log.covers(entry_id)])
         try:
             self.index.sync()
-        except sqlite3.Error as exc:  # derived data: readers index what it missed when they open it
+        except (sqlite3.Error, LogError) as exc:  # derived data: readers index what it missed when they open it
             log.warning("archiver of run %s: the log index was not updated (%s); readers catch it up", self.run_name,
                         exc)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 import torch
 
-from reel.bus.blobs import BlobBackend
+from reel.bus.blobs import BlobBackend, BlobError
 from reel.bus.errors import ReelError
 from reel.bus.events import (
     AnyEvent, DroppedGroup, MalformedEvent, RoutingTrace, RunStarted, StepCommitted, StepTiming, Trajectory,
@@ -172,7 +172,10 @@ class Trainer:
         await self.consumer.ack([d for _, part in collected.groups + collected.dropped for d in part.deliveries()])
         self._crash_point(step, "acked")
         self.retention.add([published, commit])
-        await asyncio.to_thread(self.retention.collect)
+        try:
+            await asyncio.to_thread(self.retention.collect)
+        except BlobError as exc:  # the versions stay listed: the next step's pass tries them again
+            log.warning("retention after step %d: %s", step, exc)
         m = result.metrics
         log.info("step %d committed: loss %.4f grad_norm %.3f reward %.3f kl_k3 %.2e (numerics %.2e drift %.2e) "
                  "dropped %d", step, result.loss, result.grad_norm, m.get("reward_mean", 0.0), m.get("kl_k3", 0.0),
