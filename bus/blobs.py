@@ -3,13 +3,15 @@
 An event carries a `BlobRef(uri, sha256, nbytes)` claim check; `get` verifies the hash and size
 before returning anything, so a reader never uses bytes other than the ones the producer named.
 
-Backends subclass `BlobBackend` (put + unverified read; verification lives in the base class so no
-backend can skip it), one module each in bus/blob_backends/: `file` (local or shared filesystem,
-`file://` URIs; every run directory's blobs/) and `mooncake` (a Mooncake store, `mooncake://`).
+Backends subclass `BlobBackend` (put + unverified read + delete + a listing for `reel log gc`;
+verification lives in the base class so no backend can skip it), one module each in
+bus/blob_backends/: `file` (local or shared filesystem, `file://` URIs; every run directory's
+blobs/) and `mooncake` (a Mooncake store, `mooncake://`).
 `reel.bus.blob_backends.open_blobs` picks one for a run.
 
     ReelError
-     └── BlobError   missing, corrupted or unwritable blob; bad key
+     └── BlobError        missing, corrupted or unwritable blob; bad key
+          └── BlobMissing the store does not hold the blob (never written, or deleted by retention)
 """
 
 from __future__ import annotations
@@ -22,13 +24,17 @@ from pathlib import Path
 from reel.bus.errors import ReelError
 from reel.bus.events import BlobRef
 
-__all__ = ["BlobError", "BlobBackend", "check_key"]
+__all__ = ["BlobError", "BlobMissing", "BlobBackend", "check_key"]
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class BlobError(ReelError):
     """A blob is missing, fails its hash check, cannot be written, or its key is not a sha256."""
+
+
+class BlobMissing(BlobError):
+    """The store does not hold the blob: never written, or deleted by retention (bus/retention.py)."""
 
 
 def check_key(sha256: str) -> str:
@@ -47,7 +53,15 @@ class BlobBackend(ABC):
 
     @abstractmethod
     def read(self, ref: BlobRef) -> bytes:
-        """The stored bytes, unverified; BlobError if absent."""
+        """The stored bytes, unverified; BlobMissing if absent."""
+
+    @abstractmethod
+    def delete(self, ref: BlobRef) -> int:
+        """Remove the blob; the bytes freed (0 when it was not there). Idempotent."""
+
+    @abstractmethod
+    def keys(self) -> dict[str, int]:
+        """sha256 -> stored bytes of every blob the store holds (what `reel log gc` and `log du` see)."""
 
     def get(self, ref: BlobRef) -> bytes:
         """The blob's bytes after checking size and sha256 against `ref`."""

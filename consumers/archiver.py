@@ -40,6 +40,7 @@ import contextlib
 import errno
 import logging
 import signal
+import sqlite3
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +56,7 @@ from reel.bus.blobs import BlobBackend
 from reel.bus.events import STREAMS, AnyEvent, BlobRef, MalformedEvent, RoutingTrace, RunFinished, StepCommitted, \
     WeightsPublished, decode
 from reel.bus.log import LogError, RunLog
+from reel.bus.logindex import LogIndex
 from reel.bus.logformat import entry_order
 from reel.bus.partitions import lane_key, lanes, slot_key, stream_of
 from reel.bus.streams import DEAD, FIELD, READ_MARGIN_S, BusError, connect, safe_trim
@@ -102,6 +104,7 @@ class Archiver:
         # set by run()
         self.redis: redis.asyncio.Redis | None = None
         self.log: RunLog | None = None
+        self.index: LogIndex | None = None  # group id / step / (producer, seq) -> record, synced each round
         # progress
         self.archived = 0  # events logged by this process
         self.repeats = 0  # re-delivered entries found already logged
@@ -115,6 +118,7 @@ class Archiver:
 
     async def run(self, stop: asyncio.Event) -> None:
         self.log = RunLog(self.run_dir, self.segment_bytes)
+        self.index = LogIndex(self.log, self.run_dir)
         # No retries (connect's default): see _read.
         self.redis = connect(self.bus_url, socket_timeout=self.block_ms / 1000 + READ_MARGIN_S)
         self._slots = SlotReader(is_cluster(self.redis))
@@ -155,6 +159,8 @@ class Archiver:
                 writing.cancel()
             disk.shutdown(wait=True)  # even when cancelled, no append may outlive the log's fds
             self.log.close()
+            if self.index is not None:
+                self.index.close()
             await asyncio.shield(self.redis.aclose())
 
     async def _create_groups(self) -> None:
@@ -289,6 +295,11 @@ class Archiver:
             stream_log = self.log.stream(stream)
             # After a failed append (disk full) some segments of the batch may be durable already.
             stream_log.append_batch([(entry_id, data) for entry_id, data in batch if not stream_log.covers(entry_id)])
+        try:
+            self.index.sync()
+        except (sqlite3.Error, LogError) as exc:  # derived data: readers index what it missed when they open it
+            log.warning("archiver of run %s: the log index was not updated (%s); readers catch it up", self.run_name,
+                        exc)
 
     async def _ack(self, entries: list[Entry]) -> None:
         by_stream: dict[str, list[str]] = {}

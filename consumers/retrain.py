@@ -181,12 +181,13 @@ class _RunWriter:
     def copy_groups(self, group_ids: list[str], lookup: GroupLookup) -> None:
         """B's log holds the groups it trained on (original events, routing blobs re-stored in B)."""
         new = [g for g in group_ids if g not in self.copied]
-        for g in new:
-            trace = lookup.routing.get(g)
-            if trace is not None and trace.blob is not None:
+        trajectories = [t for t in map(lookup.trajectory, new) if t is not None]
+        traces = [t for t in map(lookup.trace, new) if t is not None]
+        for trace in traces:
+            if trace.blob is not None:
                 self.blobs.put(lookup.blobs.get(trace.blob))
-        self._append("trajectories", [lookup.trajectories[g] for g in new if g in lookup.trajectories])
-        self._append("routing", [lookup.routing[g] for g in new if g in lookup.routing])
+        self._append("trajectories", trajectories)
+        self._append("routing", traces)
         self.copied.update(new)
 
     def step(self, state: TrainState, group_ids: list[str], lookup: GroupLookup, *, last: bool) -> TrainState:

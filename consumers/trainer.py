@@ -5,6 +5,7 @@
     compute train_step (runtime/train_step.py), in a thread so the bus connection stays live
     commit  1. new weights -> blob store      2. checkpoint -> blob store (every checkpoint_every)
             3. WeightsPublished + StepCommitted in one MULTI/EXEC      4. ack the consumed entries
+            5. delete the weight versions no worker or step can need any more (bus/retention.py)
 
 Why this order: blobs are content-addressed, so re-writing them after a crash is harmless; the
 commit is the single atomic point after which a group counts as trained; acking last means a
@@ -30,7 +31,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 import torch
 
-from reel.bus.blobs import BlobBackend
+from reel.bus.blobs import BlobBackend, BlobError
 from reel.bus.errors import ReelError
 from reel.bus.events import (
     AnyEvent, DroppedGroup, MalformedEvent, RoutingTrace, RunStarted, StepCommitted, StepTiming, Trajectory,
@@ -38,6 +39,7 @@ from reel.bus.events import (
 )
 from reel.bus.log import LogCorrupted, LogError, RunLog
 from reel.bus.partitions import lane_key, lanes
+from reel.bus.retention import Retention, RetentionPolicy
 from reel.bus.seqs import recover_seq
 from reel.bus.streams import FIELD, Delivery, GroupConsumer, Publisher, connect
 from reel.runtime import distributed, environment
@@ -93,6 +95,7 @@ class Trainer:
     committed_groups: set[str]
     pending: dict[str, PendingGroup]
     weights: WeightHistory  # published versions, for the mismatch split of stale tokens
+    retention: Retention  # which published versions the blob store may let go
 
     def __init__(self, run_dir: Path, url: str, config: Config, group: TrainerGroup | None = None):
         self.config = config
@@ -104,6 +107,8 @@ class Trainer:
         self.committed_groups = set()
         self.pending = {}
         self.weights = WeightHistory(self.blobs, keep=config.trainer.max_off_policy_steps + 1)
+        self.retention = Retention(RetentionPolicy.of(config.rollout.async_level, config.trainer.max_off_policy_steps,
+                                                      config.log.keep_weights_every), self.blobs)
         # A loss window the launcher found on resume (runtime/bus_loss.py): recorded in the next commit.
         self.bus_loss = {key: float(os.environ[env]) for key, env in (
             ("bus_lost_events", "REEL_BUS_LOST_EVENTS"), ("bus_lost_window_s", "REEL_BUS_LOST_WINDOW_S"))
@@ -159,15 +164,19 @@ class Trainer:
             config_hash=config_hash(self.config), code_version=code_version(), world_size=self.group.world.size,
             layout=environment.layout(self.config), libraries=environment.library_versions(),
         )
-        await self.publisher.publish_atomic([
-            self.publisher.stamp(WeightsPublished, version=step, step=step, weights=weights), commit,
-        ])
+        published = self.publisher.stamp(WeightsPublished, version=step, step=step, weights=weights)
+        await self.publisher.publish_atomic([published, commit])
         self._crash_point(step, "committed")
         self.bus_loss = {}
         self.committed_groups.update(used)
         self.committed_groups.update(d.group_id for d in dropped)
         await self.consumer.ack([d for _, part in collected.groups + collected.dropped for d in part.deliveries()])
         self._crash_point(step, "acked")
+        self.retention.add([published, commit])
+        try:
+            await asyncio.to_thread(self.retention.collect)
+        except BlobError as exc:  # the versions stay listed: the next step's pass tries them again
+            log.warning("retention after step %d: %s", step, exc)
         m = result.metrics
         log.info("step %d committed: loss %.4f grad_norm %.3f reward %.3f kl_k3 %.2e (numerics %.2e drift %.2e) "
                  "dropped %d", step, result.loss, result.grad_norm, m.get("reward_mean", 0.0), m.get("kl_k3", 0.0),
@@ -241,9 +250,11 @@ class Trainer:
 
     async def _setup_or_resume(self) -> None:
         commits = await self._read_commits()
-        for event in logged_events(self.run_dir, "weights") + await self._bus_events("weights"):
+        published = logged_events(self.run_dir, "weights") + await self._bus_events("weights")
+        for event in published:
             if isinstance(event, WeightsPublished):
                 self.weights.add(event.version, event.weights)
+        self.retention.add([*published, *commits.values()])
         await asyncio.to_thread(ensure_initial_policy, self.run_dir, self.config)
         if not commits:
             self.state = await asyncio.to_thread(self.group.initial_state)
@@ -280,6 +291,7 @@ class Trainer:
                 libraries=environment.library_versions(), cpu_count=environment.cpu_count(),
             ))
         await self.publisher.publish_atomic(events)
+        self.retention.add(events)
 
     async def _stream_has(self, kind: type) -> bool:
         stream = "weights" if kind is WeightsPublished else "control"
@@ -300,11 +312,10 @@ class Trainer:
         return commits
 
     async def _group_lookup(self) -> GroupLookup:
-        lookup = GroupLookup(self.blobs)
-        for stream in ("trajectories", "routing"):
-            on_bus = await self._bus_events(stream)
-            lookup.add(logged_events(self.run_dir, stream))
-            lookup.add(on_bus)
+        """The groups still on the bus, and the log's through its index (read a group at a time)."""
+        on_bus = [event for stream in ("trajectories", "routing") for event in await self._bus_events(stream)]
+        lookup = await asyncio.to_thread(indexed_groups, self.run_dir, self.blobs)
+        lookup.add(on_bus)
         return lookup
 
     async def _bus_events(self, stream: str, count: int | None = None) -> list[AnyEvent]:
@@ -344,6 +355,17 @@ def logged_events(run_dir: Path, stream: str) -> list[AnyEvent]:
         raise
     except LogError:
         return []
+
+
+def indexed_groups(run_dir: Path, blobs: BlobBackend) -> GroupLookup:
+    """The archived groups, located through the log's index (none archived yet: an empty lookup)."""
+    try:
+        with RunLog(run_dir, readonly=True) as run_log:
+            return GroupLookup.from_log(run_log, blobs)
+    except LogCorrupted:
+        raise
+    except LogError:
+        return GroupLookup(blobs)
 
 
 def main(run_dir: Path, bus_url: str) -> int:

@@ -33,13 +33,14 @@ from reel.bus.blob_backends.file import BlobStore
 from reel.bus.errors import ReelError
 from reel.bus.events import StepCommitted
 from reel.bus.log import RunLog
+from reel.replay.versions import Versions
 from reel.runtime import loss as loss_mod
 from reel.runtime.batch import Batch, build_batch
 from reel.runtime.config import Config
 from reel.runtime.groups import GroupLookup
 from reel.runtime.distributed import LOCAL
 from reel.runtime.launch.supervisor import load_run_config
-from reel.runtime.mismatch_split import WeightHistory, WeightsOf, sampler_logprobs, split_metrics
+from reel.runtime.mismatch_split import WeightsOf, sampler_logprobs, split_metrics
 from reel.runtime.model.determinism import set_determinism
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import load_state_dict_bytes
@@ -124,6 +125,9 @@ class StepReport(msgspec.Struct, kw_only=True):
     ranks: int = 1  # world size of this re-execution
     recorded_ranks: int = 1  # world size the run trained the step on
     max_weight_diff: float | None = None  # max |Δweight| vs the logged weights (re-executed on another world size)
+    # Steps re-executed for this report, step N included: from the checkpoint up to N, and to re-derive
+    # sampling versions whose weights retention deleted (replay/versions.py), each checked by weight hash.
+    reexecuted_steps: int = 0
 
 
 class Recomputed(msgspec.Struct, kw_only=True):
@@ -165,7 +169,7 @@ class Run:
     blobs: BlobStore
     commits: dict[int, StepCommitted]
     lookup: GroupLookup
-    weights: WeightHistory  # policy version -> its published weights
+    weights: Versions  # policy version -> its published weights (re-derived where retention deleted them)
     group: TrainerGroup  # the ranks that re-execute (one process unless `reel replay` started more)
 
     def __init__(self, run_dir: Path):
@@ -175,7 +179,8 @@ class Run:
         with RunLog(run_dir, readonly=True) as run_log:
             self.commits = {e.step: e for _, e in run_log.events("steps") if isinstance(e, StepCommitted)}
             self.lookup = GroupLookup.from_log(run_log, self.blobs)
-            self.weights = WeightHistory.from_events((e for _, e in run_log.events("weights")), self.blobs)
+            self.weights = Versions((e for _, e in run_log.events("weights")), self.blobs, self.commits,
+                                    lambda: self.lookup, self.config, lambda: self.group)
         self.group = TrainerGroup(LOCAL, run_dir, self.config)
 
     def same_world(self, step: int) -> bool:
@@ -228,6 +233,7 @@ def replay_step(run: Run, step: int, on_step: OnStep | None = None) -> tuple[Ste
     run.require(step, step)
     run.prepare()
     commit = run.commits[step]
+    derived_before = run.weights.reexecuted
     state, restored_from = run.state_before(step, on_step)
     analysis = analyse_batch(run.unsharded(state), build_batch(run.lookup.groups_of(commit)), run.config,
                              run.weights.get)
@@ -254,7 +260,7 @@ def replay_step(run: Run, step: int, on_step: OnStep | None = None) -> tuple[Ste
         staleness=dict(result.staleness), router_agreement=analysis.router_agreement, tokens=analysis.tokens,
         replay_seconds=seconds, original_seconds=commit.timing.compute, restored_from=restored_from,
         router_replay=cfg.router_replay, precision=cfg.precision, ranks=ranks, recorded_ranks=commit.world_size,
-        max_weight_diff=weight_diff,
+        max_weight_diff=weight_diff, reexecuted_steps=step - restored_from + run.weights.reexecuted - derived_before,
         kl_numerics=analysis.kl_numerics, kl_drift=analysis.kl_drift,
         kl_numerics_without_router_replay=analysis.kl_numerics_without_router_replay,
         kl_numerics_without_fp8_alignment=analysis.kl_numerics_without_fp8_alignment,

@@ -1,9 +1,11 @@
 """`reel replay step N|range A..B|bisect` and `reel compare`: parse, run the analysis, print, plot.
 
 `step` (and `range --recompute`) exit 1 when a step did not reproduce bitwise, with the reason on
-stderr, and `bisect` when the metric never crosses the threshold (like grep finding nothing);
-errors that stop the replay (a step not in the log, a damaged record, a catch-up step that does
-not reproduce) are ReelErrors, one line on stderr and exit 2 (runtime/launch/cli.py).
+stderr, and `bisect` when the metric never crosses the threshold (like grep finding nothing). So
+do they when the state before the step cannot be rebuilt: a checkpoint missing or corrupt (named,
+with the nearest usable one), or a re-executed step whose weight hash differs from its commit.
+Other errors that stop the replay (a step not in the log, a damaged record) are ReelErrors, one
+line on stderr and exit 2 (runtime/launch/cli.py).
 
 Steps re-execute on the world size they were trained on: for a run of N trainer ranks this command
 starts itself again as N ranks under torchrun (rank 0 prints); `--ranks R` picks another world
@@ -32,7 +34,7 @@ from reel.replay.compare import compare
 from reel.replay.console import print_view
 from reel.runtime import distributed
 from reel.runtime.launch.supervisor import load_run_config
-from reel.runtime.reexecute import newest_checkpoint
+from reel.runtime.reexecute import CheckpointUnusable, ReplayMismatch, newest_checkpoint
 from reel.runtime.trainer_group import TrainerGroup, run_as_group
 
 
@@ -44,7 +46,17 @@ def main_step(args: argparse.Namespace) -> int:
     run = Run(Path(args.run_dir))
     run.require(args.step, args.step)
     ranks = args.ranks or run.commits[args.step].world_size
-    return _on_ranks(run, ranks, ["replay", "step", str(args.step)], args, lambda: _step(run, args, ranks))
+    return _on_ranks(run, ranks, ["replay", "step", str(args.step)], args,
+                     lambda: _unrebuilt_exits_1(lambda: _step(run, args, ranks)))
+
+
+def _unrebuilt_exits_1(lead: Callable[[], int]) -> int:
+    """A state that cannot be rebuilt is a replay that did not reproduce: exit 1 with the reason."""
+    try:
+        return lead()
+    except (CheckpointUnusable, ReplayMismatch) as exc:
+        print(f"reel: {exc}", file=sys.stderr)
+        return 1
 
 
 def _step(run: Run, args: argparse.Namespace, ranks: int) -> int:
@@ -64,7 +76,7 @@ def main_range(args: argparse.Namespace) -> int:
         run.require(first, first)
         ranks = args.ranks or run.commits[first].world_size
         return _on_ranks(run, ranks, ["replay", "range", args.range, "--recompute"], args,
-                         lambda: _range(run, args, first, last))
+                         lambda: _unrebuilt_exits_1(lambda: _range(run, args, first, last)))
     return _range(run, args, first, last)
 
 

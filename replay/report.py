@@ -37,6 +37,7 @@ def step_view(r: StepReport) -> Group:
     check.add_row("compute seconds", f"{r.replay_seconds:.3f}", f"{r.original_seconds:.3f}",
                   f"x{r.replay_seconds / r.original_seconds:.2f}" if r.original_seconds > 0 else "")
     restored = "the initial policy" if r.restored_from == 0 else f"the checkpoint of step {r.restored_from}"
+    check.add_row("steps re-executed", str(r.reexecuted_steps), "", f"from {restored}, hash-checked")
 
     kl = Table(title=f"inference vs trainer on step {r.step}'s {r.tokens} tokens (π_old from {restored}; "
                      f"router_replay={str(r.router_replay).lower()}, precision={r.precision})", title_justify="left")

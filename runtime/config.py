@@ -155,6 +155,9 @@ class BlobsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class LogSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     segment_bytes: int = 64 * 1024 * 1024
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"  # Python logging level of each role
+    # Weight versions are deleted from the blob store once no worker or trainer step can need them
+    # (bus/retention.py); also keep every version divisible by this. 0 = none (replay re-derives them).
+    keep_weights_every: int = 0
 
 
 Tracker = Literal["wandb", "tensorboard", "mlflow"]
@@ -250,6 +253,8 @@ def validate(c: Config) -> None:
     _validate_context_parallel(c.trainer)
     require(c.trainer.checkpoint_every >= 1,
              f"trainer.checkpoint_every = {c.trainer.checkpoint_every} must be at least 1")
+    require(c.log.keep_weights_every >= 0,
+            f"log.keep_weights_every = {c.log.keep_weights_every} must be >= 0 (0 = keep no extra weight versions)")
     require(c.trainer.icepop_low < c.trainer.icepop_high, "trainer.icepop_low must be below trainer.icepop_high")
     require(c.trainer.mis_low < c.trainer.mis_high, "trainer.mis_low must be below trainer.mis_high")
     require(0 < c.trainer.ratio_clamp <= 80, f"trainer.ratio_clamp = {c.trainer.ratio_clamp} must be in (0, 80] "

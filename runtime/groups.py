@@ -2,7 +2,9 @@
 
 Re-executing a committed step (trainer resume, `reel replay`, `reel retrain`) needs the exact groups
 that step consumed, in the order of its StepCommitted. They are in the run's log (and, for the live
-trainer, possibly still only on the bus); sources are added event by event.
+trainer, possibly still only on the bus). The log is read through its index (bus/logindex.py), one
+group at a time as a step asks for it, so memory and time do not grow with the log; events that are
+not in the log (the bus) are added event by event.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from collections.abc import Iterable
 
 from reel.bus.blobs import BlobBackend
 from reel.bus.errors import ReelError
-from reel.bus.events import AnyEvent, RoutingTrace, StepCommitted, Trajectory
+from reel.bus.events import AnyEvent, RoutingTrace, StepCommitted, Trajectory, decode
 from reel.bus.log import RunLog
+from reel.bus.logindex import LogIndex
 from reel.runtime.batch import Group, decode_routing
 
 
@@ -24,18 +27,19 @@ class GroupLookup:
     trajectories: dict[str, Trajectory]
     routing: dict[str, RoutingTrace]
     blobs: BlobBackend
+    index: LogIndex | None  # the run's log, read a group at a time
 
-    def __init__(self, blobs: BlobBackend):
+    def __init__(self, blobs: BlobBackend, index: LogIndex | None = None):
         self.trajectories = {}
         self.routing = {}
         self.blobs = blobs
+        self.index = index
 
     @classmethod
     def from_log(cls, log: RunLog, blobs: BlobBackend) -> GroupLookup:
-        lookup = cls(blobs)
-        for stream in ("trajectories", "routing"):
-            lookup.add(event for _, event in log.events(stream))
-        return lookup
+        index = LogIndex(log, log.root.parent)
+        index.sync()
+        return cls(blobs, index)
 
     def add(self, events: Iterable[AnyEvent]) -> None:
         for event in events:
@@ -44,11 +48,21 @@ class GroupLookup:
             elif isinstance(event, RoutingTrace):
                 self.routing.setdefault(event.group_id, event)
 
+    def trajectory(self, group_id: str) -> Trajectory | None:
+        return self.trajectories.get(group_id) or self._logged("trajectories", group_id)
+
+    def trace(self, group_id: str) -> RoutingTrace | None:
+        return self.routing.get(group_id) or self._logged("routing", group_id)
+
+    def _logged(self, stream: str, group_id: str) -> AnyEvent | None:
+        record = self.index.group(stream, group_id) if self.index is not None else None
+        return None if record is None else decode(record.data)
+
     def group(self, group_id: str, *, where: str) -> Group:
-        trajectory = self.trajectories.get(group_id)
+        trajectory = self.trajectory(group_id)
         if trajectory is None:
             raise MissingGroup(f"group {group_id} used by {where} is not in the run's log; the log is incomplete")
-        trace = self.routing.get(group_id)
+        trace = self.trace(group_id)
         if trace is None:  # every trained group had its trace: without it the step cannot be re-executed
             raise MissingGroup(f"the routing trace of group {group_id} used by {where} is not in the run's log; "
                                "the log is incomplete")

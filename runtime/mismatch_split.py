@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from reel.bus.blobs import BlobBackend
+from reel.bus.blobs import BlobBackend, BlobMissing
 from reel.bus.events import AnyEvent, BlobRef, WeightsPublished
 from reel.runtime import loss as loss_mod
 from reel.runtime.model.model import MoEModel
@@ -66,7 +66,10 @@ class WeightHistory:
         ref = self.refs.get(version)
         if ref is None:
             return None
-        data = self.blobs.get(ref)
+        try:
+            data = self.blobs.get(ref)
+        except BlobMissing:  # deleted by retention (bus/retention.py): only older than any trained token
+            return None
         self._cache[version] = data
         while len(self._cache) > self.keep:
             self._cache.popitem(last=False)

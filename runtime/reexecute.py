@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from reel.bus.blobs import BlobBackend
+from reel.bus.blobs import BlobBackend, BlobError
 from reel.bus.errors import ReelError
 from reel.bus.events import StepCommitted
 from reel.runtime import checkpoint, environment, sharded_checkpoint
@@ -30,6 +30,11 @@ StepFn = Callable[[TrainState, Batch], tuple[TrainState, StepResult]]
 
 class ReplayMismatch(ReelError):
     """A re-executed step did not reproduce its commit."""
+
+
+class CheckpointUnusable(ReelError):
+    """The checkpoint a re-execution starts from is missing or corrupt; the message names it and the
+    nearest earlier checkpoint that reads back."""
 
 
 def initial_state(run_dir: Path, config: Config, world: World = LOCAL, init: Path | None = None) -> TrainState:
@@ -67,7 +72,22 @@ def checkpoint_before(commits: dict[int, StepCommitted], upto: int, blobs: BlobB
     base = newest_checkpoint(commits, upto)
     if base is None or base.checkpoint is None:
         return b"", "the initial policy"
-    return blobs.get(base.checkpoint), f"checkpoint of step {base.step}"
+    try:
+        return blobs.get(base.checkpoint), f"checkpoint of step {base.step}"
+    except BlobError as exc:
+        raise CheckpointUnusable(f"the checkpoint of step {base.step} cannot be read ({exc}); "
+                                 f"{_nearest_usable(commits, base.step - 1, blobs)}") from exc
+
+
+def _nearest_usable(commits: dict[int, StepCommitted], upto: int, blobs: BlobBackend) -> str:
+    while (base := newest_checkpoint(commits, upto)) is not None:
+        try:
+            blobs.get(base.checkpoint)
+        except BlobError:
+            upto = base.step - 1
+            continue
+        return f"restore that file; the nearest usable checkpoint is step {base.step}'s ({base.checkpoint.uri})"
+    return "restore that file; no earlier checkpoint reads back, the nearest usable state is the initial policy (init/)"
 
 
 def restored_state(run_dir: Path, config: Config, world: World, data: bytes, source: str) -> TrainState:

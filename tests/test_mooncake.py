@@ -14,7 +14,7 @@ import pytest
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.blob_backends.mooncake import MooncakeBlobs
 from reel.bus.blob_backends.mooncake_service import MooncakeService
-from reel.bus.blobs import BlobError
+from reel.bus.blobs import BlobError, BlobMissing
 from reel.bus.events import BlobRef, WeightsPublished
 from reel.bus.log import RunLog
 from runbuilder import e2e_config
@@ -49,6 +49,23 @@ def test_put_get_upsert_and_verify(store: MooncakeService, tmp_path: Path) -> No
         missing = BlobRef(uri="mooncake://" + "0" * 64, sha256="0" * 64, nbytes=5)
         with pytest.raises(BlobError, match=f"get of blob {'0' * 64} failed for 1 s"):
             blobs.get(missing)
+    finally:
+        blobs.close()
+
+
+def test_delete_removes_the_blob_from_the_store_and_the_run_copy(store: MooncakeService, tmp_path: Path) -> None:
+    files = BlobStore(tmp_path / "blobs")
+    blobs = MooncakeBlobs(store.address, fallback=files, retry_s=1.0)
+    try:
+        data = os.urandom(1 << 20)
+        ref = blobs.put(data)
+        files.put(data)  # the archiver's copy
+        assert ref.sha256 in blobs.keys()
+        assert blobs.delete(ref) == 2 * len(data)
+        assert ref.sha256 not in blobs.keys()
+        with pytest.raises(BlobMissing):
+            blobs.get(ref)
+        assert blobs.delete(ref) == 0  # idempotent
     finally:
         blobs.close()
 

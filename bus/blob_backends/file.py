@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from reel.bus.blobs import BlobBackend, BlobError, check_key
+from reel.bus.blobs import BlobBackend, BlobError, BlobMissing, check_key
 from reel.bus.events import BlobRef
 from reel.bus.logformat import fsync_dir
 
@@ -75,8 +75,26 @@ class BlobStore(BlobBackend):
                 continue
             except OSError as exc:
                 raise BlobError(f"cannot read blob {ref.sha256} at {path}: {exc}") from exc
-        raise BlobError(f"blob {ref.sha256} not found in {self.root}" +
+        raise BlobMissing(f"blob {ref.sha256} not found in {self.root}" +
                         (f" nor at {candidates[1]}" if len(candidates) > 1 else ""))
+
+    def delete(self, ref: BlobRef) -> int:
+        """Unlink the blob from this store (never the ref's own file elsewhere); bytes freed."""
+        path = self.path(ref)
+        try:
+            nbytes = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            raise BlobError(f"cannot delete blob {ref.sha256} at {path}: {exc}") from exc
+        return nbytes
+
+    def keys(self) -> dict[str, int]:
+        if not self.root.is_dir():
+            return {}
+        return {path.name: path.stat().st_size for path in self.root.glob("??/*")
+                if path.name[:2] == path.parent.name and len(path.name) == 64}
 
     @staticmethod
     def _copy(data: bytes | Path, f) -> tuple[str, int]:

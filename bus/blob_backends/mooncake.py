@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 
-from reel.bus.blobs import BlobBackend, BlobError
+from reel.bus.blobs import BlobBackend, BlobError, BlobMissing, check_key
 from reel.bus.events import BlobRef
 
 __all__ = ["MooncakeAddress", "MooncakeBlobs", "SCHEME"]
@@ -73,6 +73,20 @@ class MooncakeBlobs(BlobBackend):
             return self._from_fallback(ref, str(exc))
         return got[0]
 
+    def delete(self, ref: BlobRef) -> int:
+        """Remove the blob from the store and from the run's copy (`fallback`); bytes freed in each."""
+        check_key(ref.sha256)
+        with self._lock:
+            code = self._store_or_connect().remove(ref.sha256)
+        # 0: removed; a negative code for a key the store does not hold (already gone) frees nothing.
+        freed = ref.nbytes if code == 0 else 0
+        return freed + (self.fallback.delete(ref) if self.fallback is not None else 0)
+
+    def keys(self) -> dict[str, int]:
+        """The run's copy (`fallback`): Mooncake lists no keys, and the archiver copies every blob an
+        event names there, so it holds everything retention decides on."""
+        return self.fallback.keys() if self.fallback is not None else {}
+
     def writable(self) -> bool:
         """Whether a put lands now (some client has mounted a segment)."""
         try:
@@ -114,8 +128,9 @@ class MooncakeBlobs(BlobBackend):
 
     def _from_fallback(self, ref: BlobRef, why: str) -> bytes:
         if self.fallback is None:
-            raise BlobError(f"blob {ref.sha256} ({ref.uri}) cannot be read: {why}")
+            raise BlobMissing(f"blob {ref.sha256} ({ref.uri}) cannot be read: {why}")
         try:
             return self.fallback.read(ref)
         except BlobError as exc:
-            raise BlobError(f"blob {ref.sha256} ({ref.uri}) cannot be read: {why}; {exc}") from exc
+            kind = BlobMissing if isinstance(exc, BlobMissing) else BlobError
+            raise kind(f"blob {ref.sha256} ({ref.uri}) cannot be read: {why}; {exc}") from exc

@@ -27,6 +27,7 @@ BENCHES = {
     "swap": "reel.producers.bench_swap:bench_swap",
     "async": "reel.runtime.bench_async:bench_async",
     "fsdp": "reel.runtime.bench_fsdp:bench_fsdp",
+    "log-seek": "reel.bus.bench_seek:bench_log_seek",
 }
 
 
@@ -110,6 +111,18 @@ def _parser() -> argparse.ArgumentParser:
     cat.add_argument("--stream", required=True, choices=STREAMS, help="which stream to print")
     cat.add_argument("--decode", action="store_true", help="add the text of token ids (the run's tokenizer)")
     cat.set_defaults(handler="reel.replay.logtools:cat")
+    gc = _command(log_sub, "gc", "delete the weight versions the retention policy lets go (bus/retention.py)",
+                  "reel log gc --run runs/reverse_text", "reel log gc --run runs/reverse_text --dry-run")
+    gc.add_argument("--run", required=True, dest="run_dir", help="run directory")
+    gc.add_argument("--dry-run", action="store_true", help="say what would go, delete nothing")
+    gc.set_defaults(handler="reel.replay.gc:gc")
+    du = _command(log_sub, "du", "bytes of a run by kind, per step and per trained token, and an extrapolation",
+                  "reel log du --run runs/reverse_text", "reel log du --run runs/reverse_text --json")
+    du.add_argument("--run", required=True, dest="run_dir", help="run directory")
+    du.add_argument("--json", action="store_true", help="one JSON line instead of the tables")
+    du.add_argument("--steps", type=int, default=1000, help="steps of the extrapolated runs")
+    du.add_argument("--tokens-per-step", type=int, default=1_000_000, help="trained tokens per extrapolated step")
+    du.set_defaults(handler="reel.replay.du:du")
 
     bench = _command(sub, "bench", "run a benchmark; prints one JSON line with a `ratio` against its baseline",
                      "reel bench bus", "reel bench engine --quick")

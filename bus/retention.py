@@ -1,0 +1,119 @@
+"""Which published weight versions the blob store keeps; the rest are deleted.
+
+A weight version is transient: the log keeps its WeightsPublished (version, hash, size) forever, and
+replay re-derives the weights by re-execution from the nearest checkpoint (replay/versions.py). The
+store keeps a version while someone can still need its bytes:
+
+    window      the newest `window` versions, window = max(max_off_policy_steps, async_level) + 1:
+                a rollout worker is at most async_level versions ahead of the last commit, and the
+                trainer trains (and scores, for the mismatch split) no token older than
+                max_off_policy_steps, so no worker, in-flight group or trainer step reads an older one
+    every K-th  versions divisible by log.keep_weights_every (0 = none), for analysis by hand
+    delta base  the base_version of a kept delta version (transitively), or the delta cannot apply
+
+Checkpoints are never deleted (they are how replay rebuilds everything else), nor init/ (not in the
+store), nor any blob that a kept version or a checkpoint shares (blobs are content-addressed).
+
+A version is a unit: for `format = "manifest"` its manifest blob and every shard
+(bus/weight_manifest.py `blob_refs`), for `"safetensors"` its one blob. Shards are deleted before
+their manifest, so a deletion cut short leaves a manifest that names what is left, and the next
+pass finishes it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from reel.bus.blobs import BlobBackend, BlobMissing
+from reel.bus.events import AnyEvent, BlobRef, StepCommitted, WeightsPublished
+from reel.bus.weight_manifest import blob_refs, decode_manifest
+
+__all__ = ["RetentionPolicy", "StoredVersion", "Retention"]
+
+log = logging.getLogger(__name__)
+
+
+class RetentionPolicy(msgspec.Struct, frozen=True):
+    window: int  # the newest versions always kept (>= 1)
+    keep_every: int = 0  # also every version divisible by this (0 = none)
+
+    @classmethod
+    def of(cls, async_level: int, max_off_policy_steps: int, keep_every: int = 0) -> RetentionPolicy:
+        return cls(window=max(async_level, max_off_policy_steps) + 1, keep_every=keep_every)
+
+    def keeps(self, version: int, newest: int) -> bool:
+        return version > newest - self.window or (self.keep_every > 0 and version % self.keep_every == 0)
+
+
+class StoredVersion(msgspec.Struct):
+    """What one published version occupies in the store."""
+
+    version: int
+    refs: list[BlobRef]  # shards first, the manifest (or the one safetensors blob) last
+    base_version: int = -1  # a delta's base; -1 for a full version
+
+
+class Retention:
+    """The versions a run has published and the checkpoints it wrote; `collect` deletes what the
+    policy lets go. The trainer feeds it as it commits; `reel log gc` feeds it a whole log."""
+
+    policy: RetentionPolicy
+    blobs: BlobBackend
+    versions: dict[int, StoredVersion]  # published and not yet deleted
+    protected: set[str]  # sha256 of every checkpoint blob
+
+    def __init__(self, policy: RetentionPolicy, blobs: BlobBackend):
+        self.policy = policy
+        self.blobs = blobs
+        self.versions = {}
+        self.protected = set()
+
+    def add(self, events: list[AnyEvent]) -> None:
+        """Take note of WeightsPublished and StepCommitted (its checkpoint); other events are ignored."""
+        for event in events:
+            if isinstance(event, WeightsPublished):
+                self.versions[event.version] = self._stored(event)
+            elif isinstance(event, StepCommitted) and event.checkpoint is not None:
+                self.protected.add(event.checkpoint.sha256)
+
+    def doomed(self) -> list[StoredVersion]:
+        """The versions the policy lets go now, oldest first."""
+        if not self.versions:
+            return []
+        newest = max(self.versions)
+        kept = {v for v in self.versions if self.policy.keeps(v, newest)}
+        stack = list(kept)
+        while stack:  # a kept delta keeps its base, and that base's base
+            base = self.versions[stack.pop()].base_version
+            if base in self.versions and base not in kept:
+                kept.add(base)
+                stack.append(base)
+        return [self.versions[v] for v in sorted(self.versions) if v not in kept]
+
+    def collect(self) -> tuple[list[int], int]:
+        """Delete what the policy lets go; (versions deleted, bytes freed)."""
+        doomed = self.doomed()
+        gone = {v.version for v in doomed}
+        kept = [v for v in self.versions.values() if v.version not in gone]
+        shared = self.protected | {ref.sha256 for v in kept for ref in v.refs}
+        freed = 0
+        for stored in doomed:
+            for ref in stored.refs:
+                if ref.sha256 not in shared:
+                    freed += self.blobs.delete(ref)
+            del self.versions[stored.version]
+        if doomed:
+            log.debug("retention: deleted weight versions %s (%d bytes)", sorted(gone), freed)
+        return sorted(gone), freed
+
+    def _stored(self, event: WeightsPublished) -> StoredVersion:
+        if event.format != "manifest":
+            return StoredVersion(event.version, [event.weights])
+        try:
+            manifest = decode_manifest(self.blobs.get(event.weights))
+        except BlobMissing:  # deleted already (by an earlier pass): nothing of it is left to delete
+            return StoredVersion(event.version, [event.weights])
+        refs = blob_refs(event.weights, manifest)
+        return StoredVersion(event.version, refs[1:] + refs[:1], manifest.base_version)
