@@ -283,9 +283,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"reel: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) or args.errors_exit_2 else 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:  # SIGTERM/SIGHUP too, where the command asked (launch/signals.py)
+        from reel.runtime.launch.signals import exit_code
+
         print("reel: interrupted", file=sys.stderr)
-        return 130
+        return exit_code(interrupt)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from reel.runtime.config import Config
 from reel.runtime.distributed import torchrun_argv
 from reel.runtime.launch import vllm_args
 from reel.runtime.launch.progress import Progress
+from reel.runtime.launch.signals import StopRequested, exit_code, stop_on_signals
 
 # Roles are reached by name (runtime/ never imports producers/ or consumers/ directly).
 ROLE_ENTRY = {
@@ -58,6 +59,11 @@ class RunDirError(ReelError):
 
 
 def main_run(args: argparse.Namespace) -> int:
+    with stop_on_signals():  # SIGTERM/SIGHUP (Slurm, timeout, systemd, a closed terminal) stop it like Ctrl-C
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     config = config_mod.load(args.config)  # every config error surfaces before anything is written
     if serves_vllm_locally(config):
         vllm_args.check_local_server(config)
@@ -68,6 +74,7 @@ def main_run(args: argparse.Namespace) -> int:
     prepare_run_dir(run_dir, text, config, resume=args.resume)
     with bus_for(run_dir, config) as url, mooncake_for(run_dir, config):
         supervisor = Supervisor(run_dir, url, config, live=not args.no_live and sys.stdout.isatty())
+        supervisor.resume_command = f"reel run {args.config} --resume --out {run_dir}"
         if args.resume:  # before any role publishes: new entries would hide the gap
             from reel.runtime.bus_loss import describe, find_loss_window
 
@@ -265,6 +272,7 @@ class Supervisor:
     progress: Progress
     vllm_port: int | None  # the local `vllm serve` (engine.vllm_server = "local"), started once init/ exists
     trainer_env: dict[str, str]  # set before run(): what the trainer must record (a bus loss window)
+    resume_command: str  # what continues this run, for the messages of a stopped or failed run
 
     def __init__(self, run_dir: Path, url: str, config: Config, *, live: bool):
         self.run_dir = run_dir
@@ -274,6 +282,7 @@ class Supervisor:
         self.progress = Progress(url, config, live=live)
         self.vllm_port = free_port() if serves_vllm_locally(config) else None
         self.trainer_env = {}
+        self.resume_command = f"reel run CONFIG --resume --out {run_dir}"
 
     def _start(self, name: str, role: str, *extra: str, threads: int = 1, env: dict[str, str] | None = None,
                ranks: int = 1) -> None:
@@ -310,10 +319,11 @@ class Supervisor:
             if failed is not None:
                 return self._fail(failed)
             return self._finish()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as interrupt:
             self._stop_all()
-            print("reel: interrupted; every role stopped (continue with --resume)", file=sys.stderr)
-            return 130
+            why = f"stopped by {interrupt.name}" if isinstance(interrupt, StopRequested) else "interrupted"
+            print(f"reel: {why}; every role stopped; `{self.resume_command}` continues this run", file=sys.stderr)
+            return exit_code(interrupt)
         finally:
             self._stop_all()
 
@@ -347,8 +357,7 @@ class Supervisor:
         print(f"reel: role {name} stopped with exit code {role.poll()}, so the run was stopped; "
               f"last lines of {role.log_path}:", file=sys.stderr)
         print(role.log_tail(), file=sys.stderr)
-        print(f"reel: fix the cause, then `reel run CONFIG --resume --out {self.run_dir}` continues this run",
-              file=sys.stderr)
+        print(f"reel: fix the cause, then `{self.resume_command}` continues this run", file=sys.stderr)
         return 1
 
     def _stop_all(self) -> None:
