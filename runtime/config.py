@@ -17,6 +17,7 @@ from typing import Any, Literal
 import msgspec
 import tomli_w
 
+from reel.runtime.config_bounds import validate_bounds
 from reel.runtime.config_engine import EngineSection, Precision, validate_engine
 from reel.runtime.config_keys import ConfigError, name_key, require
 
@@ -274,6 +275,7 @@ def validate(c: Config) -> None:
     require(b.mooncake_segment_bytes > 0 and b.mooncake_buffer_bytes > 0,
              "blobs.mooncake_segment_bytes and blobs.mooncake_buffer_bytes must be > 0")
     validate_engine(c.engine, router_replay=c.trainer.router_replay)
+    validate_bounds(c)  # ranges of counts, intervals and sizes; the memory the shapes need
 
 
 def check_model_path(c: Config, text: str) -> None:
