@@ -235,6 +235,15 @@ def _parser() -> argparse.ArgumentParser:
     retrain.add_argument("--ranks", type=int, default=1, help="train on this many ranks (FSDP2 under torchrun)")
     retrain.set_defaults(handler="reel.consumers.retrain:main")
 
+    export = _command(sub, "export", "write a policy version as a Hugging Face model directory (transformers, vLLM)",
+                      "reel export --run runs/reverse_text --out models/reverse_text",
+                      "reel export --run runs/reverse_text --step 20 --out models/step20")
+    export.add_argument("--run", required=True, dest="run_dir", help="run directory")
+    export.add_argument("--step", type=int, default=None,
+                        help="the policy after this step; 0 = the initial policy (default: the last committed step)")
+    export.add_argument("--out", required=True, help="new directory to write (must not exist or be empty)")
+    export.set_defaults(handler="reel.replay.export:main")
+
     launch = _command(sub, "launch", "launch on a cluster scheduler",
                       "reel launch slurm examples/reverse_text.toml --partition gpu", "reel launch status --run runs/reverse_text")
     launch_sub = launch.add_subparsers(dest="launch_command", required=True, metavar="COMMAND")
@@ -276,6 +285,13 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if getattr(args, "plot", None):  # before any work: the figure is written last
+        from reel.runtime.launch.plot_path import plot_problem
+
+        problem = plot_problem(args.plot)
+        if problem is not None:
+            print(f"reel: {problem}", file=sys.stderr)
+            return 2
     try:
         return _call(args.handler, args)
     except ReelError as exc:
