@@ -73,7 +73,20 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--out", default=None, help="run directory (default: <run.out_dir>/<run.name>)")
     run.add_argument("--resume", action="store_true", help="continue a stopped run from its log")
     run.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live view")
+    run.add_argument("--set", action="append", default=None, metavar="SECTION.KEY=VALUE",
+                     help="override one config key (repeatable; a TOML value); recorded in the run's config.toml")
+    run.add_argument("--defaults", action="store_true", help="accept an empty config: run every default")
     run.set_defaults(handler="reel.runtime.launch.supervisor:main_run")
+
+    init = _command(sub, "init", "write a starting config for a task, on a tiny MoE or an HF model directory",
+                    "reel init --task reverse_text --out reverse.toml",
+                    "reel init --from-model ~/models/Qwen3-30B-A3B --task arith --out qwen_arith.toml")
+    init.add_argument("--task", default="reverse_text",
+                      help="env.name: reverse_text, sort_digits, arith, calc_tool or package.module:factory")
+    init.add_argument("--from-model", default=None, metavar="DIR",
+                      help="an HF Qwen3-MoE checkpoint directory to train (default: a tiny MoE from keys)")
+    init.add_argument("--out", default="reel.toml", help="the config file to write (must not exist)")
+    init.set_defaults(handler="reel.runtime.launch.init_config:main")
 
     role = _command(sub, "role", "start one role of a run (multi-node use)",
                     "reel role trainer --run /shared/runs/r1 --bus redis://head:6379",
@@ -190,6 +203,9 @@ def _parser() -> argparse.ArgumentParser:
                           "trainer-ranks, async-level, max-off-policy, speedup-rollout, speedup-trainer")
     sim.add_argument("--against", default=None, metavar="DIR",
                      help="simulate DIR's configuration and compare with what DIR measured (default: no comparison)")
+    sim.add_argument("--set", action="append", default=None, metavar="SECTION.KEY=VALUE",
+                     help="override a config key the simulation models (rollout.workers, trainer.ranks, "
+                          "rollout.async_level, trainer.max_off_policy_steps, run.steps; repeatable)")
     sim.add_argument("--json", action="store_true", help="print the result as one JSON object")
     sim.add_argument("--plot", default=None, metavar="FILE.png", help="also save a figure (default: no figure)")
     sim.set_defaults(handler="reel.replay.simulate_cli:main")
@@ -233,6 +249,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="shuffle batches with SEED (default: logged order)")
     retrain.add_argument("--init", default=None, help="initial weights (HF layout; default: the source run's)")
     retrain.add_argument("--ranks", type=int, default=1, help="train on this many ranks (FSDP2 under torchrun)")
+    retrain.add_argument("--set", action="append", default=None, metavar="SECTION.KEY=VALUE",
+                         help="override one key of the new run's config (repeatable; after --config)")
     retrain.set_defaults(handler="reel.consumers.retrain:main")
 
     export = _command(sub, "export", "write a policy version as a Hugging Face model directory (transformers, vLLM)",

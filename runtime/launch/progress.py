@@ -23,6 +23,7 @@ class Progress:
     url: str
     config: Config
     live: bool
+    resumed_after: int
     steps: list[StepCommitted]
     tokens_per_s: dict[str, float]
     _cursor: dict[str, str]
@@ -31,10 +32,11 @@ class Progress:
     _console: Console
     _started: float
 
-    def __init__(self, url: str, config: Config, *, live: bool):
+    def __init__(self, url: str, config: Config, *, live: bool, resumed_after: int = 0):
         self.url = url
         self.config = config
         self.live = live
+        self.resumed_after = resumed_after  # steps up to this one were shown by an earlier `reel run`
         self.steps = []
         self.tokens_per_s = {}
         self._cursor = {"steps": "0", "control": "0"}
@@ -70,18 +72,24 @@ class Progress:
             self._live.update(self._table())
         else:
             for step in new_steps:
-                self._console.print(self._line(step), highlight=False)
+                if step.step > self.resumed_after:
+                    self._console.print(self._line(step), highlight=False)
 
     def finish(self, run_dir: Path) -> None:
         self.refresh()
         self._close()
         minutes = (time.monotonic() - self._started) / 60
         if self.steps:
+            # The view may have missed steps (trimmed from the bus before it read them): the last
+            # commit's number is what the run did, not the number of lines shown.
             first, last = self.steps[0], self.steps[-1]
+            session = f" ({last.step - self.resumed_after} since the resume)" if self.resumed_after else ""
             self._console.print(
-                f"run finished: {len(self.steps)} steps in {minutes:.1f} min, reward "
+                f"run finished: {last.step} steps{session} in {minutes:.1f} min, reward "
                 f"{first.metrics.get('reward_mean', float('nan')):.3f} -> "
-                f"{last.metrics.get('reward_mean', float('nan')):.3f}; log in {run_dir / 'log'}",
+                f"{last.metrics.get('reward_mean', float('nan')):.3f}; log in {run_dir / 'log'}\n"
+                f"final policy: step {last.step}, weights sha256 {last.weights_sha256[:12]} in {run_dir / 'blobs'}; "
+                f"`reel export --run {run_dir} --out {run_dir / 'export'}` writes it as a Hugging Face model",
                 highlight=False,
             )
 
@@ -105,7 +113,7 @@ class Progress:
                     new_steps.append(event)
                 elif isinstance(event, WorkerStats):
                     self.tokens_per_s[event.worker] = event.tokens_per_s
-                elif isinstance(event, RunStarted) and event.init_reward is not None:
+                elif isinstance(event, RunStarted) and event.init_reward is not None and not self.resumed_after:
                     self._console.print(f"warm-start policy (version 0): mean sampled reward "
                                         f"{event.init_reward:.3f}", highlight=False)
         self.steps.extend(new_steps)

@@ -39,7 +39,9 @@ from reel.bus.errors import ReelError
 from reel.runtime import config as config_mod
 from reel.runtime.blob_store import mooncake_for
 from reel.runtime.config import Config
+from reel.runtime.config_overrides import load_with_sets
 from reel.runtime.distributed import torchrun_argv
+from reel.runtime.launch import resume as resume_mod
 from reel.runtime.launch import vllm_args
 from reel.runtime.launch.progress import Progress
 from reel.runtime.launch.signals import StopRequested, exit_code, stop_on_signals
@@ -64,17 +66,31 @@ def main_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    config = config_mod.load(args.config)  # every config error surfaces before anything is written
+    # Every config error surfaces before anything is written; --set overrides end up in config.toml.
+    config, text = load_with_sets(args.config, args.set, allow_empty=args.defaults)
     if serves_vllm_locally(config):
         vllm_args.check_local_server(config)
     use_cluster_client(config)
-    text = Path(args.config).read_text()
     config_mod.check_model_path(config, text)
     run_dir = Path(args.out) if args.out else Path(config.run.out_dir) / config.run.name
-    prepare_run_dir(run_dir, text, config, resume=args.resume)
+    changes = prepare_run_dir(run_dir, text, config, resume=args.resume)
+    after = resume_mod.last_committed_step(run_dir) if args.resume else 0
+    if args.resume:
+        if after >= config.run.steps:
+            print(f"reel: run {config.run.name} is already complete ({after} of {config.run.steps} steps committed); "
+                  f"raise run.steps in {args.config} and resume again to extend it", file=sys.stderr)
+            return 0
+        changed = "".join(f", {key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
+        print(f"reel: resuming run {config.run.name} in {run_dir} after step {after} of {config.run.steps}{changed}",
+              file=sys.stderr, flush=True)
     with bus_for(run_dir, config) as url, mooncake_for(run_dir, config):
-        supervisor = Supervisor(run_dir, url, config, live=not args.no_live and sys.stdout.isatty())
-        supervisor.resume_command = f"reel run {args.config} --resume --out {run_dir}"
+        if changes:
+            resume_mod.record_changes(run_dir, url, config, text, changes, after)
+        supervisor = Supervisor(run_dir, url, config, live=not args.no_live and sys.stdout.isatty(),
+                                resumed_after=after)
+        # With --set the overrides live in the run's config.toml: resuming from it keeps them.
+        config_arg = run_dir / "config.toml" if args.set else args.config
+        supervisor.resume_command = f"reel run {config_arg} --resume --out {run_dir}"
         if args.resume:  # before any role publishes: new entries would hide the gap
             from reel.runtime.bus_loss import describe, find_loss_window
 
@@ -117,15 +133,13 @@ def load_run_config(run_dir: Path) -> Config:
     return config_mod.load(path)
 
 
-def prepare_run_dir(run_dir: Path, config_text: str, config: Config, *, resume: bool) -> None:
-    """Create the run directory atomically (a crash leaves no half-written run), or check a resume."""
+def prepare_run_dir(run_dir: Path, config_text: str, config: Config, *, resume: bool) -> dict[str, list]:
+    """Create the run directory atomically (a crash leaves no half-written run), or check a resume:
+    returns the keys a resume changes (launch/resume.py says which may)."""
     if resume:
-        stored = load_run_config(run_dir)
-        if config_mod.to_toml(stored) != config_mod.to_toml(config):
-            raise RunDirError(
-                f"the config differs from {run_dir / 'config.toml'}; resume with the run's own config"
-            )
-        return
+        changes = resume_mod.config_changes(load_run_config(run_dir), config)
+        resume_mod.check_changes(run_dir / "config.toml", changes, resume_mod.last_committed_step(run_dir))
+        return changes
     if run_dir.exists():
         raise RunDirError(f"{run_dir} already exists; pass --resume to continue it or choose another run.name/--out")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -138,6 +152,7 @@ def prepare_run_dir(run_dir: Path, config_text: str, config: Config, *, resume: 
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    return {}
 
 
 @contextmanager
@@ -274,12 +289,12 @@ class Supervisor:
     trainer_env: dict[str, str]  # set before run(): what the trainer must record (a bus loss window)
     resume_command: str  # what continues this run, for the messages of a stopped or failed run
 
-    def __init__(self, run_dir: Path, url: str, config: Config, *, live: bool):
+    def __init__(self, run_dir: Path, url: str, config: Config, *, live: bool, resumed_after: int = 0):
         self.run_dir = run_dir
         self.url = url
         self.config = config
         self.roles = {}
-        self.progress = Progress(url, config, live=live)
+        self.progress = Progress(url, config, live=live, resumed_after=resumed_after)
         self.vllm_port = free_port() if serves_vllm_locally(config) else None
         self.trainer_env = {}
         self.resume_command = f"reel run CONFIG --resume --out {run_dir}"
@@ -320,6 +335,7 @@ class Supervisor:
                 return self._fail(failed)
             return self._finish()
         except KeyboardInterrupt as interrupt:
+            self.progress.refresh()  # the steps committed since the last refresh: they happened
             self._stop_all()
             why = f"stopped by {interrupt.name}" if isinstance(interrupt, StopRequested) else "interrupted"
             print(f"reel: {why}; every role stopped; `{self.resume_command}` continues this run", file=sys.stderr)
@@ -357,7 +373,8 @@ class Supervisor:
         print(f"reel: role {name} stopped with exit code {role.poll()}, so the run was stopped; "
               f"last lines of {role.log_path}:", file=sys.stderr)
         print(role.log_tail(), file=sys.stderr)
-        print(f"reel: fix the cause, then `{self.resume_command}` continues this run", file=sys.stderr)
+        print(f"reel: fix the cause, then `{self.resume_command}` continues this run (a resume may change only "
+              f"{resume_mod.safe_keys()}; another fix needs a new run: another --out)", file=sys.stderr)
         return 1
 
     def _stop_all(self) -> None:
