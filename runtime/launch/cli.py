@@ -74,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue a stopped run from its log")
     run.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live view")
     run.add_argument("--set", action="append", default=None, metavar="SECTION.KEY=VALUE",
-                     help="override one config key (repeatable; a TOML value); recorded in the run's config.toml")
+                     help="override one config key (repeatable; a TOML value); recorded in the run's config.toml "
+                          "(default: none)")
     run.add_argument("--defaults", action="store_true", help="accept an empty config: run every default")
     run.set_defaults(handler="reel.runtime.launch.supervisor:main_run")
 
@@ -205,7 +206,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="simulate DIR's configuration and compare with what DIR measured (default: no comparison)")
     sim.add_argument("--set", action="append", default=None, metavar="SECTION.KEY=VALUE",
                      help="override a config key the simulation models (rollout.workers, trainer.ranks, "
-                          "rollout.async_level, trainer.max_off_policy_steps, run.steps; repeatable)")
+                          "rollout.async_level, trainer.max_off_policy_steps, run.steps; repeatable; default: none)")
     sim.add_argument("--json", action="store_true", help="print the result as one JSON object")
     sim.add_argument("--plot", default=None, metavar="FILE.png", help="also save a figure (default: no figure)")
     sim.set_defaults(handler="reel.replay.simulate_cli:main")
@@ -250,7 +251,7 @@ def _parser() -> argparse.ArgumentParser:
     retrain.add_argument("--init", default=None, help="initial weights (HF layout; default: the source run's)")
     retrain.add_argument("--ranks", type=int, default=1, help="train on this many ranks (FSDP2 under torchrun)")
     retrain.add_argument("--set", action="append", default=None, metavar="SECTION.KEY=VALUE",
-                         help="override one key of the new run's config (repeatable; after --config)")
+                         help="override one key of the new run's config (repeatable; after --config; default: none)")
     retrain.set_defaults(handler="reel.consumers.retrain:main")
 
     export = _command(sub, "export", "write a policy version as a Hugging Face model directory (transformers, vLLM)",
