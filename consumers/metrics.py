@@ -190,7 +190,8 @@ def _start_exporter(port: int, addr: str, current: Callable[[], Snapshot]):
     return server
 
 
-async def serve(source: RunSource, port: int, stop: asyncio.Event, *, addr: str = "127.0.0.1") -> None:
+async def serve(source: RunSource, port: int, stop: asyncio.Event, *, addr: str = "127.0.0.1",
+                serving: Callable[[], None] = lambda: None) -> None:
     """Serve the run's figures on http://addr:port/metrics until `stop` is set.
 
     Once the run has finished the figures are final: the bus is let go (its Redis may stop) and the
@@ -200,6 +201,7 @@ async def serve(source: RunSource, port: int, stop: asyncio.Event, *, addr: str 
     if watcher is not None:
         await watcher.catch_up()  # the first scrape sees the run's counters, not zeros that then jump
     server = _start_exporter(port, addr, lambda: watcher.snapshot if watcher else final)
+    serving()  # only now: a port already taken is an error, never a "serving" line first
     try:
         if watcher is not None:
             await watcher.follow(stop, until_finished=True)
@@ -250,7 +252,7 @@ async def _top(args: argparse.Namespace) -> int:
     source = await locate(args.run_dir, args.bus, args.name)
     console = Console()
     if source.bus_url is None:
-        console.print(render(read_log(source), source.describe()))
+        console.print(render(read_log(source), source.describe(), live=False))
         return 0
     watcher = Watcher(source.bus_url, source.run, partitions=source.partitions)
     try:
@@ -275,8 +277,9 @@ async def _serve(args: argparse.Namespace) -> int:
     source = await locate(args.run_dir, args.bus, None)
     stop = asyncio.Event()
     _stop_on_signals(stop)
-    print(f"reel: serving metrics of run {source.run} ({source.describe()}) on http://{args.addr}:{args.port}/metrics", flush=True)
-    await serve(source, args.port, stop, addr=args.addr)
+    await serve(source, args.port, stop, addr=args.addr, serving=lambda: print(
+        f"reel: serving metrics of run {source.run} ({source.describe()}) on http://{args.addr}:{args.port}/metrics",
+        flush=True))
     return 0
 
 

@@ -303,7 +303,11 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    if not (sys.argv[1:] if argv is None else argv):  # bare `reel`: the commands, not just a usage line
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     if getattr(args, "plot", None):  # before any work: the figure is written last
         from reel.runtime.launch.plot_path import plot_problem
 

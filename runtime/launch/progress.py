@@ -15,8 +15,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from reel.bus.events import MalformedEvent, RunStarted, StepCommitted, WorkerStats, decode, stream_key
+from reel.bus.events import MalformedEvent, RunStarted, StepCommitted, decode, stream_key
 from reel.runtime.config import Config
+
+THROUGHPUT_WINDOW = 5  # steps the tokens/s figure is measured over
 
 
 class Progress:
@@ -25,7 +27,6 @@ class Progress:
     live: bool
     resumed_after: int
     steps: list[StepCommitted]
-    tokens_per_s: dict[str, float]
     _cursor: dict[str, str]
     _client: redis.Redis | None
     _live: Live | None
@@ -38,7 +39,6 @@ class Progress:
         self.live = live
         self.resumed_after = resumed_after  # steps up to this one were shown by an earlier `reel run`
         self.steps = []
-        self.tokens_per_s = {}
         self._cursor = {"steps": "0", "control": "0"}
         self._client = None
         self._live = None
@@ -111,8 +111,6 @@ class Progress:
                     continue  # not an event: the archiver dead-letters it; the view goes on
                 if isinstance(event, StepCommitted):
                     new_steps.append(event)
-                elif isinstance(event, WorkerStats):
-                    self.tokens_per_s[event.worker] = event.tokens_per_s
                 elif isinstance(event, RunStarted) and event.init_reward is not None and not self.resumed_after:
                     self._console.print(f"warm-start policy (version 0): mean sampled reward "
                                         f"{event.init_reward:.3f}", highlight=False)
@@ -129,7 +127,7 @@ class Progress:
         return (
             f"step {s.step}/{self.config.run.steps}  reward {m.get('reward_mean', nan):.3f}  "
             f"kl_k3 {m.get('kl_k3', nan):.2e}{split}  staleness {_mean_staleness(s):.2f}  "
-            f"tokens/s {sum(self.tokens_per_s.values()):.0f}  trainer idle {idle:.0%}  "
+            f"tokens/s {tokens_per_s(self.steps, s.step):.0f}  trainer idle {idle:.0%}  "
             f"dropped {len(s.dropped)}"
         )
 
@@ -144,9 +142,18 @@ class Progress:
                 f"{s.step}/{self.config.run.steps}", f"{s.metrics.get('reward_mean', float('nan')):.3f}",
                 *(f"{s.metrics[key]:.2e}" if key in s.metrics else "-" for key in ("kl_k3", "numerics_k3", "drift_k3")),
                 f"{_mean_staleness(s):.2f}",
-                f"{sum(self.tokens_per_s.values()):.0f}", f"{idle:.0%}", str(len(s.dropped)),
+                f"{tokens_per_s(self.steps, s.step):.0f}", f"{idle:.0%}", str(len(s.dropped)),
             )
         return table
+
+
+def tokens_per_s(steps: list[StepCommitted], upto: int, window: int = THROUGHPUT_WINDOW) -> float:
+    """Trained tokens per second over the last `window` steps up to step `upto`: the tokens each
+    commit trained (its staleness histogram counts them) over the wall time the trainer spent on
+    those steps (waiting for groups included), so it is the pipeline's rate from the first step on."""
+    recent = [s for s in steps if s.step <= upto][-window:]
+    seconds = sum(s.timing.wait + s.timing.compute + s.timing.publish for s in recent)
+    return sum(sum(s.staleness.values()) for s in recent) / seconds if seconds > 0 else 0.0
 
 
 def _mean_staleness(s: StepCommitted) -> float:
