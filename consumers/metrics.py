@@ -36,6 +36,7 @@ from reel.bus.tail import Tail
 from reel.consumers.aggregates import MISMATCH_KEYS, RunAggregates, Snapshot, StepRow
 from reel.consumers.metric_views import SnapshotCollector, render
 from reel.runtime import config as run_config
+from reel.runtime.fit_tables import fit
 
 __all__ = ["MetricsError", "RunSource", "Watcher", "locate", "log_events", "read_log", "serve", "export_jsonl",
            "main_top", "main_serve", "main_export"]
@@ -252,18 +253,20 @@ async def _top(args: argparse.Namespace) -> int:
     source = await locate(args.run_dir, args.bus, args.name)
     console = Console()
     if source.bus_url is None:
-        console.print(render(read_log(source), source.describe(), live=False))
+        console.print(fit(render(read_log(source), source.describe(), live=False), console))
         return 0
     watcher = Watcher(source.bus_url, source.run, partitions=source.partitions)
     try:
         await watcher.catch_up()
         if args.once or watcher.snapshot.finished is not None:
-            console.print(render(watcher.snapshot, source.describe()))
+            console.print(fit(render(watcher.snapshot, source.describe()), console))
             return 0
         stop = asyncio.Event()
         _stop_on_signals(stop)
-        with Live(render(watcher.snapshot, source.describe()), console=console, refresh_per_second=4) as live:
-            await watcher.follow(stop, lambda s: live.update(render(s, source.describe())), until_finished=True)
+        with Live(fit(render(watcher.snapshot, source.describe()), console), console=console,
+                  refresh_per_second=4) as live:
+            await watcher.follow(stop, lambda s: live.update(fit(render(s, source.describe()), console)),
+                                 until_finished=True)
     finally:
         await watcher.close()
     return 0

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from reel.bus.events import MalformedEvent, RunStarted, StepCommitted, decode, stream_key
 from reel.runtime.config import Config
+from reel.runtime.fit_tables import fit
 
 THROUGHPUT_WINDOW = 5  # steps the tokens/s figure is measured over
 
@@ -69,7 +70,7 @@ class Progress:
         except (redis.RedisError, redis.RedisClusterException):  # the latter: no cluster node answers
             return
         if self._live is not None:
-            self._live.update(self._table())
+            self._live.update(fit(self._table(), self._console))
         else:
             for step in new_steps:
                 if step.step > self.resumed_after:
