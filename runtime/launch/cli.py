@@ -111,6 +111,10 @@ def _parser() -> argparse.ArgumentParser:
     verify = _command(log_sub, "verify", "check every record's CRC", "reel log verify --run runs/reverse_text")
     verify.add_argument("--run", required=True, dest="run_dir", help="run directory")
     verify.set_defaults(handler="reel.replay.logtools:verify")
+    repair = _command(log_sub, "repair", "keep the longest valid prefix of each damaged stream (after copying "
+                      "the log) and say what was dropped", "reel log repair --run runs/reverse_text")
+    repair.add_argument("--run", required=True, dest="run_dir", help="run directory (of a stopped run)")
+    repair.set_defaults(handler="reel.replay.log_repair:main")
     cat = _command(log_sub, "cat", "print a stream's events as JSON lines",
                    "reel log cat --run runs/reverse_text --stream steps | head",
                    "reel log cat --run runs/calc_tool --stream trajectories --decode | head -1")
