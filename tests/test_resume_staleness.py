@@ -62,17 +62,19 @@ def _interrupted_run(tmp_path: Path, how: str) -> tuple[Path, Path]:
                                 text=True)
     try:
         if how == "warm-start":
-            _wait_for(launcher, lambda: (run_dir / "roles" / "trainer.pid").exists(), "trainer")
-            time.sleep(1.0)
+            _wait_for(launcher, lambda: (run_dir / "roles" / "progress.json").exists(), "warm-start progress")
             launcher.send_signal(signal.SIGINT)
         elif how == "ctrl-c":
             _wait_for(launcher, lambda: len(_commits(run_dir)) >= 3, "third commit")
             launcher.send_signal(signal.SIGINT)
-        _, err = launcher.communicate(timeout=120)
+        out, err = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == (130 if how in ("warm-start", "ctrl-c") else 1), err
+    if how == "warm-start":  # long work is not silent: progress, where its cache goes, and the stop
+        assert "warm-start: " in out and "REEL_CACHE moves the cache" in out, out
+        assert "stopping every role" in err, err
     done = len(_commits(run_dir))
     assert done == 0 if how == "warm-start" else 2 <= done < STEPS, (how, done)
     return config, run_dir

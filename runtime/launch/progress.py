@@ -18,8 +18,10 @@ from rich.table import Table
 from reel.bus.events import MalformedEvent, RunStarted, StepCommitted, decode, stream_key
 from reel.runtime.config import Config
 from reel.runtime.fit_tables import fit
+from reel.runtime.work_progress import Work, describe, read
 
 THROUGHPUT_WINDOW = 5  # steps the tokens/s figure is measured over
+WORK_LINE_EVERY_S = 10.0  # without a terminal, a line per this many seconds of long work (the warm-start)
 
 
 class Progress:
@@ -34,11 +36,13 @@ class Progress:
     _console: Console
     _started: float
 
-    def __init__(self, url: str, config: Config, *, live: bool, resumed_after: int = 0):
+    def __init__(self, url: str, config: Config, *, live: bool, resumed_after: int = 0, work_file: Path | None = None):
         self.url = url
         self.config = config
         self.live = live
         self.resumed_after = resumed_after  # steps up to this one were shown by an earlier `reel run`
+        self.work_file = work_file  # a role's long work before the first step (runtime/work_progress.py)
+        self._work_shown: tuple[tuple[str, bool], float] | None = None  # ((what, finished), when) last printed
         self.steps = []
         self._cursor = {"steps": "0", "control": "0"}
         self._client = None
@@ -69,12 +73,32 @@ class Progress:
             new_steps = self._read()
         except (redis.RedisError, redis.RedisClusterException):  # the latter: no cluster node answers
             return
+        work = self._work()
         if self._live is not None:
-            self._live.update(fit(self._table(), self._console))
+            table = self._table()
+            table.caption = work and describe(work)
+            self._live.update(fit(table, self._console))
         else:
+            self._print_work(work)
             for step in new_steps:
                 if step.step > self.resumed_after:
                     self._console.print(self._line(step), highlight=False)
+
+    def _work(self) -> Work | None:
+        """What a role is busy with before the first commit (the warm-start), if it says."""
+        if self.steps or self.work_file is None:
+            return None
+        return read(self.work_file)
+
+    def _print_work(self, work: Work | None) -> None:
+        """A line when a work starts or ends, and every WORK_LINE_EVERY_S seconds in between."""
+        if work is None:
+            return
+        key, now = (work.what, work.done >= work.total), time.monotonic()
+        if self._work_shown is None or self._work_shown[0] != key or (
+                not key[1] and now - self._work_shown[1] >= WORK_LINE_EVERY_S):
+            self._console.print(describe(work), highlight=False)
+            self._work_shown = (key, now)
 
     def finish(self, run_dir: Path) -> None:
         self.refresh()

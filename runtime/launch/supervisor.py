@@ -45,6 +45,7 @@ from reel.runtime.launch import resume as resume_mod
 from reel.runtime.launch import vllm_args
 from reel.runtime.launch.progress import Progress
 from reel.runtime.launch.signals import StopRequested, exit_code, stop_on_signals
+from reel.runtime.work_progress import PROGRESS_FILE
 
 # Roles are reached by name (runtime/ never imports producers/ or consumers/ directly).
 ROLE_ENTRY = {
@@ -294,7 +295,8 @@ class Supervisor:
         self.url = url
         self.config = config
         self.roles = {}
-        self.progress = Progress(url, config, live=live, resumed_after=resumed_after)
+        self.progress = Progress(url, config, live=live, resumed_after=resumed_after,
+                                 work_file=run_dir / "roles" / PROGRESS_FILE)
         self.vllm_port = free_port() if serves_vllm_locally(config) else None
         self.trainer_env = {}
         self.resume_command = f"reel run CONFIG --resume --out {run_dir}"
@@ -336,6 +338,8 @@ class Supervisor:
             return self._finish()
         except KeyboardInterrupt as interrupt:
             self.progress.refresh()  # the steps committed since the last refresh: they happened
+            print(f"reel: stopping every role (up to {STOP_TIMEOUT_S:.0f} s; a warm-start in progress is "
+                  f"discarded)...", file=sys.stderr, flush=True)
             self._stop_all()
             why = f"stopped by {interrupt.name}" if isinstance(interrupt, StopRequested) else "interrupted"
             print(f"reel: {why}; every role stopped; `{self.resume_command}` continues this run", file=sys.stderr)
