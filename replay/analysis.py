@@ -179,6 +179,8 @@ class Run:
             self.lookup = GroupLookup.from_log(run_log, self.blobs)
             self.weights = WeightHistory.from_events((e for _, e in run_log.events("weights")), self.blobs)
             self.damage = "; ".join(str(exc) for exc in run_log.damage().values())
+        if self.damage:
+            self.lookup.why_missing = f"the log is damaged: {self.damage}; `reel log repair` keeps what is before it"
         self.group = TrainerGroup(LOCAL, run_dir, self.config)
 
     def same_world(self, step: int) -> bool:
