@@ -12,6 +12,10 @@ the last good record and logs how many bytes went; a bad record anywhere else, o
 good record (a damaged record, not a torn write), raises LogCorrupted naming stream, segment and byte
 offset. Nothing is skipped silently.
 
+A reader that can use part of a damaged log opens it with `valid_prefix=True` (read-only): each
+stream then holds the records before its first damaged one, and `damage` says where that is, so
+a replay of steps before the damage still works and `reel log repair` knows what to cut.
+
 Sparse index: each segment's first record and every INDEX_EVERY-th record -> (index, entry id, offset).
 A sealed segment keeps its index in a sidecar `.idx` (msgpack), rebuilt from the segment when missing
 or stale; the last segment is scanned on open.
@@ -53,6 +57,9 @@ class LogError(ReelError):
 class LogCorrupted(LogError):
     """A record failed its framing or CRC check; the message names stream, segment and byte offset."""
 
+    segment: Path | None = None  # where the damage starts: the valid prefix ends here
+    offset: int = 0
+
 
 class LogRecord(NamedTuple):
     entry_id: str
@@ -86,12 +93,15 @@ class StreamLog:
     """The log of one stream. One writer at a time (an flock on the directory); any number of
     read-only openers (`readonly=True` never repairs or creates anything)."""
 
-    def __init__(self, directory: Path, segment_bytes: int = 64 << 20, *, readonly: bool = False):
+    def __init__(self, directory: Path, segment_bytes: int = 64 << 20, *, readonly: bool = False,
+                 valid_prefix: bool = False):
         self.directory = Path(directory)
         self.name = self.directory.name
         self.segment_bytes = segment_bytes
         self.readonly = readonly
+        self.valid_prefix = valid_prefix and readonly  # stop at the first damaged record instead of raising
         self.torn_bytes = 0  # read-only opens: bytes of torn tail left for the writer to repair
+        self.damage: LogCorrupted | None = None  # valid_prefix: the first damaged record (records end before it)
         self._segments: list[_Segment] = []
         self._dir_fd: int | None = None  # writer: holds the flock, fsync'd on segment creation
         self._tail: Appender | None = None  # writer: appends to the last segment
@@ -128,12 +138,21 @@ class StreamLog:
         expected = 0
         for i, path in enumerate(paths):
             if int(path.stem) != expected:
-                raise LogCorrupted(f"log stream {self.name!r} is missing records: segment {path} "
+                gap = LogCorrupted(f"log stream {self.name!r} is missing records: segment {path} "
                                    f"should start at record {expected}")
+                gap.segment = path
+                self._stop(gap)
+                break
             sealed = i < len(paths) - 1
             seg = (self._read_sidecar(path) if sealed else None) or _Segment(int(path.stem))
             if seg.count == 0:
-                self._scan(seg, path, tail=not sealed)
+                try:
+                    self._scan(seg, path, tail=not sealed)
+                except LogCorrupted as exc:
+                    self._stop(exc)  # raises unless valid_prefix
+                    if seg.count:
+                        self._segments.append(seg)  # its records before the damage
+                    break
                 if sealed and not self.readonly:
                     self._write_sidecar(seg)
             self._segments.append(seg)
@@ -186,8 +205,16 @@ class StreamLog:
                     "record of %s (byte %d)", self.name, nbytes, path, offset)
 
     def _corrupted(self, path: Path, offset: int, why: str) -> LogCorrupted:
-        return LogCorrupted(f"log stream {self.name!r} is corrupted: {why} at byte {offset} of "
-                            f"segment {path}")
+        exc = LogCorrupted(f"log stream {self.name!r} is corrupted: {why} at byte {offset} of "
+                           f"segment {path}")
+        exc.segment, exc.offset = path, offset
+        return exc
+
+    def _stop(self, exc: LogCorrupted) -> None:
+        """Damage found: with valid_prefix, note it (the caller reads no further); else raise it."""
+        if not self.valid_prefix:
+            raise exc
+        self.damage = self.damage or exc
 
     # -- writing --------------------------------------------------------------------------------
 
@@ -306,7 +333,8 @@ class StreamLog:
                 try:
                     entry_id, data, end = check(buf, off)
                 except BadRecord as bad:
-                    raise self._corrupted(path, offset + off, str(bad)) from None
+                    self._stop(self._corrupted(path, offset + off, str(bad)))
+                    return
                 if index >= start and (after is None or entry_order(entry_id) > after):
                     yield LogRecord(entry_id, data, path, offset + off)
                 off, index = end, index + 1
@@ -361,12 +389,17 @@ class StreamLog:
 
 
 class RunLog:
-    """A run's log: run_dir/log/<stream>/. Streams are opened on first use."""
+    """A run's log: run_dir/log/<stream>/. Streams are opened on first use.
 
-    def __init__(self, run_dir: Path, segment_bytes: int = 64 << 20, *, readonly: bool = False):
+    `valid_prefix` (read-only): every stream reads up to its first damaged record (see the module
+    docstring); `damage()` lists what was found so far."""
+
+    def __init__(self, run_dir: Path, segment_bytes: int = 64 << 20, *, readonly: bool = False,
+                 valid_prefix: bool = False):
         self.root = Path(run_dir) / "log"
         self.segment_bytes = segment_bytes
         self.readonly = readonly
+        self.valid_prefix = valid_prefix
         self._streams: dict[str, StreamLog] = {}
         if readonly and not self.root.is_dir():
             raise LogError(f"no event log in {run_dir} (expected the directory {self.root})")
@@ -385,8 +418,13 @@ class RunLog:
             if self.readonly and not (self.root / name).is_dir():
                 raise LogError(f"stream {name!r} has no log in {self.root} "
                                f"(logged streams: {', '.join(self.names()) or 'none'})")
-            self._streams[name] = StreamLog(self.root / name, self.segment_bytes, readonly=self.readonly)
+            self._streams[name] = StreamLog(self.root / name, self.segment_bytes, readonly=self.readonly,
+                                            valid_prefix=self.valid_prefix)
         return self._streams[name]
+
+    def damage(self) -> dict[str, LogCorrupted]:
+        """Stream -> its first damaged record, among the streams opened so far (valid_prefix only)."""
+        return {name: s.damage for name, s in self._streams.items() if s.damage is not None}
 
     def events(self, stream: str) -> Iterator[tuple[str, AnyEvent]]:
         """(entry id, decoded event) in log order."""

@@ -57,6 +57,7 @@ class LogIndex:
     def __init__(self, run_log: RunLog, run_dir: Path):
         self.run_log = run_log
         self.db = _connect(Path(run_dir) / INDEX_FILE)
+        self.damage: dict[str, LogCorrupted] = {}  # valid_prefix logs: stream -> its first damaged record
 
     def sync(self) -> int:
         """Index the records appended since the last sync; how many were new.
@@ -90,8 +91,12 @@ class LogIndex:
                         if good_record_after(buf, at + 1) is None:  # a batch being written, or a torn tail
                             break
                         self._write(stream, rows, (count, segment, offset + at))  # what is good stays indexed
-                        raise LogCorrupted(f"log stream {stream!r} is corrupted: {bad} at byte {offset + at} of "
-                                           f"segment {directory / f'{segment:020d}.seg'}") from None
+                        damage = LogCorrupted(f"log stream {stream!r} is corrupted: {bad} at byte {offset + at} of "
+                                              f"segment {directory / f'{segment:020d}.seg'}")
+                        if not self.run_log.valid_prefix:
+                            raise damage from None
+                        self.damage[stream] = damage  # the records before it stay readable
+                        break
                     self._note(stream, data, (segment, offset + at), rows)
                     at, count = end, count + 1
                     if len(rows["keys"]) >= _BATCH:  # bounded memory on the first sync of a big log

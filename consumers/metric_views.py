@@ -134,8 +134,15 @@ def _pairs(title: str, rows: list[tuple[str, ...]]) -> Table:
     return table
 
 
-def render(s: Snapshot, where: str) -> RenderableType:
-    status = Text(f"finished: {s.finished}", "yellow") if s.finished else Text("running", "green")
+def render(s: Snapshot, where: str, *, live: bool = True) -> RenderableType:
+    """`live`: the figures come from a reachable bus; a run read from its log without a RunFinished
+    stopped (Ctrl-C, a failed role, a lost node) before its last step."""
+    if s.finished:
+        status = Text(f"finished: {s.finished}", "yellow")
+    elif live:
+        status = Text("running", "green")
+    else:
+        status = Text(f"stopped after step {_fmt(s.step)}, not finished", "red")
     head = Text.assemble((f"reel top  {s.run}", "bold"), f"   {where}   ", status)
     training = _pairs("training", [
         ("step", _fmt(s.step)), ("policy version", _fmt(s.policy_version)), ("loss", _fmt(s.loss)),

@@ -36,6 +36,7 @@ from reel.bus.tail import Tail
 from reel.consumers.aggregates import MISMATCH_KEYS, RunAggregates, Snapshot, StepRow
 from reel.consumers.metric_views import SnapshotCollector, render
 from reel.runtime import config as run_config
+from reel.runtime.fit_tables import fit
 
 __all__ = ["MetricsError", "RunSource", "Watcher", "locate", "log_events", "read_log", "serve", "export_jsonl",
            "main_top", "main_serve", "main_export"]
@@ -190,7 +191,8 @@ def _start_exporter(port: int, addr: str, current: Callable[[], Snapshot]):
     return server
 
 
-async def serve(source: RunSource, port: int, stop: asyncio.Event, *, addr: str = "127.0.0.1") -> None:
+async def serve(source: RunSource, port: int, stop: asyncio.Event, *, addr: str = "127.0.0.1",
+                serving: Callable[[], None] = lambda: None) -> None:
     """Serve the run's figures on http://addr:port/metrics until `stop` is set.
 
     Once the run has finished the figures are final: the bus is let go (its Redis may stop) and the
@@ -200,6 +202,7 @@ async def serve(source: RunSource, port: int, stop: asyncio.Event, *, addr: str 
     if watcher is not None:
         await watcher.catch_up()  # the first scrape sees the run's counters, not zeros that then jump
     server = _start_exporter(port, addr, lambda: watcher.snapshot if watcher else final)
+    serving()  # only now: a port already taken is an error, never a "serving" line first
     try:
         if watcher is not None:
             await watcher.follow(stop, until_finished=True)
@@ -250,18 +253,20 @@ async def _top(args: argparse.Namespace) -> int:
     source = await locate(args.run_dir, args.bus, args.name)
     console = Console()
     if source.bus_url is None:
-        console.print(render(read_log(source), source.describe()))
+        console.print(fit(render(read_log(source), source.describe(), live=False), console))
         return 0
     watcher = Watcher(source.bus_url, source.run, partitions=source.partitions)
     try:
         await watcher.catch_up()
         if args.once or watcher.snapshot.finished is not None:
-            console.print(render(watcher.snapshot, source.describe()))
+            console.print(fit(render(watcher.snapshot, source.describe()), console))
             return 0
         stop = asyncio.Event()
         _stop_on_signals(stop)
-        with Live(render(watcher.snapshot, source.describe()), console=console, refresh_per_second=4) as live:
-            await watcher.follow(stop, lambda s: live.update(render(s, source.describe())), until_finished=True)
+        with Live(fit(render(watcher.snapshot, source.describe()), console), console=console,
+                  refresh_per_second=4) as live:
+            await watcher.follow(stop, lambda s: live.update(fit(render(s, source.describe()), console)),
+                                 until_finished=True)
     finally:
         await watcher.close()
     return 0
@@ -275,8 +280,9 @@ async def _serve(args: argparse.Namespace) -> int:
     source = await locate(args.run_dir, args.bus, None)
     stop = asyncio.Event()
     _stop_on_signals(stop)
-    print(f"reel: serving metrics of run {source.run} ({source.describe()}) on http://{args.addr}:{args.port}/metrics", flush=True)
-    await serve(source, args.port, stop, addr=args.addr)
+    await serve(source, args.port, stop, addr=args.addr, serving=lambda: print(
+        f"reel: serving metrics of run {source.run} ({source.describe()}) on http://{args.addr}:{args.port}/metrics",
+        flush=True))
     return 0
 
 

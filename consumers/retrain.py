@@ -30,6 +30,7 @@ from reel.runtime import config as config_mod
 from reel.runtime import distributed
 from reel.runtime.batch import build_batch
 from reel.runtime.config import Config
+from reel.runtime.config_overrides import apply_sets, parse_sets
 from reel.runtime.groups import GroupLookup
 from reel.runtime.initial_policy import code_version, init_dir
 from reel.runtime.model.weights import load, save
@@ -45,7 +46,7 @@ class RetrainError(ReelError):
 
 def main(args: argparse.Namespace) -> int:
     source, out = Path(args.from_dir), Path(args.out)
-    config = _config(source, args.config, out.name)
+    config = _config(source, args.config, out.name, args.set)
     if out.exists():
         raise RetrainError(f"{out} already exists; choose a new --out directory")
     world = distributed.from_env()
@@ -63,6 +64,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
     for flag, value in (("--config", args.config), ("--steps", args.steps), ("--shuffle", args.shuffle),
                         ("--init", args.init)):
         argv += [flag, str(value)] if value is not None else []
+    for item in args.set or []:
+        argv += ["--set", item]
     return argv
 
 
@@ -82,7 +85,7 @@ def _retrain(args: argparse.Namespace, source: Path, out: Path, config: Config, 
     return 0
 
 
-def _config(source: Path, override: str | None, name: str) -> Config:
+def _config(source: Path, override: str | None, name: str, sets: list[str] | None = None) -> Config:
     try:
         text = (source / "config.toml").read_text()
     except FileNotFoundError:
@@ -97,6 +100,7 @@ def _config(source: Path, override: str | None, name: str) -> Config:
             if not isinstance(keys, dict):
                 raise RetrainError(f"--config {override}: {section} must be a [section] table")
             raw.setdefault(section, {}).update(keys)
+    raw = apply_sets(raw, parse_sets(sets))  # --set: after --config, so the command line wins
     raw.setdefault("run", {})["name"] = name
     return config_mod.from_dict(raw, source=override or str(source / "config.toml"))
 

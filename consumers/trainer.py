@@ -42,7 +42,7 @@ from reel.bus.partitions import lane_key, lanes
 from reel.bus.retention import Retention, RetentionPolicy
 from reel.bus.seqs import recover_seq
 from reel.bus.streams import FIELD, Delivery, GroupConsumer, Publisher, connect
-from reel.runtime import distributed, environment
+from reel.runtime import distributed, environment, work_progress
 from reel.runtime.batch import Group, build_batch, decode_routing, routing_problem
 from reel.runtime.blob_store import run_blobs
 from reel.runtime.config import Config, config_hash
@@ -383,10 +383,14 @@ def main(run_dir: Path, bus_url: str) -> int:
     async def run(group: TrainerGroup) -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        loop.add_signal_handler(signal.SIGINT, stop.set)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a warm-start in progress stops too (work_progress)
+            loop.add_signal_handler(sig, lambda: (stop.set(), work_progress.cancel()))
         trainer = Trainer(run_dir, bus_url, config, group)
-        await trainer.run_until_done(stop)
+        try:
+            await trainer.run_until_done(stop)
+        except work_progress.WorkCancelled as exc:
+            log.warning("%s; the next run starts it again", exc)
+            return STOPPED_EXIT
         if getattr(trainer, "state", None) is not None and trainer.state.step >= config.run.steps:
             return 0
         log.warning("stopped before the last step (run.steps = %d); resume the run to continue", config.run.steps)

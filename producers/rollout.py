@@ -16,15 +16,17 @@ round is sampled under weights older than the gate assumes. A worker splits its 
 of R = ceil(trainer.batch_groups / rollout.workers) groups, R being its share of one trainer batch
 (with concurrency below R, a round takes several waves: were R capped at concurrency, each commit
 would release fewer groups than the next step needs, and the run would stall); round r is meant for the step that turns version r into r + 1. Its
-g-th group (counting from 0 in this process) belongs to round r(g) = c0 + g // R, c0 being c when
-the process started its first group, and may start only when
+g-th group (counting from 0 in this process) belongs to round r(g) = c0 + (q + g) // R, c0 being c when
+the process started its first group and q the groups of this worker an earlier process published
+that the trainer has yet to train (producers/outstanding.py: they fill the next batches first),
+and may start only when
 
     r(g) - c <= a.
 
 So a = 0 is synchronous: one batch share under version c, then nothing until version c + 1 is
 committed and loaded; a = 1 lets a worker generate the next round while the trainer computes the
-current one. Either way at most `concurrency` groups are in flight. A restarted worker starts a
-fresh round at the current c.
+current one. Either way at most `concurrency` groups are in flight. A restarted worker continues
+the rounds its queued groups started, at the current c.
 
 Identity: producer "rollout:<worker>"; its next seq is recovered from the bus and the run's log,
 so a restart never reuses one; group ids are "<worker>-<seq base>-<counter>" with the seq base of
@@ -58,6 +60,7 @@ from reel.bus.tail import Tail
 from reel.producers.engine import Engine, EngineError, SamplingParams
 from reel.producers.envs import Env, env_for
 from reel.producers.episode import Episode, non_finite, run_group
+from reel.producers.outstanding import outstanding_groups
 from reel.runtime.blob_store import run_blobs
 from reel.runtime.config import Config, load
 from reel.runtime.initial_policy import init_dir
@@ -88,6 +91,7 @@ class RolloutWorker:
     # Progress, changed only on the event loop.
     committed: int  # newest committed policy version (0 before any commit)
     first_round: int  # c0 of the async gate: c when this process started its first group
+    queued: int  # q of the async gate: groups an earlier process published, not yet trained
     started: int  # groups started by this process
     published: int  # groups published by this process
     refused: int  # groups dead-lettered for a non-finite reward or logprob (each replaced by a new one)
@@ -110,6 +114,7 @@ class RolloutWorker:
         self.engine = None
         self.committed = 0
         self.first_round = 0
+        self.queued = 0
         self.started = 0
         self.published = 0
         self.refused = 0
@@ -142,7 +147,7 @@ class RolloutWorker:
             while not stop.is_set() and not self._ready():
                 await self._wait(stop)
             if self._ready():
-                self.first_round = self._gate_version()
+                await self._count_queued(redis)
             while not stop.is_set():
                 if self._may_start():
                     self._start_group()
@@ -169,8 +174,18 @@ class RolloutWorker:
         """c of the async gate: committed and live here."""
         return min(self.committed, self.engine.version)
 
+    async def _count_queued(self, redis) -> None:
+        """c0 and q of the async gate, from one snapshot of the commits."""
+        partition = worker_partition(self.index, self.config.bus.partitions)
+        snapshot = await outstanding_groups(redis, self.run_dir, self.run_name, self.name, partition)
+        self.first_round = snapshot.version
+        self.queued = snapshot.groups
+        if self.queued:
+            log.info("%s: %d groups of an earlier run of this worker are still queued for the trainer; "
+                     "counted in rounds from version %d", self.name, self.queued, self.first_round)
+
     def _may_start(self) -> bool:
-        round_ = self.first_round + (self.started - self.refused) // self.round_size
+        round_ = self.first_round + (self.queued + self.started - self.refused) // self.round_size
         return (len(self.in_flight) < self.config.rollout.concurrency
                 and round_ - self._gate_version() <= self.config.rollout.async_level)
 

@@ -43,6 +43,7 @@ from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.determinism import set_determinism
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import load, save
+from reel.runtime.work_progress import report
 
 log = logging.getLogger("reel.warmstart")
 EVAL_PROMPTS = 256
@@ -74,7 +75,9 @@ def warm_start(config: Config) -> tuple[MoEModel, float]:
     if (cached / "config.json").is_file() and (cached / EVAL_FILE).is_file():
         reward = json.loads((cached / EVAL_FILE).read_text())["reward_mean"]
         log.info("warm-start %s from cache %s: mean sampled reward %.3f", key, cached, reward)
+        report("warm-start", 1, 1, f"from the cache {cached} (REEL_CACHE moves the cache)")
         return load(cached), reward
+    report("warm-start", 0, warmup_steps(config), f"cached in {cached} for later runs (REEL_CACHE moves the cache)")
     model = train(config, env, lambda: MoEModel(mcfg))
     reward = _logged_reward(model, env, config, key)
     cached.parent.mkdir(parents=True, exist_ok=True)
@@ -124,6 +127,7 @@ def train(config: Config, env: Env, start: Callable[[], MoEModel]) -> MoEModel:
         schedule.step()
         if step % 50 == 0 or step == steps - 1:
             log.info("warm-start step %d/%d loss %.3f", step + 1, steps, loss.item())
+        report("warm-start", step + 1, steps)
     torch.set_num_threads(threads)
     return model
 
@@ -138,12 +142,19 @@ async def _episodes_reward(model: MoEModel, env: Env, config: Config) -> float:
     rng = random.Random(f"warmstart-eval-{config.run.seed}")
     prompts = [env.sample(rng) for _ in range(EVAL_PROMPTS)]
     model.eval()
+    finished = 0
+
+    async def episode(engine: BuiltinEngine, i: int, prompt):
+        nonlocal finished
+        group = await run_group(engine, env, prompt, SamplingParams(
+            n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
+            stop_token_ids=env.tokenizer.stop_ids, seed=config.run.seed * 1_000_003 + i))
+        finished += 1
+        report("warm-start evaluation", finished, len(prompts))
+        return group
+
     async with BuiltinEngine(model, max_batch=config.engine.max_batch, max_seq_len=config.engine.max_seq_len) as engine:
-        groups = await asyncio.gather(*(
-            run_group(engine, env, prompt, SamplingParams(
-                n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
-                stop_token_ids=env.tokenizer.stop_ids, seed=config.run.seed * 1_000_003 + i))
-            for i, prompt in enumerate(prompts)))
+        groups = await asyncio.gather(*(episode(engine, i, prompt) for i, prompt in enumerate(prompts)))
     episodes = [g[0] for g in groups]
     turns = [len(e.turn_lengths) for e in episodes]
     log.info("warm-start episodes: %.2f model turns on average, at most %d", sum(turns) / len(turns), max(turns))

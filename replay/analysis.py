@@ -170,17 +170,23 @@ class Run:
     commits: dict[int, StepCommitted]
     lookup: GroupLookup
     weights: Versions  # policy version -> its published weights (re-derived where retention deleted them)
+    damage: str  # where the log is damaged ("" when it is not): steps after it cannot be replayed
     group: TrainerGroup  # the ranks that re-execute (one process unless `reel replay` started more)
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self.config = load_run_config(run_dir)
         self.blobs = BlobStore(run_dir / "blobs")
-        with RunLog(run_dir, readonly=True) as run_log:
+        # A damaged log still replays the steps whose inputs lie before the damage (bus/log.py).
+        with RunLog(run_dir, readonly=True, valid_prefix=True) as run_log:
             self.commits = {e.step: e for _, e in run_log.events("steps") if isinstance(e, StepCommitted)}
             self.lookup = GroupLookup.from_log(run_log, self.blobs)
             self.weights = Versions((e for _, e in run_log.events("weights")), self.blobs, self.commits,
                                     lambda: self.lookup, self.config, lambda: self.group)
+            damage = run_log.damage() | self.lookup.index.damage
+            self.damage = "; ".join(str(exc) for exc in damage.values())
+        if self.damage:
+            self.lookup.why_missing = f"the log is damaged: {self.damage}; `reel log repair` keeps what is before it"
         self.group = TrainerGroup(LOCAL, run_dir, self.config)
 
     def same_world(self, step: int) -> bool:
@@ -192,7 +198,9 @@ class Run:
         for step in range(first, last + 1):
             if step not in self.commits:
                 held = f"steps {min(self.commits)}..{max(self.commits)}" if self.commits else "no committed step"
-                raise StepNotLogged(f"step {step}{why} is not in the log of {self.run_dir}, which holds {held}")
+                damaged = f" (the log is damaged: {self.damage}; `reel log repair` keeps what is before it)" \
+                    if self.damage else ""
+                raise StepNotLogged(f"step {step}{why} is not in the log of {self.run_dir}, which holds {held}{damaged}")
 
     def prepare(self) -> None:
         """The trainer's numerics: its thread count (CPU reductions split by thread; the trainer

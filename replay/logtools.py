@@ -5,7 +5,10 @@ with the run's tokenizer (model.path's own, else the character tokenizer): ids a
 holds, text is only ever made here and in the envs.
 
 Both open the log read-only: a torn tail left by a crashed archiver is reported, not repaired
-(the archiver repairs it when it next opens the log), so they are safe on a live run.
+(the archiver repairs it when it next opens the log), so they are safe on a live run. A damaged
+record (a flipped byte) ends what they can read of its stream; both say where, and the other
+streams are still read. `reel log repair` (replay/log_repair.py) cuts a stream back to its valid
+records.
 """
 
 from __future__ import annotations
@@ -32,24 +35,36 @@ _HEAD = 8
 
 
 def verify(args: argparse.Namespace) -> int:
-    """Check every record's framing and CRC; one line per stream. Corruption -> exit 1 (via cli)."""
-    with RunLog(Path(args.run_dir), readonly=True) as run_log:
+    """Check every record's framing and CRC of every stream, one line each; damage -> exit 1, naming
+    each damaged stream and where its valid prefix ends."""
+    damaged: list[str] = []
+    with RunLog(Path(args.run_dir), readonly=True, valid_prefix=True) as run_log:
         total = 0
         for name in run_log.names():
-            count = sum(1 for _ in run_log.stream(name).records())
-            torn = run_log.stream(name).torn_bytes
+            stream = run_log.stream(name)
+            count = sum(1 for _ in stream.records())
+            torn = stream.torn_bytes
             note = f"  (torn tail of {torn} bytes; repaired when the archiver next opens it)" if torn else ""
+            if stream.damage is not None:
+                damaged.append(str(stream.damage))
+                note = f"  DAMAGED after these records: {stream.damage}"
             print(f"{name:<14}{count:>10} records{note}")
             total += count
+        if damaged:
+            print(f"reel: {len(damaged)} of {len(run_log.names())} streams are damaged: {'; '.join(damaged)}; "
+                  f"steps whose inputs lie before the damage still replay; `reel log repair --run {args.run_dir}` "
+                  f"keeps the valid records of each stream (after copying the log)", file=sys.stderr)
+            return 1
         print(f"ok: {total} records in {len(run_log.names())} streams, every CRC checked")
     return 0
 
 
 def cat(args: argparse.Namespace) -> int:
-    """Print a stream's events as JSON lines: {"entry_id": ..., "type": ..., fields...}."""
+    """Print a stream's events as JSON lines: {"entry_id": ..., "type": ..., fields...}; on a damaged
+    stream, the records before the damage, then the error (exit 1)."""
     out = sys.stdout.buffer
     tokenizer = _run_tokenizer(Path(args.run_dir)) if getattr(args, "decode", False) else None
-    with RunLog(Path(args.run_dir), readonly=True) as run_log:
+    with RunLog(Path(args.run_dir), readonly=True, valid_prefix=True) as run_log:
         try:
             for entry_id, event in run_log.events(args.stream):
                 line = {"entry_id": entry_id, "type": type(event).__struct_config__.tag, **_readable(event)}
@@ -60,6 +75,12 @@ def cat(args: argparse.Namespace) -> int:
         except BrokenPipeError:
             # The reader (e.g. `| head`) has gone; silence the flush Python would retry at exit.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        damage = run_log.stream(args.stream).damage
+    if damage is not None:
+        print(f"reel: {damage}; the records before it are printed above; `reel log repair --run {args.run_dir}` "
+              f"keeps them and drops the rest", file=sys.stderr)
+        return 1
     return 0
 
 

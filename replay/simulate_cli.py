@@ -19,6 +19,7 @@ from reel.bus.errors import ReelError
 from reel.bus.jsonout import print_json
 from reel.replay.console import print_view
 from reel.replay.rank_efficiency import rank_efficiency
+from reel.runtime.config_overrides import parse_sets
 from reel.replay.simulate import Scenario, simulate
 from reel.replay.simulate_report import Row, caveats, compare, plot, view
 from reel.replay.workload import Pipeline, Workload, extract
@@ -39,6 +40,7 @@ class SweepError(ReelError):
 
 
 def main(args: argparse.Namespace) -> int:
+    set_overrides(args)  # before the work of reading the run
     workload = extract(Path(args.run_dir))
     target = extract(Path(args.against)) if args.against else workload
     base = _scenario(args, target.pipeline)
@@ -77,9 +79,26 @@ def parse_sweep(text: str) -> tuple[str, list[int | float]]:
                          f"{'an integer' if kind is int else 'a number'}") from exc
 
 
+# --set config keys -> the Pipeline field they set (the keys the simulation models)
+SETTABLE = {"rollout.workers": "rollout_workers", "trainer.ranks": "trainer_ranks",
+            "rollout.async_level": "async_level", "trainer.max_off_policy_steps": "max_off_policy", "run.steps": "steps"}
+
+
+def set_overrides(args: argparse.Namespace) -> dict[str, int]:
+    """The Pipeline fields --set gives; a key the simulation does not model is an error."""
+    out = {}
+    for section, keys in parse_sets(args.set).items():
+        for key, value in keys.items():
+            if f"{section}.{key}" not in SETTABLE or not isinstance(value, int) or isinstance(value, bool):
+                raise SweepError(f"--set {section}.{key}: simulate models only {', '.join(SETTABLE)} (integers)")
+            out[SETTABLE[f"{section}.{key}"]] = value
+    return out
+
+
 def _scenario(args: argparse.Namespace, pipeline: Pipeline) -> Scenario:
     overrides = {name: getattr(args, name) for name in ("rollout_workers", "trainer_ranks", "async_level",
                                                           "max_off_policy", "steps") if getattr(args, name) is not None}
+    overrides.update(set_overrides(args))
     efficiency = rank_efficiency(args.rank_efficiency, args.rank_efficiency_from)
     return Scenario(pipeline=msgspec.structs.replace(pipeline, **overrides), speedup_rollout=args.speedup_rollout,
                     speedup_trainer=args.speedup_trainer, rank_efficiency=efficiency.value,

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import msgspec
 import tomli_w
 
+from reel.runtime.config_bounds import validate_bounds
 from reel.runtime.config_engine import EngineSection, Precision, validate_engine
 from reel.runtime.config_keys import ConfigError, name_key, require
 
@@ -303,6 +304,7 @@ def validate(c: Config) -> None:
     validate_engine(c.engine, router_replay=c.trainer.router_replay)
     require(len(set(c.metrics.sinks)) == len(c.metrics.sinks),
              f"metrics.sinks = {c.metrics.sinks} names a sink twice; list each once")
+    validate_bounds(c)  # ranges of counts, intervals and sizes; the memory the shapes need
 
 
 def check_model_path(c: Config, text: str) -> None:

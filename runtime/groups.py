@@ -28,12 +28,14 @@ class GroupLookup:
     routing: dict[str, RoutingTrace]
     blobs: BlobBackend
     index: LogIndex | None  # the run's log, read a group at a time
+    why_missing: str  # the end of a MissingGroup message
 
     def __init__(self, blobs: BlobBackend, index: LogIndex | None = None):
         self.trajectories = {}
         self.routing = {}
         self.blobs = blobs
         self.index = index
+        self.why_missing = "the log is incomplete"  # a reader that knows better says so (a damaged log)
 
     @classmethod
     def from_log(cls, log: RunLog, blobs: BlobBackend) -> GroupLookup:
@@ -61,11 +63,11 @@ class GroupLookup:
     def group(self, group_id: str, *, where: str) -> Group:
         trajectory = self.trajectory(group_id)
         if trajectory is None:
-            raise MissingGroup(f"group {group_id} used by {where} is not in the run's log; the log is incomplete")
+            raise MissingGroup(f"group {group_id} used by {where} is not in the run's log; {self.why_missing}")
         trace = self.trace(group_id)
         if trace is None:  # every trained group had its trace: without it the step cannot be re-executed
             raise MissingGroup(f"the routing trace of group {group_id} used by {where} is not in the run's log; "
-                               "the log is incomplete")
+                               f"{self.why_missing}")
         return Group(trajectory, decode_routing(trace, self.blobs.get(trace.blob) if trace.blob else None))
 
     def groups_of(self, commit: StepCommitted) -> list[Group]:

@@ -21,6 +21,7 @@ from reel.bus.errors import ReelError
 from reel.runtime.config import Config, warmup_steps
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import load, save, shard_files
+from reel.runtime.work_progress import PROGRESS_FILE, reporting_to
 
 WARM_START = "reel.producers.warmstart:warm_start"
 INFO_FILE = "init.json"  # beside the weights: where they came from and, for a warm-start, its reward
@@ -52,7 +53,8 @@ def ensure_initial_policy(run_dir: Path, config: Config) -> Path:
             info = {"source": str(Path(config.model.path).resolve())}
         else:
             module, function = WARM_START.split(":")
-            model, reward = getattr(importlib.import_module(module), function)(config)
+            with reporting_to(run_dir / "roles" / PROGRESS_FILE):  # the launcher shows it (runtime/work_progress.py)
+                model, reward = getattr(importlib.import_module(module), function)(config)
             save(model, staging)
             info = {"source": "warm-start", "warmup_steps": warmup_steps(config), "reward_mean": reward}
         (staging / INFO_FILE).write_text(json.dumps(info))

@@ -74,7 +74,21 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--out", default=None, help="run directory (default: <run.out_dir>/<run.name>)")
     run.add_argument("--resume", action="store_true", help="continue a stopped run from its log")
     run.add_argument("--no-live", action="store_true", help="plain progress lines instead of the live view")
+    run.add_argument("--set", action="append", default=None, metavar="SECTION.KEY=VALUE",
+                     help="override one config key (repeatable; a TOML value); recorded in the run's config.toml "
+                          "(default: none)")
+    run.add_argument("--defaults", action="store_true", help="accept an empty config: run every default")
     run.set_defaults(handler="reel.runtime.launch.supervisor:main_run")
+
+    init = _command(sub, "init", "write a starting config for a task, on a tiny MoE or an HF model directory",
+                    "reel init --task reverse_text --out reverse.toml",
+                    "reel init --from-model ~/models/Qwen3-30B-A3B --task arith --out qwen_arith.toml")
+    init.add_argument("--task", default="reverse_text",
+                      help="env.name: reverse_text, sort_digits, arith, calc_tool or package.module:factory")
+    init.add_argument("--from-model", default=None, metavar="DIR",
+                      help="an HF Qwen3-MoE checkpoint directory to train (default: a tiny MoE from keys)")
+    init.add_argument("--out", default="reel.toml", help="the config file to write (must not exist)")
+    init.set_defaults(handler="reel.runtime.launch.init_config:main")
 
     role = _command(sub, "role", "start one role of a run (multi-node use)",
                     "reel role trainer --run /shared/runs/r1 --bus redis://head:6379",
@@ -104,6 +118,10 @@ def _parser() -> argparse.ArgumentParser:
     verify = _command(log_sub, "verify", "check every record's CRC", "reel log verify --run runs/reverse_text")
     verify.add_argument("--run", required=True, dest="run_dir", help="run directory")
     verify.set_defaults(handler="reel.replay.logtools:verify")
+    repair = _command(log_sub, "repair", "keep the longest valid prefix of each damaged stream (after copying "
+                      "the log) and say what was dropped", "reel log repair --run runs/reverse_text")
+    repair.add_argument("--run", required=True, dest="run_dir", help="run directory (of a stopped run)")
+    repair.set_defaults(handler="reel.replay.log_repair:main")
     cat = _command(log_sub, "cat", "print a stream's events as JSON lines",
                    "reel log cat --run runs/reverse_text --stream steps | head",
                    "reel log cat --run runs/calc_tool --stream trajectories --decode | head -1")
@@ -214,6 +232,9 @@ def _parser() -> argparse.ArgumentParser:
                           "trainer-ranks, async-level, max-off-policy, speedup-rollout, speedup-trainer")
     sim.add_argument("--against", default=None, metavar="DIR",
                      help="simulate DIR's configuration and compare with what DIR measured (default: no comparison)")
+    sim.add_argument("--set", action="append", default=None, metavar="SECTION.KEY=VALUE",
+                     help="override a config key the simulation models (rollout.workers, trainer.ranks, "
+                          "rollout.async_level, trainer.max_off_policy_steps, run.steps; repeatable; default: none)")
     sim.add_argument("--json", action="store_true", help="print the result as one JSON object")
     sim.add_argument("--plot", default=None, metavar="FILE.png", help="also save a figure (default: no figure)")
     sim.set_defaults(handler="reel.replay.simulate_cli:main")
@@ -285,7 +306,18 @@ def _parser() -> argparse.ArgumentParser:
                          help="shuffle batches with SEED (default: logged order)")
     retrain.add_argument("--init", default=None, help="initial weights (HF layout; default: the source run's)")
     retrain.add_argument("--ranks", type=int, default=1, help="train on this many ranks (FSDP2 under torchrun)")
+    retrain.add_argument("--set", action="append", default=None, metavar="SECTION.KEY=VALUE",
+                         help="override one key of the new run's config (repeatable; after --config; default: none)")
     retrain.set_defaults(handler="reel.consumers.retrain:main")
+
+    export = _command(sub, "export", "write a policy version as a Hugging Face model directory (transformers, vLLM)",
+                      "reel export --run runs/reverse_text --out models/reverse_text",
+                      "reel export --run runs/reverse_text --step 20 --out models/step20")
+    export.add_argument("--run", required=True, dest="run_dir", help="run directory")
+    export.add_argument("--step", type=int, default=None,
+                        help="the policy after this step; 0 = the initial policy (default: the last committed step)")
+    export.add_argument("--out", required=True, help="new directory to write (must not exist or be empty)")
+    export.set_defaults(handler="reel.replay.export:main")
 
     launch = _command(sub, "launch", "launch on a cluster scheduler",
                       "reel launch slurm examples/reverse_text.toml --partition gpu", "reel launch status --run runs/reverse_text")
@@ -327,7 +359,18 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    if not (sys.argv[1:] if argv is None else argv):  # bare `reel`: the commands, not just a usage line
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    if getattr(args, "plot", None):  # before any work: the figure is written last
+        from reel.runtime.launch.plot_path import plot_problem
+
+        problem = plot_problem(args.plot)
+        if problem is not None:
+            print(f"reel: {problem}", file=sys.stderr)
+            return 2
     try:
         return _call(args.handler, args)
     except ReelError as exc:
@@ -335,9 +378,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"reel: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) or args.errors_exit_2 else 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:  # SIGTERM/SIGHUP too, where the command asked (launch/signals.py)
+        from reel.runtime.launch.signals import exit_code
+
         print("reel: interrupted", file=sys.stderr)
-        return 130
+        return exit_code(interrupt)
 
 
 if __name__ == "__main__":

@@ -15,28 +15,35 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from reel.bus.events import MalformedEvent, RunStarted, StepCommitted, WorkerStats, decode, stream_key
+from reel.bus.events import MalformedEvent, RunStarted, StepCommitted, decode, stream_key
 from reel.runtime.config import Config
+from reel.runtime.fit_tables import fit
+from reel.runtime.work_progress import Work, describe, read
+
+THROUGHPUT_WINDOW = 5  # steps the tokens/s figure is measured over
+WORK_LINE_EVERY_S = 10.0  # without a terminal, a line per this many seconds of long work (the warm-start)
 
 
 class Progress:
     url: str
     config: Config
     live: bool
+    resumed_after: int
     steps: list[StepCommitted]
-    tokens_per_s: dict[str, float]
     _cursor: dict[str, str]
     _client: redis.Redis | None
     _live: Live | None
     _console: Console
     _started: float
 
-    def __init__(self, url: str, config: Config, *, live: bool):
+    def __init__(self, url: str, config: Config, *, live: bool, resumed_after: int = 0, work_file: Path | None = None):
         self.url = url
         self.config = config
         self.live = live
+        self.resumed_after = resumed_after  # steps up to this one were shown by an earlier `reel run`
+        self.work_file = work_file  # a role's long work before the first step (runtime/work_progress.py)
+        self._work_shown: tuple[tuple[str, bool], float] | None = None  # ((what, finished), when) last printed
         self.steps = []
-        self.tokens_per_s = {}
         self._cursor = {"steps": "0", "control": "0"}
         self._client = None
         self._live = None
@@ -66,22 +73,48 @@ class Progress:
             new_steps = self._read()
         except (redis.RedisError, redis.RedisClusterException):  # the latter: no cluster node answers
             return
+        work = self._work()
         if self._live is not None:
-            self._live.update(self._table())
+            table = self._table()
+            table.caption = work and describe(work)
+            self._live.update(fit(table, self._console))
         else:
+            self._print_work(work)
             for step in new_steps:
-                self._console.print(self._line(step), highlight=False)
+                if step.step > self.resumed_after:
+                    self._console.print(self._line(step), highlight=False)
+
+    def _work(self) -> Work | None:
+        """What a role is busy with before the first commit (the warm-start), if it says."""
+        if self.steps or self.work_file is None:
+            return None
+        return read(self.work_file)
+
+    def _print_work(self, work: Work | None) -> None:
+        """A line when a work starts or ends, and every WORK_LINE_EVERY_S seconds in between."""
+        if work is None:
+            return
+        key, now = (work.what, work.done >= work.total), time.monotonic()
+        if self._work_shown is None or self._work_shown[0] != key or (
+                not key[1] and now - self._work_shown[1] >= WORK_LINE_EVERY_S):
+            self._console.print(describe(work), highlight=False)
+            self._work_shown = (key, now)
 
     def finish(self, run_dir: Path) -> None:
         self.refresh()
         self._close()
         minutes = (time.monotonic() - self._started) / 60
         if self.steps:
+            # The view may have missed steps (trimmed from the bus before it read them): the last
+            # commit's number is what the run did, not the number of lines shown.
             first, last = self.steps[0], self.steps[-1]
+            session = f" ({last.step - self.resumed_after} since the resume)" if self.resumed_after else ""
             self._console.print(
-                f"run finished: {len(self.steps)} steps in {minutes:.1f} min, reward "
+                f"run finished: {last.step} steps{session} in {minutes:.1f} min, reward "
                 f"{first.metrics.get('reward_mean', float('nan')):.3f} -> "
-                f"{last.metrics.get('reward_mean', float('nan')):.3f}; log in {run_dir / 'log'}",
+                f"{last.metrics.get('reward_mean', float('nan')):.3f}; log in {run_dir / 'log'}\n"
+                f"final policy: step {last.step}, weights sha256 {last.weights_sha256[:12]} in {run_dir / 'blobs'}; "
+                f"`reel export --run {run_dir} --out {run_dir / 'export'}` writes it as a Hugging Face model",
                 highlight=False,
             )
 
@@ -103,9 +136,7 @@ class Progress:
                     continue  # not an event: the archiver dead-letters it; the view goes on
                 if isinstance(event, StepCommitted):
                     new_steps.append(event)
-                elif isinstance(event, WorkerStats):
-                    self.tokens_per_s[event.worker] = event.tokens_per_s
-                elif isinstance(event, RunStarted) and event.init_reward is not None:
+                elif isinstance(event, RunStarted) and event.init_reward is not None and not self.resumed_after:
                     self._console.print(f"warm-start policy (version 0): mean sampled reward "
                                         f"{event.init_reward:.3f}", highlight=False)
         self.steps.extend(new_steps)
@@ -121,7 +152,7 @@ class Progress:
         return (
             f"step {s.step}/{self.config.run.steps}  reward {m.get('reward_mean', nan):.3f}  "
             f"kl_k3 {m.get('kl_k3', nan):.2e}{split}  staleness {_mean_staleness(s):.2f}  "
-            f"tokens/s {sum(self.tokens_per_s.values()):.0f}  trainer idle {idle:.0%}  "
+            f"tokens/s {tokens_per_s(self.steps, s.step):.0f}  trainer idle {idle:.0%}  "
             f"dropped {len(s.dropped)}"
         )
 
@@ -136,9 +167,18 @@ class Progress:
                 f"{s.step}/{self.config.run.steps}", f"{s.metrics.get('reward_mean', float('nan')):.3f}",
                 *(f"{s.metrics[key]:.2e}" if key in s.metrics else "-" for key in ("kl_k3", "numerics_k3", "drift_k3")),
                 f"{_mean_staleness(s):.2f}",
-                f"{sum(self.tokens_per_s.values()):.0f}", f"{idle:.0%}", str(len(s.dropped)),
+                f"{tokens_per_s(self.steps, s.step):.0f}", f"{idle:.0%}", str(len(s.dropped)),
             )
         return table
+
+
+def tokens_per_s(steps: list[StepCommitted], upto: int, window: int = THROUGHPUT_WINDOW) -> float:
+    """Trained tokens per second over the last `window` steps up to step `upto`: the tokens each
+    commit trained (its staleness histogram counts them) over the wall time the trainer spent on
+    those steps (waiting for groups included), so it is the pipeline's rate from the first step on."""
+    recent = [s for s in steps if s.step <= upto][-window:]
+    seconds = sum(s.timing.wait + s.timing.compute + s.timing.publish for s in recent)
+    return sum(sum(s.staleness.values()) for s in recent) / seconds if seconds > 0 else 0.0
 
 
 def _mean_staleness(s: StepCommitted) -> float:

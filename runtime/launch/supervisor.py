@@ -39,9 +39,13 @@ from reel.bus.errors import ReelError
 from reel.runtime import config as config_mod
 from reel.runtime.blob_store import mooncake_for
 from reel.runtime.config import Config
+from reel.runtime.config_overrides import load_with_sets
 from reel.runtime.distributed import torchrun_argv
+from reel.runtime.launch import resume as resume_mod
 from reel.runtime.launch import vllm_args
 from reel.runtime.launch.progress import Progress
+from reel.runtime.launch.signals import StopRequested, exit_code, stop_on_signals
+from reel.runtime.work_progress import PROGRESS_FILE
 
 # Roles are reached by name (runtime/ never imports producers/ or consumers/ directly).
 ROLE_ENTRY = {
@@ -61,19 +65,39 @@ class RunDirError(ReelError):
 
 
 def main_run(args: argparse.Namespace) -> int:
-    config = config_mod.load(args.config)  # every config error surfaces before anything is written
+    with stop_on_signals():  # SIGTERM/SIGHUP (Slurm, timeout, systemd, a closed terminal) stop it like Ctrl-C
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    # Every config error surfaces before anything is written; --set overrides end up in config.toml.
+    config, text = load_with_sets(args.config, args.set, allow_empty=args.defaults)
     if serves_vllm_locally(config):
         vllm_args.check_local_server(config)
     use_cluster_client(config)
     if config.metrics.sinks:
         module, function = SINK_CHECK.split(":")
         getattr(importlib.import_module(module), function)(config.metrics.sinks)
-    text = Path(args.config).read_text()
     config_mod.check_model_path(config, text)
     run_dir = Path(args.out) if args.out else Path(config.run.out_dir) / config.run.name
-    prepare_run_dir(run_dir, text, config, resume=args.resume)
+    changes = prepare_run_dir(run_dir, text, config, resume=args.resume)
+    after = resume_mod.last_committed_step(run_dir) if args.resume else 0
+    if args.resume:
+        if after >= config.run.steps:
+            print(f"reel: run {config.run.name} is already complete ({after} of {config.run.steps} steps committed); "
+                  f"raise run.steps in {args.config} and resume again to extend it", file=sys.stderr)
+            return 0
+        changed = "".join(f", {key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
+        print(f"reel: resuming run {config.run.name} in {run_dir} after step {after} of {config.run.steps}{changed}",
+              file=sys.stderr, flush=True)
     with bus_for(run_dir, config) as url, mooncake_for(run_dir, config):
-        supervisor = Supervisor(run_dir, url, config, live=not args.no_live and sys.stdout.isatty())
+        if changes:
+            resume_mod.record_changes(run_dir, url, config, text, changes, after)
+        supervisor = Supervisor(run_dir, url, config, live=not args.no_live and sys.stdout.isatty(),
+                                resumed_after=after)
+        # With --set the overrides live in the run's config.toml: resuming from it keeps them.
+        config_arg = run_dir / "config.toml" if args.set else args.config
+        supervisor.resume_command = f"reel run {config_arg} --resume --out {run_dir}"
         if args.resume:  # before any role publishes: new entries would hide the gap
             from reel.runtime.bus_loss import describe, find_loss_window
 
@@ -120,15 +144,13 @@ def load_run_config(run_dir: Path) -> Config:
     return config_mod.load(path)
 
 
-def prepare_run_dir(run_dir: Path, config_text: str, config: Config, *, resume: bool) -> None:
-    """Create the run directory atomically (a crash leaves no half-written run), or check a resume."""
+def prepare_run_dir(run_dir: Path, config_text: str, config: Config, *, resume: bool) -> dict[str, list]:
+    """Create the run directory atomically (a crash leaves no half-written run), or check a resume:
+    returns the keys a resume changes (launch/resume.py says which may)."""
     if resume:
-        stored = load_run_config(run_dir)
-        if config_mod.to_toml(stored) != config_mod.to_toml(config):
-            raise RunDirError(
-                f"the config differs from {run_dir / 'config.toml'}; resume with the run's own config"
-            )
-        return
+        changes = resume_mod.config_changes(load_run_config(run_dir), config)
+        resume_mod.check_changes(run_dir / "config.toml", changes, resume_mod.last_committed_step(run_dir))
+        return changes
     if run_dir.exists():
         raise RunDirError(f"{run_dir} already exists; pass --resume to continue it or choose another run.name/--out")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -141,6 +163,7 @@ def prepare_run_dir(run_dir: Path, config_text: str, config: Config, *, resume: 
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    return {}
 
 
 @contextmanager
@@ -275,15 +298,18 @@ class Supervisor:
     progress: Progress
     vllm_port: int | None  # the local `vllm serve` (engine.vllm_server = "local"), started once init/ exists
     trainer_env: dict[str, str]  # set before run(): what the trainer must record (a bus loss window)
+    resume_command: str  # what continues this run, for the messages of a stopped or failed run
 
-    def __init__(self, run_dir: Path, url: str, config: Config, *, live: bool):
+    def __init__(self, run_dir: Path, url: str, config: Config, *, live: bool, resumed_after: int = 0):
         self.run_dir = run_dir
         self.url = url
         self.config = config
         self.roles = {}
-        self.progress = Progress(url, config, live=live)
+        self.progress = Progress(url, config, live=live, resumed_after=resumed_after,
+                                 work_file=run_dir / "roles" / PROGRESS_FILE)
         self.vllm_port = free_port() if serves_vllm_locally(config) else None
         self.trainer_env = {}
+        self.resume_command = f"reel run CONFIG --resume --out {run_dir}"
 
     def _start(self, name: str, role: str, *extra: str, threads: int = 1, env: dict[str, str] | None = None,
                ranks: int = 1) -> None:
@@ -322,10 +348,14 @@ class Supervisor:
             if failed is not None:
                 return self._fail(failed)
             return self._finish()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as interrupt:
+            self.progress.refresh()  # the steps committed since the last refresh: they happened
+            print(f"reel: stopping every role (up to {STOP_TIMEOUT_S:.0f} s; a warm-start in progress is "
+                  f"discarded)...", file=sys.stderr, flush=True)
             self._stop_all()
-            print("reel: interrupted; every role stopped (continue with --resume)", file=sys.stderr)
-            return 130
+            why = f"stopped by {interrupt.name}" if isinstance(interrupt, StopRequested) else "interrupted"
+            print(f"reel: {why}; every role stopped; `{self.resume_command}` continues this run", file=sys.stderr)
+            return exit_code(interrupt)
         finally:
             self._stop_all()
 
@@ -366,8 +396,8 @@ class Supervisor:
         print(f"reel: role {name} stopped with exit code {role.poll()}, so the run was stopped; "
               f"last lines of {role.log_path}:", file=sys.stderr)
         print(role.log_tail(), file=sys.stderr)
-        print(f"reel: fix the cause, then `reel run CONFIG --resume --out {self.run_dir}` continues this run",
-              file=sys.stderr)
+        print(f"reel: fix the cause, then `{self.resume_command}` continues this run (a resume may change only "
+              f"{resume_mod.safe_keys()}; another fix needs a new run: another --out)", file=sys.stderr)
         return 1
 
     def _stop_all(self) -> None:

@@ -95,6 +95,11 @@ def load_state_dict_bytes(model: MoEModel, data: bytes) -> None:
     _copy_in(model, tensors.items(), "weights blob")
 
 
+def load_tensors(model: MoEModel, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Copies Hub-named tensors (every parameter's) into `model` in place; `source` names them in errors."""
+    _copy_in(model, tensors.items(), source)
+
+
 @torch.no_grad()
 def _copy_in(model: MoEModel, hf: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
     """Copy Hub-named tensors into `model`; every parameter (every expert) must be written exactly once."""
