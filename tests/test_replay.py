@@ -15,7 +15,7 @@ import orjson
 import pytest
 import torch
 
-from reel.bus.log import RunLog
+from reel.bus.log import LogCorrupted, RunLog
 from reel.replay.analysis import Run, StepNotLogged, replay_step
 from reel.runtime.launch.cli import main as reel
 from reel.runtime.reexecute import ReplayMismatch
