@@ -135,6 +135,7 @@ class Sample(msgspec.Struct, frozen=True, gc=False):
     turns: int = 1  # model turns
     tool_calls: int = 0  # model turns the env answered as tool calls
     turn_lengths: list[int] = []  # tokens sampled per model turn (empty = one turn of len(tokens))
+    scores: dict[str, float] = {}  # the reward's parts by name (a verifiers rubric's functions); {} = none
 
 
 class Trajectory(Event, tag="trajectory"):

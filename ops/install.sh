@@ -20,3 +20,5 @@ fi
 # torch first and pinned: an unpinned torch can pull a multi-GB CUDA build.
 python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q -e '.[test,embedded,mooncake]'
+# The task adapters' libraries (reasoning-gym, verifiers, math-verify, datasets): tests/test_tasks.py, test_eval.py.
+python3 -m pip install -q -e '.[tasks]'

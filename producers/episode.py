@@ -40,6 +40,7 @@ class Episode:
     finish_reason: str = ""  # of the last model turn
     seconds: float = 0.0  # engine seconds over the model turns (Completion.seconds summed)
     reward: float = 0.0
+    scores: dict[str, float] = field(default_factory=dict)  # Finish.scores: the reward's parts by name
 
     def add_model_turn(self, c: Completion) -> None:
         offset = len(self.tokens)
@@ -79,6 +80,7 @@ async def _finish_episode(engine: Engine, env: Env, prompt: Prompt, params: Samp
         reply = env.respond(prompt, episode.turns)
         if isinstance(reply, Finish):
             episode.reward = float(reply.reward)
+            episode.scores = dict(reply.scores)
             return episode
         assert isinstance(reply, Continue)
         if len(episode.turn_lengths) >= env.max_turns:

@@ -321,7 +321,8 @@ def _sample(e: Episode) -> Sample:
     return Sample(tokens=Tensor.from_numpy(np.asarray(e.tokens, np.int32)),
                   logprobs=Tensor.from_numpy(np.asarray(e.logprobs, np.float32)), reward=e.reward,
                   finish_reason=e.finish_reason, seed=e.seed, spans=e.spans, generate_s=e.seconds, env_spans=e.env_spans,
-                  turns=len(e.turn_lengths), tool_calls=e.tool_calls, turn_lengths=e.turn_lengths)
+                  turns=len(e.turn_lengths), tool_calls=e.tool_calls, turn_lengths=e.turn_lengths,
+                  scores=e.scores)
 
 
 async def _read_to_end(tail: Tail, block_ms: int) -> list:

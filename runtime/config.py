@@ -25,6 +25,8 @@ Objective = Literal["tis", "icepop", "mis", "none"]
 
 # env.name is checked against the env registry, reached by name (runtime/ never imports producers/).
 ENV_NAME_CHECK = "reel.producers.envs.registry:check_name"
+# ... and the task adapters' env.options (reasoning_gym, dataset, verifiers), which may read files.
+ENV_OPTIONS_CHECK = "reel.producers.envs.registry:check_options"
 
 
 class RunSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -236,6 +238,8 @@ def validate(c: Config) -> None:
     require(c.trainer.mis_low < c.trainer.mis_high, "trainer.mis_low must be below trainer.mis_high")
     module, function = ENV_NAME_CHECK.split(":")
     getattr(importlib.import_module(module), function)(c.env.name)
+    module, function = ENV_OPTIONS_CHECK.split(":")
+    getattr(importlib.import_module(module), function)(c.env)
     require(1 <= c.env.min_len <= c.env.max_len,
              f"env.min_len = {c.env.min_len} and env.max_len = {c.env.max_len} need 1 <= min_len <= max_len")
     require(0.0 <= c.env.long_tail <= 1.0, f"env.long_tail = {c.env.long_tail} must be in [0, 1]")
