@@ -164,6 +164,17 @@ class Publisher:
         self._spare = buffer
         return ids
 
+    async def dead_letter(self, event: Event, reason: str) -> None:
+        """Put an event that must not be consumed (its producer found it unusable, e.g. a reward function
+        failed) straight into the dead-letter stream of its lane, with the reason; never on its stream."""
+        stream = STREAM_OF[type(event)]
+        key = lane_key(self.run, lane_of(stream, self.partition))
+        dead_key = slot_key(key, DEAD)
+        with boundary(self.redis, f"dead-lettering an event of {self.producer} to {dead_key}"):
+            await self.redis.xadd(dead_key, {"stream": stream, "entry_id": "", "raw": encode(event), "reason": reason,
+                                             "producer": self.producer})
+        log.warning("dead letter: %s from %s of run %s: %s", stream, self.producer, self.run, reason)
+
 
 def _encode_into(events: list[Event], buffer: bytearray) -> list[int]:
     """Encode events back to back into `buffer` (which keeps its allocation); their end offsets."""

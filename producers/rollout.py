@@ -57,6 +57,7 @@ from reel.bus.streams import Publisher, connect
 from reel.bus.tail import Tail
 from reel.producers.engine import Engine, EngineError, SamplingParams
 from reel.producers.envs import Env, env_for
+from reel.producers.envs.rewards import RewardError
 from reel.producers.episode import Episode, run_group
 from reel.runtime.blob_store import run_blobs
 from reel.runtime.config import Config, load
@@ -90,6 +91,7 @@ class RolloutWorker:
     first_round: int  # c0 of the async gate: c when this process started its first group
     started: int  # groups started by this process
     published: int  # groups published by this process
+    dead_lettered: int  # groups whose reward failed (dead-lettered): the gate lets a replacement start
     in_flight: dict[str, asyncio.Task[None]]
     abandoned: list[str]
 
@@ -111,6 +113,7 @@ class RolloutWorker:
         self.first_round = 0
         self.started = 0
         self.published = 0
+        self.dead_lettered = 0
         self.in_flight = {}
         self.abandoned = []
         self._changed = asyncio.Event()  # set whenever a gate condition may have changed
@@ -168,7 +171,7 @@ class RolloutWorker:
         return min(self.committed, self.engine.version)
 
     def _may_start(self) -> bool:
-        round_ = self.first_round + self.started // self.round_size
+        round_ = self.first_round + (self.started - self.dead_lettered) // self.round_size
         return (len(self.in_flight) < self.config.rollout.concurrency
                 and round_ - self._gate_version() <= self.config.rollout.async_level)
 
@@ -217,7 +220,14 @@ class RolloutWorker:
         params = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
                                 stop_token_ids=self.env.tokenizer.stop_ids, seed=seed)
         started = time.monotonic()
-        episodes = await run_group(self.engine, self.env, prompt, params)
+        try:
+            episodes = await run_group(self.engine, self.env, prompt, params)
+        except RewardError as exc:  # the user's reward failed on a sample: that group is dropped, the run goes on
+            await self.publisher.dead_letter(self.publisher.stamp(
+                Trajectory, group_id=group_id, env=self.env.name, samples=[], worker=self.name, meta=prompt.meta,
+                prompt=Tensor.from_numpy(np.asarray(prompt.ids, np.int32)), temperature=r.temperature), str(exc))
+            self.dead_lettered += 1
+            return
         generate_s = time.monotonic() - started
         experts = [Tensor.from_numpy(e.routing) for e in episodes]
         blob = None

@@ -154,6 +154,19 @@ class LogSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"  # Python logging level of each role
 
 
+class EvalSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The eval role (producers/evaluator.py): held-out scores of every N-th policy version, as EvalResult events."""
+
+    every: int = 0  # evaluate versions 0, N, 2N, ... and the last; 0 = no eval role
+    prompts: int = 32  # held-out prompts per evaluation (the same ones at every version)
+    samples_per_prompt: int = 4  # k of pass@k
+    temperature: float = 1.0
+    max_tokens: int = 0  # per model turn; 0 = rollout.max_tokens
+    pass_threshold: float = 1.0  # a sample passes (pass@k) when its reward is at least this
+    seed: int = 1  # draws the held-out prompts and the sampling seeds
+    env: EnvSection | None = None  # [eval.env]; default: the run's env, its held-out split (Env.held_out)
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     run: RunSection = msgspec.field(default_factory=RunSection)
     bus: BusSection = msgspec.field(default_factory=BusSection)
@@ -165,6 +178,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
     blobs: BlobsSection = msgspec.field(default_factory=BlobsSection)
     log: LogSection = msgspec.field(default_factory=LogSection)
+    eval: EvalSection = msgspec.field(default_factory=EvalSection)
 
 
 def loads(text: str, source: str = "config") -> Config:
@@ -278,6 +292,7 @@ def validate(c: Config) -> None:
     require(b.mooncake_segment_bytes > 0 and b.mooncake_buffer_bytes > 0,
              "blobs.mooncake_segment_bytes and blobs.mooncake_buffer_bytes must be > 0")
     validate_engine(c.engine, router_replay=c.trainer.router_replay)
+    _validate_eval(c)
 
 
 def check_model_path(c: Config, text: str) -> None:
@@ -319,6 +334,27 @@ def to_toml(c: Config) -> str:
     """The resolved config (defaults filled in) as TOML text that `loads` reads back to `c`."""
     return tomli_w.dumps(msgspec.to_builtins(c))
 
+
+
+def _validate_eval(c: Config) -> None:
+    e = c.eval
+    require(e.every >= 0, f"eval.every = {e.every} must be >= 0 (0 = no evaluation)")
+    if e.every == 0:
+        return
+    require(e.prompts >= 1, f"eval.prompts = {e.prompts} must be at least 1")
+    require(e.samples_per_prompt >= 1, f"eval.samples_per_prompt = {e.samples_per_prompt} must be at least 1")
+    require(e.temperature > 0, f"eval.temperature = {e.temperature} must be > 0")
+    require(e.max_tokens >= 0, f"eval.max_tokens = {e.max_tokens} must be >= 0 (0 = rollout.max_tokens)")
+    # The eval role runs its own engine; a shared `vllm serve` holds the rollout's version, not the one evaluated.
+    require(c.engine.kind == "builtin" or c.engine.vllm_server == "inprocess",
+             f"eval.every = {e.every} needs an engine of its own: engine.kind = \"builtin\", or "
+             "engine.vllm_server = \"inprocess\"")
+    if e.env is not None:
+        module, function = ENV_OPTIONS_CHECK.split(":")
+        try:
+            getattr(importlib.import_module(module), function)(e.env)
+        except ConfigError as exc:
+            raise ConfigError(f"eval.{exc}") from None  # its keys are eval.env.*
 
 
 def _validate_context_parallel(t: TrainerSection) -> None:

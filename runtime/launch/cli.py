@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     role = _command(sub, "role", "start one role of a run (multi-node use)",
                     "reel role trainer --run /shared/runs/r1 --bus redis://head:6379",
                     "reel role rollout --run /shared/runs/r1 --worker 2 --bus redis://head:6379")
-    role.add_argument("name", choices=["trainer", "rollout", "archiver"], help="which role to start")
+    role.add_argument("name", choices=["trainer", "rollout", "archiver", "eval"], help="which role to start")
     role.add_argument("--run", required=True, dest="run_dir", help="run directory")
     role.add_argument("--worker", type=int, default=0, help="rollout worker index")
     role.add_argument("--bus", default=None, help="Redis URL (default: REEL_BUS_URL, else the run dir's bus_url); "
@@ -201,6 +201,16 @@ def _parser() -> argparse.ArgumentParser:
     top.add_argument("--name", default=None, help="run name on --bus (default: the run directory's)")
     top.add_argument("--once", action="store_true", help="print the current state and exit")
     top.set_defaults(handler="reel.consumers.metrics:main_top")
+
+    ev = _command(sub, "eval", "held-out scores of one policy version (the eval role's figures), as one JSON line",
+                  "reel eval --run runs/rg_spell_backward --version 20",
+                  "reel eval --run runs/rg_spell_backward --weights model.safetensors --prompts 64")
+    ev.add_argument("--run", required=True, dest="run_dir", help="run directory (its config's [eval] and env)")
+    which = ev.add_mutually_exclusive_group(required=True)
+    which.add_argument("--version", type=int, default=None, help="a policy version the run published")
+    which.add_argument("--weights", default=None, metavar="FILE", help="a safetensors file of the run's model")
+    ev.add_argument("--prompts", type=int, default=None, help="held-out prompts (default: the config's eval.prompts)")
+    ev.set_defaults(handler="reel.producers.evaluator:main_cli")
 
     metrics = _command(sub, "metrics", "export a run's metrics", "reel metrics serve --run runs/reverse_text")
     metrics_sub = metrics.add_subparsers(dest="metrics_command", required=True, metavar="COMMAND")
