@@ -104,6 +104,7 @@ class RunStarted(Event, tag="run_started"):
     model_config: dict[str, Any]
     config_hash: str = ""
     init_reward: float | None = None  # mean sampled reward of the warm-started policy (version 0)
+    dataset_sha256: str = ""  # of env.options.path's files ([env] name = "dataset"); "" = no local dataset
 
 
 class WeightsPublished(Event, tag="weights_published"):

@@ -45,6 +45,7 @@ from reel.runtime.batch import Group, build_batch, decode_routing, routing_probl
 from reel.runtime.blob_store import run_blobs
 from reel.runtime.config import Config, config_hash
 from reel.runtime.config import load as load_config
+from reel.runtime.data_files import dataset_sha256
 from reel.runtime.groups import GroupLookup
 from reel.runtime.initial_policy import code_version, ensure_initial_policy, initial_reward
 from reel.runtime.mismatch_split import WeightHistory
@@ -275,7 +276,7 @@ class Trainer:
             events.insert(0, self.publisher.stamp(
                 RunStarted, config_toml=config_text, seed=self.config.run.seed, code_version=code_version(),
                 model_config=model.config.to_hf_dict(), config_hash=config_hash(self.config),
-                init_reward=initial_reward(self.run_dir),
+                init_reward=initial_reward(self.run_dir), dataset_sha256=dataset_sha256(self.config),
             ))
         await self.publisher.publish_atomic(events)
 

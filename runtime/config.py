@@ -332,7 +332,12 @@ def warmup_steps(c: Config) -> int:
 
 def to_toml(c: Config) -> str:
     """The resolved config (defaults filled in) as TOML text that `loads` reads back to `c`."""
-    return tomli_w.dumps(msgspec.to_builtins(c))
+    return tomli_w.dumps(_without_none(msgspec.to_builtins(c)))
+
+
+def _without_none(table: dict) -> dict:
+    """TOML has no null: an unset optional section (eval.env) is left out, which reads back as unset."""
+    return {k: _without_none(v) if isinstance(v, dict) else v for k, v in table.items() if v is not None}
 
 
 

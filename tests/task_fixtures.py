@@ -76,3 +76,10 @@ def _guess_class():
 
     return Guess
 
+
+
+def flaky_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Exact match, except that rows marked `explode` make the scorer raise (a user's bug)."""
+    if extra_info.get("explode"):
+        raise KeyError("the scorer's lookup table has no entry for this row")
+    return 1.0 if solution_str.strip() == ground_truth else 0.0
