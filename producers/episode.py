@@ -15,6 +15,7 @@ under those experts), so the trace is [P + len(tokens) - 1, L, K] as for one tur
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 
 import msgspec
@@ -22,6 +23,9 @@ import numpy as np
 
 from reel.producers.engine import Completion, Engine, EngineError, SamplingParams
 from reel.producers.envs import Continue, Env, Finish, Prompt
+from reel.producers.envs.rewards import RewardError
+
+log = logging.getLogger("reel.episode")
 
 
 @dataclass
@@ -69,6 +73,17 @@ async def run_group(engine: Engine, env: Env, prompt: Prompt, params: SamplingPa
     firsts = await engine.generate(prompt.ids, params)
     return list(await asyncio.gather(*(_finish_episode(engine, env, prompt, params, i, c)
                                        for i, c in enumerate(firsts))))
+
+
+async def scored_group(engine: Engine, env: Env, prompt: Prompt, params: SamplingParams,
+                       what: str) -> list[Episode] | None:
+    """run_group, or None (logged, naming `what`) when the env's reward function failed on a sample: for
+    figures that leave such a prompt out (the warm-start's reward, the eval role); rollout dead-letters it."""
+    try:
+        return await run_group(engine, env, prompt, params)
+    except RewardError as exc:
+        log.warning("%s: a prompt's reward failed, left out: %s", what, exc)
+        return None
 
 
 async def _finish_episode(engine: Engine, env: Env, prompt: Prompt, params: SamplingParams, index: int,

@@ -42,8 +42,7 @@ from reel.bus.streams import Publisher, connect
 from reel.bus.tail import Tail
 from reel.producers.engine import Engine, SamplingParams
 from reel.producers.envs import Env, Prompt, make_env
-from reel.producers.envs.rewards import RewardError
-from reel.producers.episode import run_group
+from reel.producers.episode import scored_group
 from reel.producers.rollout import make_engine
 from reel.runtime.blob_store import run_blobs
 from reel.runtime.config import Config, load
@@ -116,11 +115,8 @@ async def _group(engine: Engine, env: Env, prompt: Prompt, config: Config, seed:
     params = SamplingParams(n=e.samples_per_prompt, temperature=e.temperature, top_p=1.0,
                             max_tokens=e.max_tokens or config.rollout.max_tokens,
                             stop_token_ids=env.tokenizer.stop_ids, seed=seed)
-    try:
-        return [episode.reward for episode in await run_group(engine, env, prompt, params)]
-    except RewardError as exc:  # as in training: that prompt is left out, the evaluation goes on
-        log.warning("eval: a held-out prompt's reward failed, left out: %s", exc)
-        return None
+    episodes = await scored_group(engine, env, prompt, params, "eval")
+    return None if episodes is None else [episode.reward for episode in episodes]
 
 
 def _task_of(prompt: Prompt) -> str:

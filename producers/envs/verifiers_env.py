@@ -196,6 +196,9 @@ def load(env_id: str, args: dict[str, Any]) -> Any:
     if importlib.util.find_spec(module) is None:
         raise ConfigError(f"{KEY}.id = {env_id!r}: no installed package provides module {module!r}; "
                           "pip install the environment's package (e.g. pip install -e examples/vf_reverse)")
+    import datasets
+
+    datasets.disable_progress_bars()  # a bar per Dataset.map on every config load, on the user's terminal
     try:
         env = vf.load_environment(env_id, **args)
     except Exception as exc:  # the package's own load_environment may raise anything for bad args
