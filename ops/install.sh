@@ -22,3 +22,5 @@ python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q -e '.[test,embedded,mooncake]'
 # The task adapters' libraries (reasoning-gym, verifiers, math-verify, datasets): tests/test_tasks.py, test_eval.py.
 python3 -m pip install -q -e '.[tasks]'
+# The verifiers example's environment package (examples/vf_reverse.toml loads it by id).
+python3 -m pip install -q -e examples/vf_reverse

@@ -199,6 +199,7 @@ def load(env_id: str, args: dict[str, Any]) -> Any:
     import datasets
 
     datasets.disable_progress_bars()  # a bar per Dataset.map on every config load, on the user's terminal
+    _keep_role_signal_handlers()
     try:
         env = vf.load_environment(env_id, **args)
     except Exception as exc:  # the package's own load_environment may raise anything for bad args
@@ -206,6 +207,21 @@ def load(env_id: str, args: dict[str, Any]) -> Any:
                           f"{type(exc).__name__}: {exc}".splitlines()[0]) from exc
     check_class(env_id, env)
     return env
+
+
+def _keep_role_signal_handlers() -> None:
+    """verifiers' Environment installs SIGINT/SIGTERM handlers when built (teardown, then exit), which
+    fails off the main thread (the trainer's warm-start builds the env in one) and would replace a
+    role's own graceful stop. Its module gets a `signal` whose `signal()` leaves handlers as they are;
+    its atexit teardown stays."""
+    import signal
+    import types
+
+    from verifiers.legacy.envs import environment
+
+    environment.signal = types.SimpleNamespace(
+        SIGINT=signal.SIGINT, SIGTERM=signal.SIGTERM, default_int_handler=signal.default_int_handler,
+        signal=lambda signum, handler: signal.getsignal(signum))
 
 
 def check_version() -> None:
