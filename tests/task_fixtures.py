@@ -83,3 +83,8 @@ def flaky_score(data_source, solution_str, ground_truth, extra_info=None):
     if extra_info.get("explode"):
         raise KeyError("the scorer's lookup table has no entry for this row")
     return 1.0 if solution_str.strip() == ground_truth else 0.0
+
+
+def length_score(data_source, solution_str, ground_truth, extra_info=None):
+    """Another reward for the same rows (re-scoring tests): the answer's length, capped at 6, over 6."""
+    return min(len(solution_str.strip()), 6) / 6

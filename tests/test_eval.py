@@ -8,16 +8,18 @@ import hashlib
 import json
 import math
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 import pytest
 
-from reel.bus.events import EvalResult, RunFinished, StepCommitted, Trajectory
+from reel.bus.events import EvalResult, RunFinished, StepCommitted, Trajectory, WeightsPublished
 from reel.bus.log import RunLog
 from reel.consumers.aggregates import RunAggregates
 from reel.consumers.metric_views import SnapshotCollector, render
 from reel.producers.evaluator import due, pass_at_k
 from reel.runtime.config import ConfigError, loads
 from reel.runtime.launch.cli import main
+from reel.runtime.tokenizer import CharTokenizer
 from runbuilder import TINY_MODEL_TOML
 
 pytest.importorskip("reasoning_gym", reason="the `tasks` extra (pip install '.[tasks]')")
@@ -132,6 +134,11 @@ def test_reasoning_gym_run_with_the_eval_role(tmp_path: Path, capsys: pytest.Cap
     assert main(["eval", "--run", str(run_dir), "--version", "4"]) == 0
     offline = json.loads(capsys.readouterr().out)
     assert offline["version"] == 4 and offline["prompts"] == 8 and 0.0 <= offline["mean_reward"] <= 1.0
+    with RunLog(run_dir, readonly=True) as log:
+        uri = next(e.weights.uri for _, e in log.events("weights") if isinstance(e, WeightsPublished) and e.version == 4)
+    assert main(["eval", "--run", str(run_dir), "--weights", unquote(urlparse(uri).path)]) == 0  # a safetensors file
+    assert {k: v for k, v in json.loads(capsys.readouterr().out).items() if k not in ("version", "step", "wall_s")} == \
+        {k: v for k, v in offline.items() if k not in ("version", "step", "wall_s")}
     assert main(["compare", str(run_dir), str(run_dir)]) == 0
     assert "held-out A" in capsys.readouterr().out
     assert main(["replay", "step", "4", "--run", str(run_dir), "--json"]) == 0
@@ -141,7 +148,7 @@ def test_reasoning_gym_run_with_the_eval_role(tmp_path: Path, capsys: pytest.Cap
 
 
 @pytest.mark.slow
-def test_a_reward_function_that_raises_dead_letters_its_group_and_the_run_goes_on(
+def test_a_reward_function_that_raises_dead_letters_its_group_and_the_run_goes_on_and_rescoring(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the roles import task_fixtures
     words = ["abc", "dog", "sun", "cat", "pen", "map", "owl", "fig"]
@@ -182,3 +189,18 @@ max_off_policy_steps = 2
     assert "reward function 'task_fixtures:flaky_score' raised KeyError" in rollout_log
     assert math.isfinite(commits[-1].loss)
     assert started[0].dataset_sha256 == hashlib.sha256(b"words.jsonl\0" + data.read_bytes()).hexdigest()
+
+    # The log keeps what the reward needs: the run re-scored offline with another reward function.
+    override = tmp_path / "rescore.toml"
+    override.write_text(f'[env]\noptions = {{path = "{data}", reward = "task_fixtures:length_score"}}\n')
+    retrained = tmp_path / "retrained"
+    assert main(["retrain", "--from", str(run_dir), "--out", str(retrained), "--config", str(override), "--rescore"]) == 0
+    tok = CharTokenizer()
+    with RunLog(retrained, readonly=True) as log:
+        rescored = [e for _, e in log.events("trajectories") if isinstance(e, Trajectory)]
+    assert len(rescored) == len(logged)
+    for trajectory in rescored:
+        for sample in trajectory.samples:
+            ids = sample.tokens.numpy().tolist()
+            text = tok.decode(ids[:ids.index(tok.eos_id)] if tok.eos_id in ids else ids, skip_special=True)
+            assert sample.reward == min(len(text.strip()), 6) / 6

@@ -114,14 +114,9 @@ class Verifiers(Env):
 
     def reward(self, prompt: Prompt, completion_ids: list[int]) -> float:
         """A one-turn episode scored as it stands (a multi-turn env's rubric sees one model turn)."""
-        turns = [completion_ids]
-        self._states[id(turns)] = self._run(self._start(prompt))
-        try:
-            state = self._states[id(turns)]
-            text, finished = self.completion_text(completion_ids)
-            return self._run(self._finish(state, text, finished)).reward
-        finally:
-            self._states.pop(id(turns), None)
+        state = self._run(self._start(prompt))
+        text, finished = self.completion_text(completion_ids)
+        return self._run(self._finish(state, text, finished)).reward
 
     async def _start(self, prompt: Prompt) -> Any:
         return await self.vf_env.init_state(dict(self.rows[prompt.meta["index"]]), _no_client(), "reel")

@@ -207,8 +207,8 @@ def _parser() -> argparse.ArgumentParser:
                   "reel eval --run runs/rg_spell_backward --weights model.safetensors --prompts 64")
     ev.add_argument("--run", required=True, dest="run_dir", help="run directory (its config's [eval] and env)")
     which = ev.add_mutually_exclusive_group(required=True)
-    which.add_argument("--version", type=int, default=None, help="a policy version the run published")
-    which.add_argument("--weights", default=None, metavar="FILE", help="a safetensors file of the run's model")
+    which.add_argument("--version", type=int, default=None, help="a policy version the run published (default: use --weights)")
+    which.add_argument("--weights", default=None, metavar="FILE", help="a safetensors file of the run's model (default: use --version)")
     ev.add_argument("--prompts", type=int, default=None, help="held-out prompts (default: the config's eval.prompts)")
     ev.set_defaults(handler="reel.producers.evaluator:main_cli")
 
@@ -243,6 +243,9 @@ def _parser() -> argparse.ArgumentParser:
                          help="shuffle batches with SEED (default: logged order)")
     retrain.add_argument("--init", default=None, help="initial weights (HF layout; default: the source run's)")
     retrain.add_argument("--ranks", type=int, default=1, help="train on this many ranks (FSDP2 under torchrun)")
+    retrain.add_argument("--rescore", action="store_true",
+                         help="score every logged sample again with the env reward of the (--config overridden) "
+                              "config before training, e.g. another env.options.reward (single-turn samples)")
     retrain.set_defaults(handler="reel.consumers.retrain:main")
 
     launch = _command(sub, "launch", "launch on a cluster scheduler",
