@@ -108,6 +108,7 @@ class Snapshot(msgspec.Struct, frozen=True):
     latest_eval: EvalResult | None = None  # the eval role's result for the newest version it scored
     eval_skipped: int = 0  # versions the eval role passed over (it runs behind), summed
     reward_by_task: dict[str, float] = {}  # mean group reward per task (Trajectory.meta task), last K groups each
+    reward_parts: dict[str, float] = {}  # mean of each Sample.scores part (a verifiers rubric's functions), last K groups
 
 
 def idle_share(timing: StepTiming) -> float | None:
@@ -179,6 +180,7 @@ class RunAggregates:
         self._eval: EvalResult | None = None
         self._eval_skipped = 0
         self._task_rewards: dict[str, deque[float]] = {}
+        self._reward_parts: dict[str, deque[float]] = {}
 
     def apply(self, event: AnyEvent) -> StepRow | None:
         """Fold in one event; returns the step's figures when the event is a new StepCommitted."""
@@ -198,6 +200,9 @@ class RunAggregates:
                 task = event.meta.get("task")
                 if reward is not None and isinstance(task, str):
                     self._task_rewards.setdefault(task, deque(maxlen=self.window_groups)).append(reward)
+                for part in {name for sample in event.samples for name in sample.scores}:
+                    values = [sample.scores[part] for sample in event.samples if part in sample.scores]
+                    self._reward_parts.setdefault(part, deque(maxlen=self.window_groups)).append(float(np.mean(values)))
             case StepCommitted():
                 row = step_row(event, self._reward_of_group.items)
                 self._recent_steps.append(row)
@@ -255,4 +260,5 @@ class RunAggregates:
             tokens_per_s=sum(w.tokens_per_s for w in workers), recent_steps=steps,
             bus_lost_events=self._bus_lost_events, latest_eval=self._eval, eval_skipped=self._eval_skipped,
             reward_by_task={t: float(np.mean(r)) for t, r in sorted(self._task_rewards.items()) if r},
+            reward_parts={p: float(np.mean(r)) for p, r in sorted(self._reward_parts.items()) if r},
         )

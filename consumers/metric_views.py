@@ -126,6 +126,9 @@ class SnapshotCollector(Collector):
         yield _family(GaugeMetricFamily, "reel_reward_task_mean",
                       "Mean training group reward per task of a mixture over its last K groups.", s.run,
                       s.reward_by_task, "task")
+        yield _family(GaugeMetricFamily, "reel_reward_part_mean",
+                      "Mean of each part of the training reward (a verifiers rubric's functions, Sample.scores) "
+                      "over the last K groups.", s.run, s.reward_parts, "part")
         yield _family(CounterMetricFamily, "reel_bus_lost_events",
                       "Logged events Redis lost (e.g. its last second after a crash), found when the run resumed.",
                       s.run, {None: s.bus_lost_events})
@@ -183,7 +186,8 @@ def render(s: Snapshot, where: str) -> RenderableType:
                       _fmt(r.metrics.get("numerics_k3")), _fmt(r.metrics.get("drift_k3")),
                       _fmt(r.metrics.get("ratio_max")), _fmt(r.staleness_mean), _fmt(r.idle_share, pct=True),
                       str(r.dropped))
-    return Group(head, Columns([training, mismatch, staleness, dropped, _eval_view(s)], padding=(1, 4)), workers,
+    return Group(head, Columns([training, mismatch, staleness, dropped, _eval_view(s), _reward_split(s)],
+                                        padding=(1, 4)), workers,
                  steps)
 
 
@@ -196,5 +200,10 @@ def _eval_view(s: Snapshot) -> Table:
         (f"pass@{e.samples_per_prompt}", _fmt(e.pass_at_k)), ("prompts", str(e.prompts)),
         ("versions skipped", str(s.eval_skipped)),
         *((f"task {task}", _fmt(mean)) for task, mean in e.per_task.items()),
-        *((f"train reward {task}", _fmt(mean)) for task, mean in s.reward_by_task.items()),
     ])
+
+
+def _reward_split(s: Snapshot) -> Table:
+    """The training reward per task of a mixture and per part of a rubric (last K groups)."""
+    return _pairs("reward split", [*((f"task {task}", _fmt(mean)) for task, mean in s.reward_by_task.items()),
+                                   *((f"part {part}", _fmt(mean)) for part, mean in s.reward_parts.items())])

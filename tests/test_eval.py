@@ -10,9 +10,10 @@ import math
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+import numpy as np
 import pytest
 
-from reel.bus.events import EvalResult, RunFinished, StepCommitted, Trajectory, WeightsPublished
+from reel.bus.events import EvalResult, RunFinished, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished
 from reel.bus.log import RunLog
 from reel.consumers.aggregates import RunAggregates
 from reel.consumers.metric_views import SnapshotCollector, render
@@ -45,6 +46,25 @@ def test_due_versions_are_every_nth_and_the_last():
     assert [v for v in range(12) if due(v, 5, 11)] == [0, 5, 10, 11]
 
 
+def test_eval_role_takes_the_newest_due_version_and_lists_the_ones_it_skipped():
+    from reel.bus.events import BlobRef
+    from reel.producers.evaluator import EvalRole
+
+    role = object.__new__(EvalRole)  # only the version choice: no engine, env or bus
+    role.config, role.evaluated, role.skipped = loads("[run]\nsteps = 12\n[eval]\nevery = 5\n"), -1, []
+
+    def published(*versions: int) -> dict[int, WeightsPublished]:
+        return {v: WeightsPublished(run="r", producer="trainer:0", seq=v, version=v, step=v,
+                                    weights=BlobRef(uri="", sha256="0" * 64, nbytes=0)) for v in versions}
+
+    assert role._next(published(0)).version == 0
+    role.evaluated = 0
+    assert role._next(published(0, 1, 2, 3, 4)) is None  # none due
+    assert role._next(published(*range(12))).version == 10 and role.skipped == [5]  # behind: 5 passed over
+    role.evaluated, role.skipped = 10, []
+    assert role._next(published(*range(13))).version == 12 and role.skipped == []  # the last is always due
+
+
 @pytest.mark.parametrize("section, message", [
     ("every = -1", r"eval.every = -1 must be >= 0"),
     ("every = 2\nsamples_per_prompt = 0", r"eval.samples_per_prompt = 0 must be at least 1"),
@@ -62,6 +82,14 @@ def _eval_result(version: int, mean: float, skipped: list[int], per_task: dict[s
                       per_task=per_task or {}, skipped_versions=skipped, wall_s=0.1)
 
 
+def _trajectory(i: int, task: str, rewards: list[float], scores: list[dict[str, float]]) -> Trajectory:
+    tokens = Tensor.from_numpy(np.zeros(2, np.int32))
+    samples = [Sample(tokens=tokens, logprobs=Tensor.from_numpy(np.zeros(2, np.float32)), reward=r, finish_reason="stop",
+                      seed=0, spans=[(0, 0)], scores=part) for r, part in zip(rewards, scores)]
+    return Trajectory(run="r", producer="rollout:0", seq=100 + i, group_id=f"g{i}", env="reasoning_gym", prompt=tokens,
+                      samples=samples, worker="rollout:0", meta={"task": task})
+
+
 def test_eval_results_in_top_and_prometheus():
     from rich.console import Console
 
@@ -69,6 +97,10 @@ def test_eval_results_in_top_and_prometheus():
     agg.apply(_eval_result(0, 0.2, []))
     agg.apply(_eval_result(10, 0.5, [5], {"gcd": 0.25, "spell_backward": 0.75}))
     agg.apply(_eval_result(5, 0.9, []))  # late and older: counted as read, not shown as latest
+    for i, (task, rewards, scores) in enumerate([("gcd", [1.0, 0.0], [{"exact": 1.0}, {"exact": 0.0}]),
+                                                 ("gcd", [1.0, 1.0], [{"exact": 1.0}, {"exact": 1.0}]),
+                                                 ("spell_backward", [0.5, 0.5], [{}, {}])]):
+        agg.apply(_trajectory(i, task, rewards, scores))
     snap = agg.snapshot()
     assert snap.latest_eval.version == 10 and snap.eval_skipped == 1
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -78,10 +110,13 @@ def test_eval_results_in_top_and_prometheus():
     assert samples[("reel_eval_policy_version", (("run", "r"),))] == 10
     assert samples[("reel_eval_task_reward_mean", (("run", "r"), ("task", "gcd")))] == 0.25
     assert samples[("reel_eval_skipped_versions_total", (("run", "r"),))] == 1
-    console = Console(width=200, record=True)
+    assert samples[("reel_reward_task_mean", (("run", "r"), ("task", "gcd")))] == 0.75
+    assert samples[("reel_reward_task_mean", (("run", "r"), ("task", "spell_backward")))] == 0.5
+    assert samples[("reel_reward_part_mean", (("part", "exact"), ("run", "r")))] == 0.75
+    console = Console(width=250, record=True)
     console.print(render(snap, "log"))
     text = console.export_text()
-    assert "held-out eval" in text and "pass@4" in text and "task spell_backward" in text
+    assert "held-out eval" in text and "pass@4" in text and "task spell_backward" in text and "part exact" in text
 
 
 def _write(path: Path, body: str) -> Path:
