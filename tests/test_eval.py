@@ -233,7 +233,9 @@ max_off_policy_steps = 2
     tok = CharTokenizer()
     with RunLog(retrained, readonly=True) as log:
         rescored = [e for _, e in log.events("trajectories") if isinstance(e, Trajectory)]
-    assert len(rescored) == len(logged)
+    assert {t.group_id for t in rescored} == {g for c in commits for g in c.groups}  # B logs the groups it trained on
+    original = {t.group_id: [x.reward for x in t.samples] for t in logged}
+    assert any([x.reward for x in t.samples] != original[t.group_id] for t in rescored)
     for trajectory in rescored:
         for sample in trajectory.samples:
             ids = sample.tokens.numpy().tolist()
