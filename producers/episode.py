@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import numbers
 from dataclasses import dataclass, field
 
 import msgspec
@@ -94,6 +95,9 @@ async def _finish_episode(engine: Engine, env: Env, prompt: Prompt, params: Samp
         episode.add_model_turn(completion)
         reply = env.respond(prompt, episode.turns)
         if isinstance(reply, Finish):
+            if isinstance(reply.reward, bool) or not isinstance(reply.reward, numbers.Real):
+                raise RewardError(f"env {env.name} returned the reward {reply.reward!r} "
+                                  f"({type(reply.reward).__name__}), not a number")
             episode.reward = float(reply.reward)
             episode.scores = dict(reply.scores)
             return episode

@@ -201,6 +201,37 @@ def test_dataset_bad_options_fail_at_config_load(tmp_path, options, message):
         loads(env_config("dataset", options.replace("PATH", str(path))))
 
 
+def test_an_env_returning_a_non_numeric_reward_is_a_reward_error():
+    import asyncio
+
+    import torch
+
+    from reel.producers.builtin_engine import BuiltinEngine
+    from reel.producers.engine import SamplingParams
+    from reel.producers.envs.reverse_text import ReverseText
+    from reel.producers.episode import run_group, scored_group
+    from reel.runtime.model.config import MoEConfig
+    from reel.runtime.model.model import MoEModel
+
+    class TextReward(ReverseText):  # a user's env with a bug: its reward is a string
+        def reward(self, prompt, completion_ids):
+            return "1.0"
+
+    env = TextReward(TOK, min_len=3, max_len=3)
+    torch.manual_seed(0)
+    model = MoEModel(MoEConfig(vocab_size=TOK.vocab_size)).eval()
+
+    async def go():
+        async with BuiltinEngine(model, max_batch=4) as engine:
+            prompt = env.sample(random.Random(0))
+            params = SamplingParams(n=2, max_tokens=3, stop_token_ids=TOK.stop_ids, seed=1)
+            assert await scored_group(engine, env, prompt, params, "test") is None  # left out, and logged
+            await run_group(engine, env, prompt, params)
+
+    with pytest.raises(RewardError, match=r"env reverse_text returned the reward '1.0' \(str\), not a number"):
+        asyncio.run(go())
+
+
 # ---- verifiers ------------------------------------------------------------------------------------
 
 pytest.importorskip("verifiers", reason="the `tasks` extra (pip install '.[tasks]')")
