@@ -35,5 +35,5 @@ def test_example_gains_held_out_reward_and_replays_bitwise(example: str, tmp_pat
     assert first.version <= 6 and 12 in results
     assert results[12].mean_reward - first.mean_reward >= 0.2, {v: r.mean_reward for v, r in results.items()}
     capsys.readouterr()
-    assert main(["replay", "step", "12", "--run", str(run_dir), "--json"]) == 0
+    assert main(["replay", "step", "11", "--run", str(run_dir), "--json"]) == 0  # from the step-10 checkpoint
     assert json.loads(capsys.readouterr().out)["bitwise"] is True
