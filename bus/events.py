@@ -109,6 +109,7 @@ class RunStarted(Event, tag="run_started"):
     layout: dict[str, int] = {}
     libraries: dict[str, str] = {}
     cpu_count: int = 0  # cores the launcher could run on (the simulator's shared-hardware model); 0 = unknown
+    dataset_sha256: str = ""  # of env.options.path's files ([env] name = "dataset"); "" = no local dataset
 
 
 class WeightsPublished(Event, tag="weights_published"):
@@ -140,6 +141,7 @@ class Sample(msgspec.Struct, frozen=True, gc=False):
     turns: int = 1  # model turns
     tool_calls: int = 0  # model turns the env answered as tool calls
     turn_lengths: list[int] = []  # tokens sampled per model turn (empty = one turn of len(tokens))
+    scores: dict[str, float] = {}  # the reward's parts by name (a verifiers rubric's functions); {} = none
 
 
 class Trajectory(Event, tag="trajectory"):

@@ -31,7 +31,7 @@ import msgspec
 import numpy as np
 
 from reel.bus.events import (
-    AnyEvent, RunFinished, StepCommitted, StepTiming, Trajectory, WeightsPublished,
+    AnyEvent, EvalResult, RunFinished, StepCommitted, StepTiming, Trajectory, WeightsPublished,
     WorkerStats, event_key,
 )
 
@@ -106,6 +106,10 @@ class Snapshot(msgspec.Struct, frozen=True):
     tokens_per_s: float  # sum over workers
     recent_steps: list[StepRow]
     bus_lost_events: int = 0  # logged events Redis lost, as commits after a resume recorded them
+    latest_eval: EvalResult | None = None  # the eval role's result for the newest version it scored
+    eval_skipped: int = 0  # versions the eval role passed over (it runs behind), summed
+    reward_by_task: dict[str, float] = {}  # mean group reward per task (Trajectory.meta task), last K groups each
+    reward_parts: dict[str, float] = {}  # mean of each Sample.scores part (a verifiers rubric's functions), last K groups
 
 
 def idle_share(timing: StepTiming) -> float | None:
@@ -174,6 +178,10 @@ class RunAggregates:
         self._finished: str | None = None
         self._policy_version: int | None = None
         self._dead_letters: int | None = None
+        self._eval: EvalResult | None = None
+        self._eval_skipped = 0
+        self._task_rewards: dict[str, deque[float]] = {}
+        self._reward_parts: dict[str, deque[float]] = {}
 
     def apply(self, event: AnyEvent) -> StepRow | None:
         """Fold in one event; returns the step's figures when the event is a new StepCommitted."""
@@ -190,6 +198,12 @@ class RunAggregates:
                     self._group_rewards.append(reward)
                     self._reward_of_group.put(event.group_id, reward)
                 self._published[event.worker] += 1
+                task = event.meta.get("task")
+                if reward is not None and isinstance(task, str):
+                    self._task_rewards.setdefault(task, deque(maxlen=self.window_groups)).append(reward)
+                for part in {name for sample in event.samples for name in sample.scores}:
+                    values = [sample.scores[part] for sample in event.samples if part in sample.scores]
+                    self._reward_parts.setdefault(part, deque(maxlen=self.window_groups)).append(float(np.mean(values)))
             case StepCommitted():
                 row = step_row(event, self._reward_of_group.items)
                 self._recent_steps.append(row)
@@ -202,6 +216,10 @@ class RunAggregates:
                 self._policy_version = max(event.version, self._policy_version or 0)
             case WorkerStats():
                 self._workers[event.worker] = event
+            case EvalResult():
+                self._eval_skipped += len(event.skipped_versions)
+                if self._eval is None or event.version >= self._eval.version:
+                    self._eval = event
             case RunFinished():
                 self._finished = event.reason
                 self.set_dead_letters(event.dead_letters)
@@ -241,5 +259,7 @@ class RunAggregates:
             staleness=dict(sorted(self._staleness.items())), dropped=dict(self._dropped),
             dead_letters=self._dead_letters, workers=workers,
             tokens_per_s=sum(w.tokens_per_s for w in workers), recent_steps=steps,
-            bus_lost_events=self._bus_lost_events,
+            bus_lost_events=self._bus_lost_events, latest_eval=self._eval, eval_skipped=self._eval_skipped,
+            reward_by_task={t: float(np.mean(r)) for t, r in sorted(self._task_rewards.items()) if r},
+            reward_parts={p: float(np.mean(r)) for p, r in sorted(self._reward_parts.items()) if r},
         )

@@ -39,6 +39,14 @@ _GAUGES: list[tuple[str, str, Callable[[Snapshot], float | None]]] = [
     ("reel_staleness_mean_versions", "Token-weighted mean staleness of the latest step, in versions.",
      lambda s: s.recent_steps[-1].staleness_mean if s.recent_steps else None),
 ]
+# The eval role's latest EvalResult (held-out prompts; producers/evaluator.py).
+_EVAL_GAUGES: list[tuple[str, str, Callable]] = [
+    ("reel_eval_policy_version", "Policy version of the latest held-out evaluation.", lambda e: e.version),
+    ("reel_eval_reward_mean", "Mean held-out reward of the latest evaluated version.", lambda e: e.mean_reward),
+    ("reel_eval_pass_at_1", "Held-out pass@1 of the latest evaluated version.", lambda e: e.pass_at_1),
+    ("reel_eval_pass_at_k", "Held-out pass@k (k = eval.samples_per_prompt) of the latest evaluated version.",
+     lambda e: e.pass_at_k),
+]
 # metrics key written by the trainer -> (name, help)
 _STEP_METRICS = {
     "kl_k1": ("reel_mismatch_kl_k1", "k1 estimator of the inference/trainer KL, latest step's sampled tokens."),
@@ -109,6 +117,20 @@ class SnapshotCollector(Collector):
                       "Bus entries ever moved to the run's dead-letter stream (undecodable, or out of "
                       "deliveries; each entry's reason is in the stream); no sample when unknown (a crashed "
                       "run's log read without its bus).", s.run, {None: s.dead_letters})
+        for name, doc, figure in _EVAL_GAUGES:
+            yield _family(GaugeMetricFamily, name, doc, s.run, {None: figure(s.latest_eval) if s.latest_eval else None})
+        yield _family(GaugeMetricFamily, "reel_eval_task_reward_mean",
+                      "Mean held-out reward per task of a mixture, latest evaluated version.", s.run,
+                      s.latest_eval.per_task if s.latest_eval else {}, "task")
+        yield _family(CounterMetricFamily, "reel_eval_skipped_versions",
+                      "Policy versions the eval role passed over because it ran behind the trainer.", s.run,
+                      {None: s.eval_skipped})
+        yield _family(GaugeMetricFamily, "reel_reward_task_mean",
+                      "Mean training group reward per task of a mixture over its last K groups.", s.run,
+                      s.reward_by_task, "task")
+        yield _family(GaugeMetricFamily, "reel_reward_part_mean",
+                      "Mean of each part of the training reward (a verifiers rubric's functions, Sample.scores) "
+                      "over the last K groups.", s.run, s.reward_parts, "part")
         yield _family(CounterMetricFamily, "reel_bus_lost_events",
                       "Logged events Redis lost (e.g. its last second after a crash), found when the run resumed.",
                       s.run, {None: s.bus_lost_events})
@@ -173,4 +195,24 @@ def render(s: Snapshot, where: str, *, live: bool = True) -> RenderableType:
                       _fmt(r.metrics.get("numerics_k3")), _fmt(r.metrics.get("drift_k3")),
                       _fmt(r.metrics.get("ratio_max")), _fmt(r.staleness_mean), _fmt(r.idle_share, pct=True),
                       str(r.dropped))
-    return Group(head, Columns([training, mismatch, staleness, dropped], padding=(1, 4)), workers, steps)
+    return Group(head, Columns([training, mismatch, staleness, dropped, _eval_view(s), _reward_split(s)],
+                                        padding=(1, 4)), workers,
+                 steps)
+
+
+def _eval_view(s: Snapshot) -> Table:
+    e = s.latest_eval
+    if e is None:
+        return _pairs("held-out eval", [("version", "-")])
+    return _pairs("held-out eval", [
+        ("version", str(e.version)), ("reward mean", _fmt(e.mean_reward)), ("pass@1", _fmt(e.pass_at_1)),
+        (f"pass@{e.samples_per_prompt}", _fmt(e.pass_at_k)), ("prompts", str(e.prompts)),
+        ("versions skipped", str(s.eval_skipped)),
+        *((f"task {task}", _fmt(mean)) for task, mean in e.per_task.items()),
+    ])
+
+
+def _reward_split(s: Snapshot) -> Table:
+    """The training reward per task of a mixture and per part of a rubric (last K groups)."""
+    return _pairs("reward split", [*((f"task {task}", _fmt(mean)) for task, mean in s.reward_by_task.items()),
+                                   *((f"part {part}", _fmt(mean)) for part, mean in s.reward_parts.items())])

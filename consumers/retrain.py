@@ -5,13 +5,16 @@ log and, by default, gives step s of B the groups of A's step s, from A's initia
 the logged inference logprobs as the behaviour policy. B is written as a normal run (config.toml,
 init/, blobs/, a log with the groups it used, WeightsPublished and StepCommitted), so `reel replay`
 works on it. With no override B's weights equal A's bit for bit at every step: the same
-`train_step` on the same inputs. `--ranks N` trains B on N ranks (this command starts itself again
+`train_step` on the same inputs. `--rescore` first scores every logged sample again with B's env
+reward (say another env.options.reward in --config; producers/envs/rescore.py, single-turn samples),
+and B's log holds the groups with their new rewards. `--ranks N` trains B on N ranks (this command starts itself again
 under torchrun; rank 0 writes B, the others follow); B's commits record that world size.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import random
 import shutil
 import tempfile
@@ -38,6 +41,7 @@ from reel.runtime.train_step import TrainState
 from reel.runtime.trainer_group import TrainerGroup, run_as_group
 
 PRODUCER = "retrain:0"
+RESCORER = "reel.producers.envs.rescore:rescorer"  # reached by name: consumers/ never import producers/
 
 
 class RetrainError(ReelError):
@@ -66,6 +70,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
         argv += [flag, str(value)] if value is not None else []
     for item in args.set or []:
         argv += ["--set", item]
+    argv += ["--rescore"] if args.rescore else []
     return argv
 
 
@@ -75,6 +80,10 @@ def _retrain(args: argparse.Namespace, source: Path, out: Path, config: Config, 
         if not commits:
             raise RetrainError(f"{source} has no committed steps in its log; nothing to retrain from")
         lookup = GroupLookup.from_log(source_log, BlobStore(source / "blobs"))
+    if args.rescore:
+        module, function = RESCORER.split(":")
+        rescore = getattr(importlib.import_module(module), function)(config)
+        lookup.trajectories = {g: rescore(t) for g, t in lookup.trajectories.items()}
     schedule = list(_schedule(commits, config, args.epochs, args.shuffle))
     if args.steps is not None:
         schedule = schedule[:args.steps]

@@ -47,6 +47,7 @@ from reel.runtime.batch import Group, build_batch, decode_routing, routing_probl
 from reel.runtime.blob_store import run_blobs
 from reel.runtime.config import Config, config_hash
 from reel.runtime.config import load as load_config
+from reel.runtime.data_files import dataset_sha256
 from reel.runtime.groups import GroupLookup
 from reel.runtime.initial_policy import code_version, ensure_initial_policy, initial_reward
 from reel.runtime.mismatch_split import WeightHistory
@@ -289,6 +290,7 @@ class Trainer:
                 model_config=model.config.to_hf_dict(), config_hash=config_hash(self.config),
                 init_reward=initial_reward(self.run_dir), layout=environment.layout(self.config),
                 libraries=environment.library_versions(), cpu_count=environment.cpu_count(),
+                dataset_sha256=dataset_sha256(self.config),
             ))
         await self.publisher.publish_atomic(events)
         self.retention.add(events)

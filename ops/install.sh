@@ -23,4 +23,6 @@ if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ]; then
 fi
 # torch first and pinned: an unpinned torch can pull a multi-GB CUDA build.
 python3 -m pip install -q torch==2.13.0
-python3 -m pip install -q -e '.[test,embedded,mooncake,tracking,docs]'
+python3 -m pip install -q -e '.[test,embedded,mooncake,tracking,docs,tasks]'
+# The verifiers example's environment package (examples/vf_reverse.toml loads it by id).
+python3 -m pip install -q -e examples/vf_reverse

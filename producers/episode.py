@@ -15,7 +15,9 @@ under those experts), so the trace is [P + len(tokens) - 1, L, K] as for one tur
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import msgspec
@@ -23,6 +25,9 @@ import numpy as np
 
 from reel.producers.engine import Completion, Engine, EngineError, SamplingParams
 from reel.producers.envs import Continue, Env, Finish, Prompt
+from reel.producers.envs.rewards import RewardError
+
+log = logging.getLogger("reel.episode")
 
 
 @dataclass
@@ -41,6 +46,7 @@ class Episode:
     finish_reason: str = ""  # of the last model turn
     seconds: float = 0.0  # engine seconds over the model turns (Completion.seconds summed)
     reward: float = 0.0
+    scores: dict[str, float] = field(default_factory=dict)  # Finish.scores: the reward's parts by name
 
     def add_model_turn(self, c: Completion) -> None:
         offset = len(self.tokens)
@@ -84,6 +90,17 @@ async def run_group(engine: Engine, env: Env, prompt: Prompt, params: SamplingPa
                                        for i, c in enumerate(firsts))))
 
 
+async def scored_group(engine: Engine, env: Env, prompt: Prompt, params: SamplingParams,
+                       what: str) -> list[Episode] | None:
+    """run_group, or None (logged, naming `what`) when the env's reward function failed on a sample: for
+    figures that leave such a prompt out (the warm-start's reward, the eval role); rollout dead-letters it."""
+    try:
+        return await run_group(engine, env, prompt, params)
+    except RewardError as exc:
+        log.warning("%s: a prompt's reward failed, left out: %s", what, exc)
+        return None
+
+
 async def _finish_episode(engine: Engine, env: Env, prompt: Prompt, params: SamplingParams, index: int,
                           first: Completion) -> Episode:
     episode = Episode(seed=first.seed)
@@ -92,7 +109,11 @@ async def _finish_episode(engine: Engine, env: Env, prompt: Prompt, params: Samp
         episode.add_model_turn(completion)
         reply = env.respond(prompt, episode.turns)
         if isinstance(reply, Finish):
+            if isinstance(reply.reward, bool) or not isinstance(reply.reward, numbers.Real):
+                raise RewardError(f"env {env.name} returned the reward {reply.reward!r} "
+                                  f"({type(reply.reward).__name__}), not a number")
             episode.reward = float(reply.reward)
+            episode.scores = dict(reply.scores)
             return episode
         assert isinstance(reply, Continue)
         if len(episode.turn_lengths) >= env.max_turns:

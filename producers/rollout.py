@@ -61,6 +61,8 @@ from reel.producers.engine import Engine, EngineError, SamplingParams
 from reel.producers.envs import Env, env_for
 from reel.producers.episode import Episode, non_finite, run_group
 from reel.producers.outstanding import outstanding_groups
+from reel.producers.envs.rewards import RewardError
+from reel.producers.episode import Episode, run_group
 from reel.runtime.blob_store import run_blobs
 from reel.runtime.config import Config, load
 from reel.runtime.initial_policy import init_dir
@@ -94,7 +96,7 @@ class RolloutWorker:
     queued: int  # q of the async gate: groups an earlier process published, not yet trained
     started: int  # groups started by this process
     published: int  # groups published by this process
-    refused: int  # groups dead-lettered for a non-finite reward or logprob (each replaced by a new one)
+    dead_lettered: int  # groups dead-lettered (a reward that failed or is not finite, a non-finite logprob); each replaced
     in_flight: dict[str, asyncio.Task[None]]
     abandoned: list[str]
 
@@ -117,7 +119,7 @@ class RolloutWorker:
         self.queued = 0
         self.started = 0
         self.published = 0
-        self.refused = 0
+        self.dead_lettered = 0
         self.in_flight = {}
         self.abandoned = []
         self._changed = asyncio.Event()  # set whenever a gate condition may have changed
@@ -185,7 +187,7 @@ class RolloutWorker:
                      "counted in rounds from version %d", self.name, self.queued, self.first_round)
 
     def _may_start(self) -> bool:
-        round_ = self.first_round + (self.queued + self.started - self.refused) // self.round_size
+        round_ = self.first_round + (self.queued + self.started - self.dead_lettered) // self.round_size
         return (len(self.in_flight) < self.config.rollout.concurrency
                 and round_ - self._gate_version() <= self.config.rollout.async_level)
 
@@ -234,7 +236,14 @@ class RolloutWorker:
         params = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
                                 stop_token_ids=self.env.tokenizer.stop_ids, seed=seed)
         started = time.monotonic()
-        episodes = await run_group(self.engine, self.env, prompt, params)
+        try:
+            episodes = await run_group(self.engine, self.env, prompt, params)
+        except RewardError as exc:  # the user's reward failed on a sample: that group is dropped, the run goes on
+            await self.publisher.dead_letter(self.publisher.stamp(
+                Trajectory, group_id=group_id, env=self.env.name, samples=[], worker=self.name, meta=prompt.meta,
+                prompt=Tensor.from_numpy(np.asarray(prompt.ids, np.int32)), temperature=r.temperature), str(exc))
+            self.dead_lettered += 1
+            return
         generate_s = time.monotonic() - started
         experts = [Tensor.from_numpy(e.routing) for e in episodes]
         blob = None
@@ -246,7 +255,7 @@ class RolloutWorker:
             temperature=r.temperature, generate_s=generate_s)
         problem = non_finite(episodes)
         if problem is not None:  # the round gets a replacement group, so the trainer's batch still fills
-            self.refused += 1
+            self.dead_lettered += 1
             await self.publisher.dead_letter(trajectory, f"group {group_id} refused: {problem}")
             return
         trace = (self.publisher.stamp(RoutingTrace, group_id=group_id, blob=blob) if blob is not None
@@ -343,7 +352,8 @@ def _sample(e: Episode) -> Sample:
     return Sample(tokens=Tensor.from_numpy(np.asarray(e.tokens, np.int32)),
                   logprobs=Tensor.from_numpy(np.asarray(e.logprobs, np.float32)), reward=e.reward,
                   finish_reason=e.finish_reason, seed=e.seed, spans=e.spans, generate_s=e.seconds, env_spans=e.env_spans,
-                  turns=len(e.turn_lengths), tool_calls=e.tool_calls, turn_lengths=e.turn_lengths)
+                  turns=len(e.turn_lengths), tool_calls=e.tool_calls, turn_lengths=e.turn_lengths,
+                  scores=e.scores)
 
 
 async def _read_to_end(tail: Tail, block_ms: int) -> list:

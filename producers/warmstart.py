@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from reel.producers.builtin_engine import BuiltinEngine
 from reel.producers.engine import SamplingParams
 from reel.producers.envs import Env, env_for
-from reel.producers.episode import run_group
+from reel.producers.envs.rewards import RewardError
+from reel.producers.episode import scored_group
 from reel.runtime.config import Config, cache_dir, warmup_steps
 from reel.runtime.initial_policy import code_version
 from reel.runtime.model.config import MoEConfig
@@ -146,16 +147,19 @@ async def _episodes_reward(model: MoEModel, env: Env, config: Config) -> float:
 
     async def episode(engine: BuiltinEngine, i: int, prompt):
         nonlocal finished
-        group = await run_group(engine, env, prompt, SamplingParams(
+        group = await scored_group(engine, env, prompt, SamplingParams(
             n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
-            stop_token_ids=env.tokenizer.stop_ids, seed=config.run.seed * 1_000_003 + i))
+            stop_token_ids=env.tokenizer.stop_ids, seed=config.run.seed * 1_000_003 + i), "warm-start reward")
         finished += 1
         report("warm-start evaluation", finished, len(prompts))
         return group
 
     async with BuiltinEngine(model, max_batch=config.engine.max_batch, max_seq_len=config.engine.max_seq_len) as engine:
         groups = await asyncio.gather(*(episode(engine, i, prompt) for i, prompt in enumerate(prompts)))
-    episodes = [g[0] for g in groups]
+    episodes = [g[0] for g in groups if g is not None]
+    if not episodes:
+        raise RewardError(f"the reward failed on every one of the warm-start's {EVAL_PROMPTS} prompts; "
+                          "fix the env's reward function")
     turns = [len(e.turn_lengths) for e in episodes]
     log.info("warm-start episodes: %.2f model turns on average, at most %d", sum(turns) / len(turns), max(turns))
     return sum(e.reward for e in episodes) / len(episodes)

@@ -3,7 +3,8 @@
 For a retrain against its source, R3 on against off, or two learning rates: per common step the
 batch reward, mismatch KL k3, gradient norm, mean staleness, and whether the weights after the
 step are the same (sha256 of the committed weights); the first step whose weights differ is where
-the runs part (None: every common step is identical).
+the runs part (None: every common step is identical). Where the eval role scored the step's version,
+its held-out mean reward and pass@1 (EvalResult) stand beside the training reward.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import msgspec
 
 from reel.bus.errors import ReelError
-from reel.bus.events import StepCommitted
+from reel.bus.events import EvalResult, StepCommitted
 from reel.bus.log import RunLog
 
 
@@ -27,6 +28,8 @@ class Side(msgspec.Struct, kw_only=True):
     grad_norm: float
     loss: float
     staleness_mean: float
+    eval_reward: float | None = None  # held-out mean reward of the step's version (None: not evaluated)
+    eval_pass_at_1: float | None = None
 
 
 class StepPair(msgspec.Struct, kw_only=True):
@@ -50,11 +53,21 @@ def read_commits(run_dir: Path) -> dict[int, StepCommitted]:
         return {e.step: e for _, e in run_log.events("steps") if isinstance(e, StepCommitted)}
 
 
-def side(commit: StepCommitted) -> Side:
+def read_evals(run_dir: Path) -> dict[int, EvalResult]:
+    """Version -> the eval role's result for it (none when the run had no [eval])."""
+    with RunLog(run_dir, readonly=True) as run_log:
+        if "control" not in run_log.names():
+            return {}
+        return {e.version: e for _, e in run_log.events("control") if isinstance(e, EvalResult)}
+
+
+def side(commit: StepCommitted, evaluated: EvalResult | None = None) -> Side:
     tokens = sum(commit.staleness.values())
     return Side(reward=commit.metrics.get("reward_mean"), kl_k3=commit.metrics.get("kl_k3"),
                 grad_norm=commit.grad_norm, loss=commit.loss,
-                staleness_mean=sum(k * v for k, v in commit.staleness.items()) / tokens if tokens else 0.0)
+                staleness_mean=sum(k * v for k, v in commit.staleness.items()) / tokens if tokens else 0.0,
+                eval_reward=evaluated.mean_reward if evaluated else None,
+                eval_pass_at_1=evaluated.pass_at_1 if evaluated else None)
 
 
 def compare(run_a: Path, run_b: Path) -> Comparison:
@@ -63,7 +76,9 @@ def compare(run_a: Path, run_b: Path) -> Comparison:
     if not common:
         raise CompareError(f"{run_a} ({len(a)} committed steps) and {run_b} ({len(b)}) have no committed step "
                            "in common; compare runs that both trained")
-    pairs = [StepPair(step=s, a=side(a[s]), b=side(b[s]), same_weights=a[s].weights_sha256 == b[s].weights_sha256)
+    eval_a, eval_b = read_evals(run_a), read_evals(run_b)
+    pairs = [StepPair(step=s, a=side(a[s], eval_a.get(a[s].version)), b=side(b[s], eval_b.get(b[s].version)),
+                      same_weights=a[s].weights_sha256 == b[s].weights_sha256)
              for s in common]
     first = next((p.step for p in pairs if not p.same_weights), None)
     return Comparison(run_a=str(run_a), run_b=str(run_b), first_differing_step=first, steps=pairs,

@@ -114,12 +114,14 @@ def compare_view(c: Comparison) -> Table:
         else f"step {c.first_differing_step}"
     table = Table(title=f"{c.run_a} (A) vs {c.run_b} (B): first step with different weights: {first}",
                   title_justify="left")
-    for column in ("step", "reward A", "reward B", "KL k3 A", "KL k3 B", "grad norm A", "grad norm B",
-                   "staleness A", "staleness B", "weights"):
+    evaluated = any(row.a.eval_reward is not None or row.b.eval_reward is not None for row in c.steps)
+    for column in ("step", "reward A", "reward B", *(("held-out A", "held-out B") if evaluated else ()),
+                   "KL k3 A", "KL k3 B", "grad norm A", "grad norm B", "staleness A", "staleness B", "weights"):
         table.add_column(column, justify="right")
     for row in c.steps:
         a, b = row.a, row.b
-        table.add_row(str(row.step), num(a.reward, ".3f"), num(b.reward, ".3f"), num(a.kl_k3), num(b.kl_k3),
+        held_out = (num(a.eval_reward, ".3f"), num(b.eval_reward, ".3f")) if evaluated else ()
+        table.add_row(str(row.step), num(a.reward, ".3f"), num(b.reward, ".3f"), *held_out, num(a.kl_k3), num(b.kl_k3),
                       num(a.grad_norm, ".4g"), num(b.grad_norm, ".4g"), num(a.staleness_mean, ".2f"),
                       num(b.staleness_mean, ".2f"), "[green]same[/]" if row.same_weights else "[red]differ[/]")
     return table
@@ -143,6 +145,10 @@ def plot_compare(c: Comparison, path: Path) -> None:
             values = [np.nan if v is None or (scale == "log" and v <= 0) else v for v in values]
             ax.plot(steps, values, style, marker="o" if side == "a" else "x", color=color,
                     label=f"{side.upper()}: {c.run_a if side == 'a' else c.run_b}")
+            held_out = [(row.step, getattr(row, side).eval_reward) for row in c.steps
+                        if key == "reward" and getattr(row, side).eval_reward is not None]
+            if held_out:
+                ax.plot(*zip(*held_out), ":", marker="s", color=color, label=f"{side.upper()}: held-out (eval role)")
         if scale == "log":
             ax.set_yscale("log")
         if c.first_differing_step is not None:

@@ -26,6 +26,8 @@ Objective = Literal["tis", "icepop", "mis", "none"]
 
 # env.name is checked against the env registry, reached by name (runtime/ never imports producers/).
 ENV_NAME_CHECK = "reel.producers.envs.registry:check_name"
+# ... and the task adapters' env.options (reasoning_gym, dataset, verifiers), which may read files.
+ENV_OPTIONS_CHECK = "reel.producers.envs.registry:check_options"
 
 
 class RunSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -173,6 +175,19 @@ class MetricsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     wandb_project: str = "reel"  # W&B project the offline run is synced into
 
 
+class EvalSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The eval role (producers/evaluator.py): held-out scores of every N-th policy version, as EvalResult events."""
+
+    every: int = 0  # evaluate versions 0, N, 2N, ... and the last; 0 = no eval role
+    prompts: int = 32  # held-out prompts per evaluation (the same ones at every version)
+    samples_per_prompt: int = 4  # k of pass@k
+    temperature: float = 1.0
+    max_tokens: int = 0  # per model turn; 0 = rollout.max_tokens
+    pass_threshold: float = 1.0  # a sample passes (pass@k) when its reward is at least this
+    seed: int = 1  # draws the held-out prompts and the sampling seeds
+    env: EnvSection | None = None  # [eval.env]; default: the run's env, its held-out split (Env.held_out)
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     run: RunSection = msgspec.field(default_factory=RunSection)
     bus: BusSection = msgspec.field(default_factory=BusSection)
@@ -185,6 +200,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     blobs: BlobsSection = msgspec.field(default_factory=BlobsSection)
     log: LogSection = msgspec.field(default_factory=LogSection)
     metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
+    eval: EvalSection = msgspec.field(default_factory=EvalSection)
 
 
 def loads(text: str, source: str = "config") -> Config:
@@ -264,6 +280,8 @@ def validate(c: Config) -> None:
              f"trainer.dual_clip = {c.trainer.dual_clip} must be 0 (off) or above 1 (the default 3 is verl's)")
     module, function = ENV_NAME_CHECK.split(":")
     getattr(importlib.import_module(module), function)(c.env.name)
+    module, function = ENV_OPTIONS_CHECK.split(":")
+    getattr(importlib.import_module(module), function)(c.env)
     require(1 <= c.env.min_len <= c.env.max_len,
              f"env.min_len = {c.env.min_len} and env.max_len = {c.env.max_len} need 1 <= min_len <= max_len")
     require(0.0 <= c.env.long_tail <= 1.0, f"env.long_tail = {c.env.long_tail} must be in [0, 1]")
@@ -305,6 +323,7 @@ def validate(c: Config) -> None:
     require(len(set(c.metrics.sinks)) == len(c.metrics.sinks),
              f"metrics.sinks = {c.metrics.sinks} names a sink twice; list each once")
     validate_bounds(c)  # ranges of counts, intervals and sizes; the memory the shapes need
+    _validate_eval(c)
 
 
 def check_model_path(c: Config, text: str) -> None:
@@ -344,8 +363,34 @@ def warmup_steps(c: Config) -> int:
 
 def to_toml(c: Config) -> str:
     """The resolved config (defaults filled in) as TOML text that `loads` reads back to `c`."""
-    return tomli_w.dumps(msgspec.to_builtins(c))
+    return tomli_w.dumps(_without_none(msgspec.to_builtins(c)))
 
+
+def _without_none(table: dict) -> dict:
+    """TOML has no null: an unset optional section (eval.env) is left out, which reads back as unset."""
+    return {k: _without_none(v) if isinstance(v, dict) else v for k, v in table.items() if v is not None}
+
+
+
+def _validate_eval(c: Config) -> None:
+    e = c.eval
+    require(e.every >= 0, f"eval.every = {e.every} must be >= 0 (0 = no evaluation)")
+    if e.every == 0:
+        return
+    require(e.prompts >= 1, f"eval.prompts = {e.prompts} must be at least 1")
+    require(e.samples_per_prompt >= 1, f"eval.samples_per_prompt = {e.samples_per_prompt} must be at least 1")
+    require(e.temperature > 0, f"eval.temperature = {e.temperature} must be > 0")
+    require(e.max_tokens >= 0, f"eval.max_tokens = {e.max_tokens} must be >= 0 (0 = rollout.max_tokens)")
+    # The eval role runs its own engine; a shared `vllm serve` holds the rollout's version, not the one evaluated.
+    require(c.engine.kind == "builtin" or c.engine.vllm_server == "inprocess",
+             f"eval.every = {e.every} needs an engine of its own: engine.kind = \"builtin\", or "
+             "engine.vllm_server = \"inprocess\"")
+    if e.env is not None:
+        module, function = ENV_OPTIONS_CHECK.split(":")
+        try:
+            getattr(importlib.import_module(module), function)(e.env)
+        except ConfigError as exc:
+            raise ConfigError(f"eval.{exc}") from None  # its keys are eval.env.*
 
 
 def _validate_context_parallel(t: TrainerSection) -> None:

@@ -41,6 +41,7 @@ class Finish(msgspec.Struct, frozen=True):
     """The episode is over with this reward."""
 
     reward: float
+    scores: dict[str, float] = {}  # the reward's parts by name (a verifiers rubric's functions); Sample.scores
 
 
 Reply = Continue | Finish
@@ -63,6 +64,11 @@ class Env(ABC):
     def respond(self, prompt: Prompt, turns: list[list[int]]) -> Reply:
         """After model turn len(turns) // 2 + 1: `turns` alternate model, env, ..., model (the last)."""
         return Finish(self.reward(prompt, turns[-1]))
+
+    def held_out(self) -> Env:
+        """The env the eval role draws prompts from: held out from training where the env can (another
+        dataset seed or split), else this one (its prompts then differ from training's by the eval seed)."""
+        return self
 
     def reference(self, prompt: Prompt) -> list[int]:
         """The ideal completion ids including eos (warm-start trains on these)."""

@@ -22,6 +22,16 @@ BUILTIN: dict[str, str] = {
     "sort_digits": "reel.producers.envs.sort_digits:SortDigits.from_section",
     "arith": "reel.producers.envs.arith:Arith.from_section",
     "calc_tool": "reel.producers.envs.calc_tool:CalcTool.from_section",
+    "reasoning_gym": "reel.producers.envs.reasoning_gym:ReasoningGym.from_section",
+    "dataset": "reel.producers.envs.dataset:Dataset.from_section",
+    "verifiers": "reel.producers.envs.verifiers_env:Verifiers.from_section",
+}
+# Config-load checks of the task adapters' env.options (unknown task, missing column, ...): a bad
+# option fails before a run directory exists, not mid-run in a rollout worker.
+OPTION_CHECKS: dict[str, str] = {
+    "reasoning_gym": "reel.producers.envs.reasoning_gym:check",
+    "dataset": "reel.producers.envs.dataset:check",
+    "verifiers": "reel.producers.envs.verifiers_env:check",
 }
 _PLUGIN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
@@ -46,6 +56,14 @@ def check_name(name: str) -> None:
     if not found:
         raise ConfigError(f"env.name = {name!r}: module {module!r} cannot be found; install it or add its "
                           "directory to PYTHONPATH")
+
+
+def check_options(section: EnvSection) -> None:
+    """env.name and, for the task adapters, env.options are usable; ConfigError otherwise."""
+    check_name(section.name)
+    if section.name in OPTION_CHECKS:
+        module, function = OPTION_CHECKS[section.name].split(":")
+        getattr(importlib.import_module(module), function)(section)
 
 
 def resolve(name: str) -> Callable[..., object]:

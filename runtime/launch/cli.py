@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     role = _command(sub, "role", "start one role of a run (multi-node use)",
                     "reel role trainer --run /shared/runs/r1 --bus redis://head:6379",
                     "reel role rollout --run /shared/runs/r1 --worker 2 --bus redis://head:6379")
-    role.add_argument("name", choices=["trainer", "rollout", "archiver", "sink"], help="which role to start")
+    role.add_argument("name", choices=["trainer", "rollout", "archiver", "sink", "eval"], help="which role to start")
     role.add_argument("--run", required=True, dest="run_dir", help="run directory")
     role.add_argument("--worker", type=int, default=0, help="rollout worker index")
     role.add_argument("--sink", choices=["wandb", "tensorboard", "mlflow"], default=None,
@@ -247,6 +247,16 @@ def _parser() -> argparse.ArgumentParser:
     top.add_argument("--once", action="store_true", help="print the current state and exit")
     top.set_defaults(handler="reel.consumers.metrics:main_top")
 
+    ev = _command(sub, "eval", "held-out scores of one policy version (the eval role's figures), as one JSON line",
+                  "reel eval --run runs/rg_spell_backward --version 20",
+                  "reel eval --run runs/rg_spell_backward --weights model.safetensors --prompts 64")
+    ev.add_argument("--run", required=True, dest="run_dir", help="run directory (its config's [eval] and env)")
+    which = ev.add_mutually_exclusive_group(required=True)
+    which.add_argument("--version", type=int, default=None, help="a policy version the run published (default: use --weights)")
+    which.add_argument("--weights", default=None, metavar="FILE", help="a safetensors file of the run's model (default: use --version)")
+    ev.add_argument("--prompts", type=int, default=None, help="held-out prompts (default: the config's eval.prompts)")
+    ev.set_defaults(handler="reel.producers.evaluator:main_cli")
+
     metrics = _command(sub, "metrics", "export a run's metrics", "reel metrics serve --run runs/reverse_text")
     metrics_sub = metrics.add_subparsers(dest="metrics_command", required=True, metavar="COMMAND")
     serve = _command(metrics_sub, "serve", "serve Prometheus text exposition on ADDR:PORT/metrics (127.0.0.1 by default)",
@@ -308,6 +318,9 @@ def _parser() -> argparse.ArgumentParser:
     retrain.add_argument("--ranks", type=int, default=1, help="train on this many ranks (FSDP2 under torchrun)")
     retrain.add_argument("--set", action="append", default=None, metavar="SECTION.KEY=VALUE",
                          help="override one key of the new run's config (repeatable; after --config; default: none)")
+    retrain.add_argument("--rescore", action="store_true",
+                         help="score every logged sample again with the env reward of the (--config overridden) "
+                              "config before training, e.g. another env.options.reward (single-turn samples)")
     retrain.set_defaults(handler="reel.consumers.retrain:main")
 
     export = _command(sub, "export", "write a policy version as a Hugging Face model directory (transformers, vLLM)",

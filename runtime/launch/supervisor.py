@@ -53,10 +53,12 @@ ROLE_ENTRY = {
     "trainer": "reel.consumers.trainer:main",
     "rollout": "reel.producers.rollout:main",
     "sink": "reel.consumers.sinks.cli:role_main",
+    "eval": "reel.producers.evaluator:main",  # started when [eval] every > 0
 }
 SINK_CHECK = "reel.consumers.sinks.cli:check_available"  # the trackers' libraries, before anything starts
 SINK_DRAIN_S = 60.0  # how long a finished run waits for its sinks to write the last steps
 STOP_TIMEOUT_S = 20.0
+EVAL_FINISH_TIMEOUT_S = 300.0  # after the last commit, how long the eval role may take to score the last version
 LOG_TAIL_LINES = 25
 
 
@@ -343,6 +345,8 @@ class Supervisor:
                 self._start(f"rollout-{w}", "rollout", "--worker", str(w), env=rollout_env)
             for sink in self.config.metrics.sinks:
                 self._start(f"sink-{sink}", "sink", "--sink", sink)
+            if self.config.eval.every > 0:
+                self._start("eval", "eval", threads=self.config.engine.threads)
             with self.progress:
                 failed = self._watch()
             if failed is not None:
@@ -375,12 +379,21 @@ class Supervisor:
                     continue
                 if name == "trainer" and code == 0:
                     return None
+                if name == "eval" and code == 0:
+                    continue  # it scored the last version
                 return name
             time.sleep(0.5)
 
     def _finish(self) -> int:
         """The trainer committed its last step: announce the end, let the archiver drain, stop workers."""
         self.progress.finish(self.run_dir)
+        if "eval" in self.roles and self.roles["eval"].poll() is None:
+            print(f"reel: waiting up to {EVAL_FINISH_TIMEOUT_S:.0f} s for the eval role to score the last version",
+                  flush=True)
+            code = self.roles["eval"].wait(timeout=EVAL_FINISH_TIMEOUT_S)
+            if code != 0:  # training is complete; only the last EvalResult is missing
+                print(f"reel: the eval role stopped with exit code {code} before scoring the last version; "
+                      f"see {self.roles['eval'].log_path}", file=sys.stderr, flush=True)
         announce_finished(self.url, self.config.run.name, "completed", self.config.bus.partitions, self.run_dir)
         code = self.roles["archiver"].wait(timeout=120.0)
         for name in [n for n in self.roles if n.startswith("sink-")]:  # they stop at RunFinished
