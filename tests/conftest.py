@@ -18,7 +18,7 @@ def _free_port() -> int:
 
 
 def _redis_binary() -> str:
-    """Debian's redis-server (ops/install_test.sh installs it; test_redis_version checks it is the one)."""
+    """Debian's redis-server (ops/install_test.sh installs it; tests/test_packaging.py checks it is Redis 7)."""
     from reel.bus.server import service_redis_server
 
     return service_redis_server()
