@@ -4,8 +4,8 @@
 #   `import bus` fails and `import reel.bus` works (from site-packages);
 #   `reel example copy reverse_text`, then a 3-step `reel run` of it (a short warm-start),
 #   `reel replay step 2` (bitwise) and `reel launch slurm --dry-run` (its Redis config found in the wheel).
-# ops/test.sh runs it before the test suite: 8 minutes on the shared 2-core VM under load (load average
-# ~13; pip ~2 of them), a few minutes on an idle one. It prints the time of each part.
+# ops/test.sh runs it before the test suite: 3.5 minutes on the shared 2-core VM at load average ~5
+# (pip 2 of them), 8 at ~13. It prints the time of each part.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 clone=$PWD
