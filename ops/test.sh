@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Run Reel's whole test suite. The tests start their own Redis servers; the `slurm` tests need
-# the single-host Slurm cluster, started here (installing slurm-wlm + munge needs root) and
-# stopped again on exit; the `vllm` tests need vLLM, installed here (its CPU build on a machine
-# without a GPU; ~2 minutes the first time, seconds after). Extra arguments go to pytest.
+# Run Reel's whole test suite. What only the tests need is installed first (ops/install_test.sh:
+# Debian's redis-server, Prometheus, Slurm, Mooncake, pytest; the Debian packages need root, and no
+# service is left started or enabled). The tests start their own Redis servers; the `slurm` tests need
+# the single-host Slurm cluster, started here and stopped again on exit; the `vllm` tests need vLLM,
+# installed here (its CPU build on a machine without a GPU; ~2 minutes the first time, seconds after).
+# The wheel, installed outside the clone, is checked by ops/test_wheel.sh. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash ops/install_test.sh
+bash ops/test_wheel.sh
 # A GPU machine brings its own vLLM (pip install 'reel-rl[vllm]').
 if [ "$(python3 -c 'import torch; print(int(torch.cuda.is_available()))')" = 0 ]; then
     bash ops/install_vllm.sh

@@ -13,16 +13,16 @@ same function up to float rounding (tests hold both to the model's own logprobs)
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
 from reel.producers.engine import SamplingParams
 from reel.runtime import cbuild
+from reel.runtime.package_files import package_file
 
 __all__ = ["Sampler", "Uniforms", "sample_tokens"]
 
-_SOURCE = Path(__file__).with_name("sampling.c")
+_SOURCE = package_file(__package__, "sampling.c")
 
 
 class Uniforms:

@@ -44,17 +44,17 @@ def _cpu() -> str:
 @functools.cache
 def load(source: Path) -> ctypes.CDLL | None:
     """The compiled `source`; None (with a warning) where it cannot be built."""
-    text = source.read_bytes()
-    digest = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), _cpu().encode()])).hexdigest()[:16]
-    path = cache_dir("native") / f"{source.stem}-{digest}.so"
-    if not path.exists():
-        try:
+    try:  # a missing source (an install without it) falls back to torch like a missing compiler
+        digest = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(),
+                                            _cpu().encode()])).hexdigest()[:16]
+        path = cache_dir("native") / f"{source.stem}-{digest}.so"
+        if not path.exists():
             _build(source, path)
-        except (OSError, subprocess.SubprocessError) as exc:  # no compiler, a failed build, a read-only cache
-            detail = getattr(exc, "stderr", b"") or b""
-            log.warning("%s did not build (%s %s); running its torch version instead",
-                        source.name, exc, detail.decode(errors="replace")[-500:])
-            return None
+    except (OSError, subprocess.SubprocessError) as exc:  # no source, no compiler, a failed build, a read-only cache
+        detail = getattr(exc, "stderr", b"") or b""
+        log.warning("%s did not build (%s %s); running its torch version instead",
+                    source.name, exc, detail.decode(errors="replace")[-500:])
+        return None
     return ctypes.CDLL(str(path))
 
 

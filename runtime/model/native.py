@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from reel.runtime import cbuild
 from reel.runtime.model.config import ModelError
+from reel.runtime.package_files import package_file
 
 if TYPE_CHECKING:
     from reel.runtime.model.kvcache import KVCache, PreparedWeights
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["forward_cached", "usable"]
 
-_SOURCE = Path(__file__).with_name("forward_cached.c")
+_SOURCE = package_file(__package__, "forward_cached.c")
 _i64, _f32p, _i64p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int64)
 
 
