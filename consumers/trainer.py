@@ -142,8 +142,8 @@ class Trainer:
         computed = time.perf_counter()
         step = self.state.step
         self._crash_point(step, "computed")
-        weights = await asyncio.to_thread(self.blobs.put, result.weights)
-        self.weights.add(step, weights)
+        weights, fmt = await asyncio.to_thread(self.group.publish, self.state, self.blobs)
+        self.weights.add(step, weights, fmt)
         self._crash_point(step, "weights_written")
         ckpt = None
         if step % self.config.trainer.checkpoint_every == 0 or step == self.config.run.steps:
@@ -159,7 +159,7 @@ class Trainer:
             config_hash=config_hash(self.config), code_version=code_version(), world_size=self.group.world.size,
         )
         await self.publisher.publish_atomic([
-            self.publisher.stamp(WeightsPublished, version=step, step=step, weights=weights), commit,
+            self.publisher.stamp(WeightsPublished, version=step, step=step, weights=weights, format=fmt), commit,
         ])
         self._crash_point(step, "committed")
         self.bus_loss = {}
@@ -242,7 +242,7 @@ class Trainer:
         commits = await self._read_commits()
         for event in logged_events(self.run_dir, "weights") + await self._bus_events("weights"):
             if isinstance(event, WeightsPublished):
-                self.weights.add(event.version, event.weights)
+                self.weights.add(event.version, event.weights, event.format)
         await asyncio.to_thread(ensure_initial_policy, self.run_dir, self.config)
         if not commits:
             self.state = await asyncio.to_thread(self.group.initial_state)
@@ -267,9 +267,9 @@ class Trainer:
         if await self._stream_has(WeightsPublished):
             return
         model = self.state.model
-        weights = await asyncio.to_thread(lambda: self.blobs.put(self.group.weights(self.state)))
-        self.weights.add(0, weights)
-        events = [self.publisher.stamp(WeightsPublished, version=0, step=0, weights=weights)]
+        weights, fmt = await asyncio.to_thread(self.group.publish, self.state, self.blobs)
+        self.weights.add(0, weights, fmt)
+        events = [self.publisher.stamp(WeightsPublished, version=0, step=0, weights=weights, format=fmt)]
         if not await self._stream_has(RunStarted):
             config_text = (self.run_dir / "config.toml").read_text()
             events.insert(0, self.publisher.stamp(
@@ -322,8 +322,9 @@ class Trainer:
         commit, which the log still has: workers follow the bus, so it goes there again."""
         if any(isinstance(e, WeightsPublished) and e.version >= last for e in await self._bus_events("weights")):
             return
-        weights = await asyncio.to_thread(lambda: self.blobs.put(self.group.weights(self.state)))
-        await self.publisher.publish([self.publisher.stamp(WeightsPublished, version=last, step=last, weights=weights)])
+        weights, fmt = await asyncio.to_thread(self.group.publish, self.state, self.blobs)
+        await self.publisher.publish([self.publisher.stamp(WeightsPublished, version=last, step=last, weights=weights,
+                                                           format=fmt)])
         log.warning("policy version %d was missing from the bus (Redis lost its last writes); published it again",
                     last)
 

@@ -33,7 +33,7 @@ from reel.runtime.distributed import World
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.parallelize import apply_fsdp
-from reel.runtime.train_step import TrainState, make_optimizer, train_step
+from reel.runtime.train_step import TrainState, full_weights, make_optimizer, train_step
 
 MODEL = MoEConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -91,14 +91,13 @@ def measure(world: World, model_cfg: MoEConfig, groups: int) -> tuple[int, float
     model = apply_fsdp(MoEModel(model_cfg), world)
     config = _config(groups)
     state = TrainState(model, make_optimizer(model, config.trainer), 0)
-    peak, seconds, weights = 0, [], b""
+    peak, seconds = 0, []
     for batch in _batches(model_cfg, groups, STEPS):
         started = time.perf_counter()
-        state, result = train_step(state, batch, config, world)
+        state, _ = train_step(state, batch, config, world)
         seconds.append(time.perf_counter() - started)
         peak = max(peak, _held_bytes(state))
-        weights = result.weights
-    return peak, min(seconds[1:] or seconds), weights  # the first step pays for lazy init
+    return peak, min(seconds[1:] or seconds), full_weights(state.model, world)  # the first step pays for lazy init
 
 
 def bench_fsdp(args: argparse.Namespace) -> int:

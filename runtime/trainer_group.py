@@ -28,10 +28,14 @@ from safetensors.torch import save as st_save
 
 from reel.runtime.batch import Batch
 from reel.runtime.config import Config
-from reel.runtime.distributed import World, broadcast_bytes, shutdown
+from reel.bus.blobs import BlobBackend
+from reel.bus.events import BlobRef
+from reel.runtime.distributed import World, broadcast_bytes, full_state_dict, shutdown
 from reel.runtime.mismatch_split import WeightsOf
 from reel.runtime.reexecute import initial_state, restored_state, save_checkpoint
+from reel.runtime.model.weights import hub_tensors
 from reel.runtime.train_step import StepResult, TrainState, full_weights, train_step
+from reel.runtime.weight_publish import publish_format, publish_version, served_dtype
 
 log = logging.getLogger("reel.trainer")
 INIT, RESTORE, STEP, SAVE, WEIGHTS, STOP = "init", "restore", "step", "save", "weights", "stop"
@@ -71,6 +75,21 @@ class TrainerGroup:
     def weights(self, state: TrainState) -> bytes:
         self._announce(WEIGHTS)
         return full_weights(state.model, self.world)
+
+    def publish(self, state: TrainState, blobs: BlobBackend) -> tuple[BlobRef, str]:
+        """Writes policy version `state.step` to `blobs`: (WeightsPublished.weights, .format)."""
+        t = self.config.trainer
+        if publish_format(self.config) == "safetensors":
+            return blobs.put(self.weights(state)), "safetensors"
+        model = state.model
+        if self.world.distributed:  # the followers' `full_weights` makes the same collective
+            self._announce(WEIGHTS)
+            tensors = hub_tensors(full_state_dict(model), model.config)
+        else:
+            tensors = hub_tensors(model.state_dict(), model.config)
+        ref, _ = publish_version(blobs, tensors, version=state.step, step=state.step,
+                                 dtype=served_dtype(self.config), shard_bytes=t.weight_shard_mb << 20)
+        return ref, "manifest"
 
     def close(self) -> None:
         self._announce(STOP)
