@@ -43,9 +43,10 @@ from reel.producers.engine import Completion, Engine, EngineClosed, EngineError,
 from reel.producers.sampling import Sampler, Uniforms
 from reel.runtime.model import state_dict_adapter
 from reel.runtime.model.cached_forward import forward_cached
-from reel.runtime.model.kvcache import new_cache
+from reel.runtime.model.kvcache import new_cache, release_prepared
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import load_state_dict_bytes
+from reel.runtime.weight_delta import apply_delta, full_of, verify_delta
 from reel.runtime.weight_load import copy_version, verify_version
 
 __all__ = ["BuiltinEngine"]
@@ -157,7 +158,7 @@ class BuiltinEngine(Engine):
         if isinstance(weights, BlobRef):
             weights = await asyncio.to_thread(self.blobs.get, weights)  # verifies sha256, off the step path
         elif isinstance(weights, WeightManifest):  # every shard verified while the old version serves
-            await asyncio.to_thread(verify_version, self.blobs, weights, {n: t.shape for n, t in self._hub.items()})
+            weights = await asyncio.to_thread(self._verified, weights)
         await self.start()
         done = asyncio.get_running_loop().create_future()
         self._updates.append((weights, version, done))
@@ -269,11 +270,28 @@ class BuiltinEngine(Engine):
 
     @torch.inference_mode()
     def _load(self, weights: Mapping[str, torch.Tensor] | bytes | WeightManifest) -> None:
+        release_prepared(self.model)
         if isinstance(weights, WeightManifest):  # verified: copied shard by shard from the store's maps
+            if weights.base_version >= 0 and not (wrong := apply_delta(self.blobs, weights, self._hub)):
+                return
+            if weights.base_version >= 0:
+                log.warning("delta of version %d did not reproduce shards %s; loading its full shards",
+                            weights.version, wrong)
+                weights = self._verified(full_of(weights))
             copy_version(self.blobs, weights, lambda name, t: self._hub[name].copy_(t))
             return
         # A state dict takes the blob's path too (safetensors in memory), so both are checked alike.
         load_state_dict_bytes(self.model, weights if isinstance(weights, bytes) else st_save(dict(weights)))
+
+    def _verified(self, manifest: WeightManifest) -> WeightManifest:
+        """The manifest to load, checked: a delta on the version held here, else the version's full shards."""
+        shapes = {n: t.shape for n, t in self._hub.items()}
+        if manifest.base_version >= 0 and manifest.base_version == self.version:
+            verify_delta(self.blobs, manifest, shapes)
+            return manifest
+        full = full_of(manifest) if manifest.base_version >= 0 else manifest
+        verify_version(self.blobs, full, shapes)
+        return full
 
     def _interrupted(self) -> bool:
         """Whether the serving loop has work between two steps (read from the step thread)."""

@@ -138,6 +138,9 @@ class TrainerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # and verified shard by shard; "safetensors" = one whole-model blob (the format of older logs).
     weight_format: Literal["manifest", "safetensors"] = "manifest"
     weight_shard_mb: int = 64  # bytes per manifest shard, in MiB (the loader's extra memory is about one per thread)
+    # Also publish each version as a sparse delta against the previous one (runtime/weight_delta.py) when
+    # that is smaller: workers holding the previous version read only what changed. Pays for bf16 shards.
+    weight_delta: bool = False
 
 
 class BlobsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -348,7 +351,7 @@ def config_hash(c: Config) -> str:
     trainer = msgspec.structs.asdict(c.trainer)
     for layout_key in ("ranks", "expert_parallel", "context_parallel"):
         trainer.pop(layout_key)
-    for publish_key in ("weight_format", "weight_shard_mb"):  # how versions are written, not what they hold
+    for publish_key in ("weight_format", "weight_shard_mb", "weight_delta"):  # how versions are written, not what they hold
         trainer.pop(publish_key)
     keys = msgspec.json.encode([c.run.seed, c.model, trainer])
     return hashlib.sha256(keys).hexdigest()[:16]

@@ -30,11 +30,13 @@ from reel.runtime.batch import Batch
 from reel.runtime.config import Config
 from reel.bus.blobs import BlobBackend
 from reel.bus.events import BlobRef
+from reel.bus.weight_manifest import WeightManifest
 from reel.runtime.distributed import World, broadcast_bytes, full_state_dict, shutdown
 from reel.runtime.mismatch_split import WeightsOf
 from reel.runtime.reexecute import initial_state, restored_state, save_checkpoint
 from reel.runtime.model.weights import hub_tensors
 from reel.runtime.train_step import StepResult, TrainState, full_weights, train_step
+from reel.runtime.weight_delta import publish_delta
 from reel.runtime.weight_publish import publish_format, publish_version, served_dtype
 
 log = logging.getLogger("reel.trainer")
@@ -47,11 +49,13 @@ class TrainerGroup:
     world: World
     run_dir: Path
     config: Config
+    published: WeightManifest | None  # the newest full version `publish` wrote (a delta's base)
 
     def __init__(self, world: World, run_dir: Path, config: Config):
         self.world = world
         self.run_dir = run_dir
         self.config = config
+        self.published = None
 
     def initial_state(self, init: Path | None = None) -> TrainState:
         self._announce(INIT, str(init or ""))
@@ -84,11 +88,17 @@ class TrainerGroup:
         model = state.model
         if self.world.distributed:  # the followers' `full_weights` makes the same collective
             self._announce(WEIGHTS)
-            tensors = hub_tensors(full_state_dict(model), model.config)
+            state_dict = full_state_dict(model)
         else:
-            tensors = hub_tensors(model.state_dict(), model.config)
-        ref, _ = publish_version(blobs, tensors, version=state.step, step=state.step,
-                                 dtype=served_dtype(self.config), shard_bytes=t.weight_shard_mb << 20)
+            state_dict = model.state_dict()
+        ref, full = publish_version(blobs, hub_tensors(state_dict, model.config), version=state.step, step=state.step,
+                                    dtype=served_dtype(self.config), shard_bytes=t.weight_shard_mb << 20)
+        previous, self.published = self.published, full
+        if t.weight_delta and previous is not None and previous.version == state.step - 1:
+            delta = publish_delta(blobs, hub_tensors(state_dict, model.config), previous, full,
+                                  shard_bytes=t.weight_shard_mb << 20)
+            if delta is not None:
+                return delta[0], "manifest"
         return ref, "manifest"
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ from reel.runtime.model import state_dict_adapter
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import hub_tensors, state_dict_bytes
+from reel.runtime.weight_delta import publish_delta
 from reel.runtime.weight_load import WeightLoadError, read_manifest, verify_version, version_bytes
 from reel.runtime.weight_publish import buckets, publish_version
 from reel.runtime.weight_shards import canonical_sha256, shard_nbytes, shard_parts
@@ -211,3 +212,100 @@ async def test_the_worker_dead_letters_a_version_it_cannot_load_and_goes_on(redi
     assert b"policy version 1 not loaded" in fields[b"reason"] and b"is corrupted" in fields[b"reason"]
     spans = [s.spans for g in await stream_events(redis_url, run_name, "trajectories") for s in g.samples]
     assert all(v != 1 for span in spans for _, v in span)
+
+
+def _trained(m: MoEModel, lr: float = 1e-6) -> MoEModel:
+    """A copy of `m` after one AdamW step on random gradients of half its tensors (the rest unchanged)."""
+    nxt = model(0, m.config)
+    nxt.load_state_dict(m.state_dict())
+    params = list(nxt.parameters())
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    for i, p in enumerate(params):
+        p.grad = torch.randn_like(p) if i % 2 == 0 else torch.zeros_like(p)
+    optimizer.step()
+    return nxt
+
+
+def _delta_versions(blobs: BlobStore) -> tuple[MoEModel, WeightManifest, BlobRef, WeightManifest, WeightManifest]:
+    v0 = model(3)
+    v1 = _trained(v0)
+    _, full0 = publish(blobs, v0, 0, dtype="bfloat16")
+    _, full1 = publish(blobs, v1, 1, dtype="bfloat16")
+    ref, delta = publish_delta(blobs, tensors(v1), full0, full1, shard_bytes=4096)
+    return v1, full0, ref, delta, full1
+
+
+def _swapped(blobs: BlobStore, *manifests: WeightManifest, start: MoEModel | None = None) -> BuiltinEngine:
+    engine = BuiltinEngine(start or model(9), max_batch=2, blobs=blobs, version=-1)
+
+    async def swap() -> None:
+        async with engine:
+            for m in manifests:
+                await engine.update_weights(m, m.version)
+    asyncio.run(swap())
+    return engine
+
+
+def test_a_delta_swap_serves_the_bits_of_a_full_swap(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path)
+    v1, full0, ref, delta, full1 = _delta_versions(blobs)
+    assert delta.base_version == 0 and delta.full_shards == full1.shards
+    delta_bytes = sum(s.blob.nbytes for s in delta.shards)
+    assert 0 < delta_bytes < sum(s.blob.nbytes for s in full1.shards)
+    assert {r.sha256 for r in blob_refs(ref, delta)} >= {s.blob.sha256 for s in full1.shards}
+    by_delta = _swapped(blobs, full0, delta)
+    by_full = _swapped(blobs, full1)
+    assert by_delta.version == by_full.version == 1
+    for name, value in by_full.model.state_dict().items():
+        assert torch.equal(by_delta.model.state_dict()[name], value), name
+        assert torch.equal(value, v1.state_dict()[name].bfloat16().float()), name
+
+
+def _names(blobs: BlobStore, ref: BlobRef) -> list[str]:
+    return list(st_load(blobs.get(ref)))
+
+
+def test_a_worker_without_the_base_takes_the_full_shards(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path)
+    _, _, _, delta, full1 = _delta_versions(blobs)
+    skipped = _swapped(blobs, delta)  # holds no version 0
+    # Holds "version 0" but other weights: the result check of the tensors the delta indexes catches it,
+    # and the full shards are loaded.
+    assert any(name.endswith("::index") for s in delta.shards for name in _names(blobs, s.blob))
+    wrong_base = BuiltinEngine(model(11), max_batch=2, blobs=blobs, version=0)
+
+    async def swap() -> None:
+        async with wrong_base:
+            await wrong_base.update_weights(delta, 1)
+    asyncio.run(swap())
+    reference = _swapped(blobs, full1).model.state_dict()
+    for engine in (skipped, wrong_base):
+        assert all(torch.equal(engine.model.state_dict()[n], v) for n, v in reference.items())
+
+
+def test_a_corrupted_delta_leaves_the_base_serving(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path)
+    _, full0, _, delta, _ = _delta_versions(blobs)
+    engine = _swapped(blobs, full0)
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    _corrupt(blobs, delta.shards[0].blob)
+    engine = BuiltinEngine(engine.model, max_batch=2, blobs=blobs, version=0)
+
+    async def swap() -> None:
+        async with engine:
+            with pytest.raises(WeightLoadError, match="delta shard .* is corrupted"):
+                await engine.update_weights(delta, 1)
+    asyncio.run(swap())
+    assert engine.version == 0
+    assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_no_delta_where_it_would_not_be_smaller(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path)
+    v0, v1 = model(3), model(3)
+    with torch.no_grad():
+        for p in v1.parameters():
+            p.add_(0.05)  # every element moves by more than a bf16 step
+    _, full0 = publish(blobs, v0, 0, dtype="bfloat16")
+    _, full1 = publish(blobs, v1, 1, dtype="bfloat16")
+    assert publish_delta(blobs, tensors(v1), full0, full1, shard_bytes=4096) is None
