@@ -72,4 +72,4 @@ class BlobBackend(ABC):
         """The stored bytes, unverified, as a buffer (a map of the file where the backend has files);
         the caller verifies them, as weight loading does shard by shard. Valid inside the block only."""
         check_key(ref.sha256)
-        yield memoryview(self.read(ref))
+        yield memoryview(bytearray(self.read(ref)))  # writable, as tensors viewing it must be

@@ -5,12 +5,14 @@ publish (runtime/weight_publish.py): gather (the tensors under their Hub names: 
   on the version's buckets, then the pipeline as the trainer runs it (shards in parallel, each hashed
   while written). Baseline in the same run: a raw write of the same bytes to one file + fdatasync.
 load (runtime/weight_load.py into the built-in engine): read (map every shard, touch its pages), verify
-  (sha256 of every shard), copy (into the engine's parameters), visible (the first token sampled under the
-  version), each timed alone, then the swap as a rollout worker runs it, from manifest in hand to a request
-  naming the version, with requests decoding meanwhile at the small size. Baseline: a raw read of the
-  same bytes (every shard file, page cache warm) into one reused buffer.
-`ratio` = baseline seconds / pipeline seconds (1.0: as fast as the medium). Peak extra RSS: the most the
-process's resident memory rose above its level before the pipeline (sampled every 2 ms).
+  (sha256 of every shard), copy (into the engine's parameters), each timed alone; then the swap as a
+  rollout worker runs it: update (update_weights: read, verify, copy, overlapped across shards) and
+  visible (what the first request under the new version costs over the same request without a swap:
+  the engine rebuilding its prepared weights), with requests decoding meanwhile at the small size.
+  Baseline: a raw read of the same bytes (every shard file, page cache warm) into one reused buffer.
+`ratio` = baseline seconds / pipeline seconds (1.0: as fast as the medium; `update_ratio` leaves out
+visible). Extra RSS: the most the process's resident memory rose above its level before the phase
+(sampled every 2 ms).
 Two sizes: `small` (~14M parameters, fp32 shards, what the built-in engine serves) and `large` (~550M
 parameters, bf16 shards, ~1.1 GB). vLLM still loads one whole blob (producers/vllm.py): its row is that
 path, at the small size (REEL_BENCH_NO_VLLM=1 leaves it out: starting vLLM on CPU takes minutes). Best
@@ -43,9 +45,10 @@ from reel.runtime.model import state_dict_adapter
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import hub_tensors, save, state_dict_bytes
+from reel.runtime.weight_delta import changed, publish_delta
 from reel.runtime.weight_load import copy_version, verify_version
 from reel.runtime.weight_publish import DTYPES, buckets, publish_version
-from reel.runtime.weight_shards import shard_parts
+from reel.runtime.weight_shards import read_header, shard_parts, tensor_at
 
 # head_dim 32 because vLLM's CPU attention has no kernel for 16.
 SMALL = MoEConfig(vocab_size=1024, hidden_size=256, moe_intermediate_size=256, num_hidden_layers=4,
@@ -62,6 +65,7 @@ BACKGROUND = SamplingParams(n=4, temperature=1.0, max_tokens=400, seed=1)  # req
 PROBE = SamplingParams(temperature=0.0, max_tokens=1)
 SHARD_BYTES = 64 << 20
 THREADS = 2
+DELTA_LR = 1e-6  # a typical RL fine-tuning learning rate
 
 
 def bench_swap(args: argparse.Namespace) -> int:
@@ -86,11 +90,47 @@ def _one_size(root: Path, config: MoEConfig, dtype: str, rounds: int, background
     blobs = BlobStore(root / "blobs")
     publish = _publish_phases(root, blobs, _model(config, 0), dtype, rounds)
     manifests = [_published(blobs, _model(config, seed), seed, dtype) for seed in range(rounds + 1)]
-    engine_model = _model(config, 0)
-    load = _load_phases(blobs, engine_model, manifests, rounds, background)
+    load = _load_phases(blobs, _model(config, 0), manifests, rounds, background)
     nbytes = sum(s.blob.nbytes for s in manifests[0].shards)
-    return {"params": sum(p.numel() for p in engine_model.parameters()), "dtype": dtype, "gb": _gb(nbytes),
-            "shards": len(manifests[0].shards), "publish": publish, "load": load}
+    return {"params": sum(t.numel() for _, t in hub_tensors(_model(config, 0).state_dict(), config)), "dtype": dtype,
+            "gb": _gb(nbytes), "shards": len(manifests[0].shards), "publish": publish, "load": load,
+            "delta": _delta_figures(blobs, _model(config, 0), manifests[0], dtype)}
+
+
+def _unchanged(blobs: BlobStore, base: WeightManifest, tensors: dict[str, torch.Tensor],
+               dtype: torch.dtype) -> tuple[int, int]:
+    """(elements whose bits did not change from `base`, elements), shard by shard."""
+    same = total = 0
+    for shard in base.shards:
+        with blobs.mapped(shard.blob) as data:
+            for entry in read_header(data):
+                total += entry.count
+                same += entry.count - changed(tensors[entry.name].to(dtype), tensor_at(data, entry)).numel()
+    return same, total
+
+
+def _delta_figures(blobs: BlobStore, model: MoEModel, base: WeightManifest, dtype: str) -> dict[str, object]:
+    """One AdamW step (lr DELTA_LR, fresh moments: every element moves by about lr) after version 0:
+    the share of elements whose bits did not change, and the delta's bytes against the full version's."""
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=DELTA_LR, weight_decay=0.0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    del optimizer
+    for p in params:
+        p.grad = None
+    full = _published(blobs, model, base.version + 1, dtype)
+    same, total = _unchanged(blobs, base, dict(hub_tensors(model.state_dict(), model.config)), DTYPES[dtype])
+    started = time.perf_counter()
+    delta = publish_delta(blobs, hub_tensors(model.state_dict(), model.config), base, full, shard_bytes=SHARD_BYTES,
+                          threads=THREADS)
+    seconds = time.perf_counter() - started
+    full_bytes = sum(s.blob.nbytes for s in full.shards)
+    delta_bytes = full_bytes if delta is None else sum(s.blob.nbytes for s in delta[1].shards)
+    return {"lr": DELTA_LR, "unchanged_share": round(same / total, 4), "full_mb": round(full_bytes / 1e6, 1),
+            "delta_mb": round(delta_bytes / 1e6, 1), "saved_share": round(1 - delta_bytes / full_bytes, 4),
+            "delta_publish_s": _s(seconds), "published": delta is not None}
 
 
 def _published(blobs: BlobStore, model: MoEModel, version: int, dtype: str) -> WeightManifest:
@@ -164,11 +204,14 @@ def _load_phases(blobs: BlobStore, model: MoEModel, manifests: list[WeightManife
     with torch.inference_mode():
         copy_s = _best(rounds, lambda: copy_version(blobs, manifests[0], lambda n, t: hub[n].copy_(t), THREADS))
     engine = BuiltinEngine(model, max_batch=16, blobs=blobs, version=-1)
-    swap_s, visible_s, peak_mb = asyncio.run(_time_swaps(engine, manifests, background))
+    swaps = asyncio.run(_time_swaps(engine, manifests, background))
+    swap_s = swaps["update_s"] + swaps["visible_s"]
     return {"raw_read_s": _s(raw_s), "raw_read_gb_per_s": _rate(nbytes, raw_s), "read_s": _s(read_s),
             "verify_s": _s(verify_s), "verify_gb_per_s": _rate(nbytes, verify_s), "copy_s": _s(copy_s),
-            "visible_s": _s(visible_s), "swap_s": _s(swap_s), "swap_gb_per_s": _rate(nbytes, swap_s),
-            "peak_extra_rss_mb": peak_mb, "ratio": round(raw_s / swap_s, 3)}
+            "update_s": _s(swaps["update_s"]), "update_gb_per_s": _rate(nbytes, swaps["update_s"]),
+            "visible_s": _s(swaps["visible_s"]), "swap_s": _s(swap_s), "update_rss_mb": swaps["update_rss_mb"],
+            "visible_rss_mb": swaps["visible_rss_mb"], "update_ratio": round(raw_s / swaps["update_s"], 3),
+            "ratio": round(raw_s / swap_s, 3)}
 
 
 def _raw_read(blobs: BlobStore, refs: list[BlobRef]) -> None:
@@ -183,29 +226,36 @@ def _touch(blobs: BlobStore, ref: BlobRef) -> None:
         bytes(data[::4096])  # one byte per page: every page mapped in
 
 
-async def _time_swaps(engine: Engine, manifests: list[WeightManifest], background: bool) -> tuple[float, float, float]:
-    """Best seconds from manifest in hand to a request sampled under it, of which the last part was the
-    first token after update_weights returned; and the peak extra RSS of the swaps."""
-    best, visible = float("inf"), float("inf")
-    sampler = _RssPeak()
+async def _time_swaps(engine: Engine, manifests: list[WeightManifest], background: bool) -> dict[str, float]:
+    """Best seconds of update_weights (read, verify, copy) and of the extra the first request after it
+    costs over the same request without a swap (the version made visible), with the peak extra RSS of each."""
+    update, visible = float("inf"), float("inf")
+    updating, showing = _RssPeak(), _RssPeak()
     async with engine:
         await engine.update_weights(manifests[0], 0)
         await engine.generate(PROMPT, PROBE)
         for version, manifest in enumerate(manifests[1:], start=1):
             decoding = asyncio.create_task(engine.generate(PROMPT, BACKGROUND)) if background else None
             await asyncio.sleep(0.2 if background else 0)  # decoding when the swap lands
-            with sampler:
+            probe_s = await _probe(engine, version - 1)
+            with updating:
                 start = time.perf_counter()
                 await engine.update_weights(manifest, version)
-                loaded = time.perf_counter()
-                probe, = await engine.generate(PROMPT, PROBE)
-                done = time.perf_counter()
-            if probe.spans != [(0, version)]:
-                raise RuntimeError(f"after the swap to version {version} the engine sampled under {probe.spans}")
-            best, visible = min(best, done - start), min(visible, done - loaded)
+                update = min(update, time.perf_counter() - start)
+            with showing:
+                visible = min(visible, await _probe(engine, version) - probe_s)
             if decoding is not None:
                 await decoding
-    return best, visible, sampler.peak_mb
+    return {"update_s": update, "visible_s": max(0.0, visible), "update_rss_mb": updating.peak_mb,
+            "visible_rss_mb": showing.peak_mb}
+
+
+async def _probe(engine: Engine, version: int) -> float:
+    start = time.perf_counter()
+    probe, = await engine.generate(PROMPT, PROBE)
+    if probe.spans != [(0, version)]:
+        raise RuntimeError(f"the engine sampled under {probe.spans}, version {version} expected")
+    return time.perf_counter() - start
 
 
 # ---- vLLM (one whole blob) ------------------------------------------------------------------------

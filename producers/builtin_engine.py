@@ -42,8 +42,8 @@ from reel.bus.weight_manifest import WeightManifest
 from reel.producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
 from reel.producers.sampling import Sampler, Uniforms
 from reel.runtime.model import state_dict_adapter
-from reel.runtime.model.cached_forward import forward_cached
-from reel.runtime.model.kvcache import new_cache, release_prepared
+from reel.runtime.model.cached_forward import forward_cached, release_prepared
+from reel.runtime.model.kvcache import new_cache
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import load_state_dict_bytes
 from reel.runtime.weight_delta import apply_delta, full_of, verify_delta

@@ -103,11 +103,6 @@ def _key(params: list[torch.Tensor], precision: str, max_len: int) -> tuple:
     return (precision, max_len, _registrations, *((p.data_ptr(), p._version) for p in params))
 
 
-def release_prepared(model: MoEModel) -> None:
-    """Drops the prepared copy before a weight swap, so its rebuild never holds two copies at once."""
-    model._prepared = None
-
-
 def prepared_weights(model: MoEModel, max_len: int) -> PreparedWeights:
     """The model's prepared weights, rebuilt when the precision or any parameter changed."""
     cached: PreparedWeights | None = getattr(model, "_prepared", None)
