@@ -14,8 +14,9 @@ load (runtime/weight_load.py into the built-in engine): read (map every shard, t
 visible). Extra RSS: the most the process's resident memory rose above its level before the phase
 (sampled every 2 ms).
 Two sizes: `small` (~14M parameters, fp32 shards, what the built-in engine serves) and `large` (~550M
-parameters, bf16 shards, ~1.1 GB). vLLM still loads one whole blob (producers/vllm.py): its row is that
-path, at the small size (REEL_BENCH_NO_VLLM=1 leaves it out: starting vLLM on CPU takes minutes). Best
+parameters, bf16 shards, ~1.1 GB). Mooncake (one object per shard, a master and holder started here) and
+vLLM, which still loads one whole blob (producers/vllm.py), get a row each at the small size
+(REEL_BENCH_NO_VLLM=1 leaves vLLM out: starting vLLM on CPU takes minutes). Best
 of `rounds` for every figure.
 """
 
@@ -77,10 +78,13 @@ def bench_swap(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="reel-bench-swap-", dir=os.environ.get("REEL_BENCH_DIR")) as tmp:
         for name, (config, dtype) in sizes.items():
             figures["sizes"][name] = _one_size(Path(tmp) / name, config, dtype, rounds, background=name != "large")
+        if not quick:
+            figures["mooncake"] = _mooncake_row(Path(tmp) / "mooncake", SMALL, "float32", rounds)
         skip_vllm = bool(os.environ.get("REEL_BENCH_NO_VLLM"))
         figures["vllm"] = None if skip_vllm else _vllm_row(Path(tmp) / "vllm", QUICK if quick else SMALL, rounds)
     last = figures["sizes"]["quick" if quick else "large"]
     figures["load_ratio"], figures["publish_ratio"] = last["load"]["ratio"], last["publish"]["ratio"]
+    figures["ratio"] = figures["load_ratio"]
     print_json(figures)
     return 0
 
@@ -256,6 +260,34 @@ async def _probe(engine: Engine, version: int) -> float:
     if probe.spans != [(0, version)]:
         raise RuntimeError(f"the engine sampled under {probe.spans}, version {version} expected")
     return time.perf_counter() - start
+
+
+# ---- Mooncake (one object per shard) --------------------------------------------------------------
+
+
+def _mooncake_row(root: Path, config: MoEConfig, dtype: str, rounds: int) -> dict[str, object]:
+    """Publish and load through a Mooncake store over TCP (a master and a holder started here)."""
+    if importlib.util.find_spec("mooncake") is None:
+        return {"missing": "Mooncake is not installed (pip install 'reel-rl[mooncake]')"}
+    from reel.bus.blob_backends.mooncake import MooncakeBlobs
+    from reel.bus.blob_backends.mooncake_service import MooncakeService
+
+    with MooncakeService(root / "mooncake", segment_bytes=1 << 30) as service:
+        blobs = MooncakeBlobs(service.address, retry_s=5.0)
+        try:
+            model = _model(config, 0)
+            publish_s = _best(rounds, lambda: _published(blobs, model, 0, dtype))
+            manifests = [_published(blobs, _model(config, seed), seed, dtype) for seed in range(rounds + 1)]
+            refs = [s.blob for s in manifests[0].shards]
+            raw_s = _best(rounds + 1, lambda: [blobs.read(ref) for ref in refs])
+            swaps = asyncio.run(_time_swaps(BuiltinEngine(model, max_batch=16, blobs=blobs, version=-1), manifests,
+                                            background=False))
+        finally:
+            blobs.close()
+    nbytes = sum(ref.nbytes for ref in refs)
+    return {"gb": _gb(nbytes), "objects": len(refs), "publish_s": _s(publish_s), "raw_get_s": _s(raw_s),
+            "update_s": _s(swaps["update_s"]), "update_gb_per_s": _rate(nbytes, swaps["update_s"]),
+            "update_rss_mb": swaps["update_rss_mb"], "update_ratio": round(raw_s / swaps["update_s"], 3)}
 
 
 # ---- vLLM (one whole blob) ------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from reel.producers.builtin_engine import BuiltinEngine
 from reel.producers.engine import SamplingParams
 from reel.producers.rollout import RolloutWorker
 from reel.runtime.config import load as load_config
+from reel.runtime.launch import cli
 from reel.runtime.model import state_dict_adapter
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel
@@ -309,3 +310,15 @@ def test_no_delta_where_it_would_not_be_smaller(tmp_path: Path) -> None:
     _, full0 = publish(blobs, v0, 0, dtype="bfloat16")
     _, full1 = publish(blobs, v1, 1, dtype="bfloat16")
     assert publish_delta(blobs, tensors(v1), full0, full1, shard_bytes=4096) is None
+
+
+def test_bench_swap_quick_reports_every_phase(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("REEL_BENCH_NO_VLLM", "1")
+    assert cli.main(["bench", "swap", "--quick"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    result = msgspec.json.decode(line)
+    size = result["sizes"]["quick"]
+    assert result["bench"] == "swap" and result["ratio"] == size["load"]["ratio"] > 0 and result["vllm"] is None
+    assert {"gather_s", "serialise_s", "hash_s", "raw_write_fdatasync_s", "pipeline_s"} <= set(size["publish"])
+    assert {"raw_read_s", "read_s", "verify_s", "copy_s", "update_s", "visible_s"} <= set(size["load"])
+    assert size["publish"]["ratio"] > 0 and 0 <= size["delta"]["unchanged_share"] <= 1
