@@ -214,7 +214,7 @@ def _load_phases(blobs: BlobStore, model: MoEModel, manifests: list[WeightManife
             "verify_s": _s(verify_s), "verify_gb_per_s": _rate(nbytes, verify_s), "copy_s": _s(copy_s),
             "update_s": _s(swaps["update_s"]), "update_gb_per_s": _rate(nbytes, swaps["update_s"]),
             "visible_s": _s(swaps["visible_s"]), "swap_s": _s(swap_s), "update_rss_mb": swaps["update_rss_mb"],
-            "visible_rss_mb": swaps["visible_rss_mb"], "update_ratio": round(raw_s / swaps["update_s"], 3),
+            "swap_rss_mb": swaps["swap_rss_mb"], "update_ratio": round(raw_s / swaps["update_s"], 3),
             "ratio": round(raw_s / swap_s, 3)}
 
 
@@ -232,9 +232,10 @@ def _touch(blobs: BlobStore, ref: BlobRef) -> None:
 
 async def _time_swaps(engine: Engine, manifests: list[WeightManifest], background: bool) -> dict[str, float]:
     """Best seconds of update_weights (read, verify, copy) and of the extra the first request after it
-    costs over the same request without a swap (the version made visible), with the peak extra RSS of each."""
+    costs over the same request without a swap (the version made visible); the peak extra RSS of the
+    update and of the whole swap, each over the level before the update."""
     update, visible = float("inf"), float("inf")
-    updating, showing = _RssPeak(), _RssPeak()
+    updating, swapping = _RssPeak(), _RssPeak()
     async with engine:
         await engine.update_weights(manifests[0], 0)
         await engine.generate(PROMPT, PROBE)
@@ -242,16 +243,16 @@ async def _time_swaps(engine: Engine, manifests: list[WeightManifest], backgroun
             decoding = asyncio.create_task(engine.generate(PROMPT, BACKGROUND)) if background else None
             await asyncio.sleep(0.2 if background else 0)  # decoding when the swap lands
             probe_s = await _probe(engine, version - 1)
-            with updating:
-                start = time.perf_counter()
-                await engine.update_weights(manifest, version)
-                update = min(update, time.perf_counter() - start)
-            with showing:
+            with swapping:
+                with updating:
+                    start = time.perf_counter()
+                    await engine.update_weights(manifest, version)
+                    update = min(update, time.perf_counter() - start)
                 visible = min(visible, await _probe(engine, version) - probe_s)
             if decoding is not None:
                 await decoding
     return {"update_s": update, "visible_s": max(0.0, visible), "update_rss_mb": updating.peak_mb,
-            "visible_rss_mb": showing.peak_mb}
+            "swap_rss_mb": swapping.peak_mb}
 
 
 async def _probe(engine: Engine, version: int) -> float:
