@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["ShardFormatError", "DTYPE_NAMES", "ordered", "shard_parts", "shard_nbytes", "canonical_sha256",
+__all__ = ["ShardFormatError", "DTYPE_NAMES", "ordered", "shard_parts", "canonical_sha256",
            "Entry", "read_header", "tensor_at"]
 
 DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
@@ -59,11 +59,6 @@ def shard_parts(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[bytes |
     yield _header(items)
     for _, t in items:
         yield _memory(t)
-
-
-def shard_nbytes(tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    items = ordered(tensors)
-    return len(_header(items)) + sum(t.numel() * t.element_size() for _, t in items)
 
 
 def canonical_sha256(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
