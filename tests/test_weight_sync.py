@@ -21,12 +21,16 @@ from reel.bus.weight_manifest import WeightManifest, blob_refs
 from reel.producers.builtin_engine import BuiltinEngine
 from reel.producers.engine import SamplingParams
 from reel.producers.rollout import RolloutWorker
+from reel.runtime import config as config_mod
 from reel.runtime.config import load as load_config
+from reel.runtime.distributed import LOCAL
 from reel.runtime.launch import cli
 from reel.runtime.model import state_dict_adapter
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import hub_tensors, state_dict_bytes
+from reel.runtime.train_step import TrainState
+from reel.runtime.trainer_group import TrainerGroup
 from reel.runtime.weight_delta import publish_delta
 from reel.runtime.weight_load import WeightLoadError, read_manifest, verify_version, version_bytes
 from reel.runtime.weight_publish import buckets, publish_version
@@ -321,3 +325,20 @@ def test_bench_swap_quick_reports_every_phase(monkeypatch: pytest.MonkeyPatch, c
     assert {"gather_s", "serialise_s", "hash_s", "raw_write_fdatasync_s", "pipeline_s"} <= set(size["publish"])
     assert {"raw_read_s", "read_s", "verify_s", "copy_s", "update_s", "visible_s"} <= set(size["load"])
     assert size["publish"]["ratio"] > 0 and 0 <= size["delta"]["unchanged_share"] <= 1
+
+
+def test_the_trainer_publishes_a_delta_where_it_is_smaller(tmp_path: Path) -> None:
+    config = config_mod.loads('[trainer]\nweight_delta = true\nweight_shard_mb = 1\n')
+    group = TrainerGroup(LOCAL, tmp_path, config)
+    blobs = BlobStore(tmp_path / "blobs")
+    m = model(3)
+    ref0, fmt = group.publish(TrainState(m, None, 0), blobs)
+    with torch.no_grad():
+        m.model.norm.weight[:3] += 1.0  # a step that moved three elements
+    ref1, _ = group.publish(TrainState(m, None, 1), blobs)
+    full0, delta = read_manifest(blobs, ref0), read_manifest(blobs, ref1)
+    assert fmt == "manifest" and full0.base_version == -1 and delta.base_version == 0
+    assert delta.shards[0].tensors == ["model.norm.weight"] and len(delta.full_shards) == len(full0.shards)
+    assert _swapped(blobs, full0, delta).model.state_dict()["model.norm.weight"].equal(m.model.norm.weight)
+    ref2, _ = group.publish(TrainState(m, None, 5), blobs)  # not the next version: a full one
+    assert read_manifest(blobs, ref2).base_version == -1
