@@ -19,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from reel.bus.errors import ReelError
@@ -73,3 +75,15 @@ class BlobBackend(ABC):
         if actual != ref.sha256:
             raise BlobError(f"blob {ref.sha256} ({ref.uri}) is corrupted: its bytes hash to {actual}")
         return data
+
+    def put_parts(self, parts: Iterable[bytes | memoryview]) -> BlobRef:
+        """Store the concatenation of `parts` (a weight shard, header then tensors). Backends that can
+        write as they go hash and write part by part; this default joins them into one put."""
+        return self.put(b"".join(parts))
+
+    @contextmanager
+    def mapped(self, ref: BlobRef) -> Iterator[memoryview]:
+        """The stored bytes, unverified, as a buffer (a map of the file where the backend has files);
+        the caller verifies them, as weight loading does shard by shard. Valid inside the block only."""
+        check_key(ref.sha256)
+        yield memoryview(bytearray(self.read(ref)))  # writable, as tensors viewing it must be

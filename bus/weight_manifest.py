@@ -6,8 +6,9 @@ trainer rank writes its own shards (safetensors, one file per parameter bucket),
 the whole state; readers stream shard by shard and verify each shard's hash as they go.
 
 A version is either full (every tensor in its shards) or a delta against `base_version`: each shard
-then holds, per changed tensor, the flat indices and new values, and `result_sha256` per tensor
-checks what applying it produced. A reader that does not hold `base_version` takes a full version.
+then holds, per changed tensor, the flat indices and new values (runtime/weight_delta.py), and the
+shard's `result_sha256` checks what applying it produced. A delta also lists its version's full
+shards (`full_shards`): a reader that does not hold `base_version` takes those.
 
 Retention (bus/retention.py) and `reel log gc` keep or delete a version as a unit: `blob_refs` is
 everything a version occupies in the store.
@@ -28,6 +29,9 @@ class WeightShard(msgspec.Struct, frozen=True):
     blob: BlobRef
     rank: int  # the trainer rank that wrote it
     tensors: list[str]  # tensor names (HF / Qwen3-MoE keys), so a TP reader can skip shards it does not hold
+    # Delta shards only: sha256 of the shard's tensors after the delta is applied (the manifest's dtype,
+    # each tensor's bytes in `tensors` order), so a reader whose base differs finds out.
+    result_sha256: str = ""
 
 
 class WeightManifest(msgspec.Struct, frozen=True):
@@ -37,6 +41,9 @@ class WeightManifest(msgspec.Struct, frozen=True):
     shards: list[WeightShard]
     base_version: int = -1  # -1: a full version; else a delta that applies to this version
     hash: str = "sha256"  # digest algorithm of every shard's blob.sha256 field
+    # A delta's own full version (its shards, the same as a full manifest of `version` would list): what a
+    # reader that does not hold base_version loads. Empty for a full version.
+    full_shards: list[WeightShard] = []
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -52,5 +59,5 @@ def decode_manifest(data: bytes) -> WeightManifest:
 
 
 def blob_refs(manifest_ref: BlobRef, manifest: WeightManifest) -> list[BlobRef]:
-    """Every blob the version occupies: the manifest itself and its shards."""
-    return [manifest_ref, *(shard.blob for shard in manifest.shards)]
+    """Every blob the version occupies: the manifest itself, its shards and a delta's full shards."""
+    return [manifest_ref, *(shard.blob for shard in manifest.shards), *(shard.blob for shard in manifest.full_shards)]

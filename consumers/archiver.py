@@ -52,6 +52,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from reel.bus.cluster import SlotReader, is_cluster
 from reel.bus.blob_backends.file import BlobStore
+from reel.bus import weight_manifest
 from reel.bus.blobs import BlobBackend
 from reel.bus.events import STREAMS, AnyEvent, BlobRef, MalformedEvent, RoutingTrace, RunFinished, StepCommitted, \
     WeightsPublished, decode
@@ -81,6 +82,7 @@ class _Round(msgspec.Struct):
     dead: list[tuple[str, str, bytes, str]] = []  # (lane, entry id, raw, reason)
     finished: bool = False  # a RunFinished is among the records
     blobs: list[BlobRef] = []  # named by the records' events, to copy into the run's blobs/
+    manifests: list[BlobRef] = []  # weight manifests among them: their shards are copied too
 
 
 class Archiver:
@@ -236,6 +238,8 @@ class Archiver:
             round_.finished |= isinstance(event, RunFinished)
             if self.blobs is not None:
                 round_.blobs += blob_refs(event)
+                if isinstance(event, WeightsPublished) and event.format == "manifest":
+                    round_.manifests.append(event.weights)
             round_.records.setdefault(stream, []).append((entry_id, data))
         for stream in self._split & round_.records.keys():
             round_.records[stream] = self._log_ids(stream, round_.records[stream])
@@ -291,6 +295,15 @@ class Archiver:
         for ref in round_.blobs:
             if not self.files.path(ref).is_file():
                 self.files.put(self.blobs.get(ref))  # get checks the sha256 the event names
+        for ref in round_.manifests:
+            try:
+                manifest = weight_manifest.decode_manifest(self.files.get(ref))
+            except msgspec.DecodeError as exc:
+                log.warning("weight manifest %s is not a WeightManifest (%s); its shards are not copied", ref.sha256, exc)
+                continue
+            for shard in weight_manifest.blob_refs(ref, manifest)[1:]:
+                if not self.files.path(shard).is_file():
+                    self.files.put(self.blobs.get(shard))
         for stream, batch in round_.records.items():
             stream_log = self.log.stream(stream)
             # After a failed append (disk full) some segments of the batch may be durable already.

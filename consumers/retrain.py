@@ -208,7 +208,7 @@ class _RunWriter:
         started = time.perf_counter()
         state, result = self.group.step(state, batch)
         compute = time.perf_counter() - started
-        ref = self.blobs.put(result.weights)
+        ref = self.blobs.put(self.group.weights(state))
         ckpt = None
         if state.step % self.config.trainer.checkpoint_every == 0 or last:
             ckpt = self.blobs.put(self.group.checkpoint(state))

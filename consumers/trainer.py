@@ -148,8 +148,8 @@ class Trainer:
         computed = time.perf_counter()
         step = self.state.step
         self._crash_point(step, "computed")
-        weights = await asyncio.to_thread(self.blobs.put, result.weights)
-        self.weights.add(step, weights)
+        weights, fmt = await asyncio.to_thread(self.group.publish, self.state, self.blobs)
+        self.weights.add(step, weights, fmt)
         self._crash_point(step, "weights_written")
         ckpt = None
         if step % self.config.trainer.checkpoint_every == 0 or step == self.config.run.steps:
@@ -165,7 +165,7 @@ class Trainer:
             config_hash=config_hash(self.config), code_version=code_version(), world_size=self.group.world.size,
             layout=environment.layout(self.config), libraries=environment.library_versions(),
         )
-        published = self.publisher.stamp(WeightsPublished, version=step, step=step, weights=weights)
+        published = self.publisher.stamp(WeightsPublished, version=step, step=step, weights=weights, format=fmt)
         await self.publisher.publish_atomic([published, commit])
         self._crash_point(step, "committed")
         self.bus_loss = {}
@@ -254,7 +254,7 @@ class Trainer:
         published = logged_events(self.run_dir, "weights") + await self._bus_events("weights")
         for event in published:
             if isinstance(event, WeightsPublished):
-                self.weights.add(event.version, event.weights)
+                self.weights.add(event.version, event.weights, event.format)
         self.retention.add([*published, *commits.values()])
         await asyncio.to_thread(ensure_initial_policy, self.run_dir, self.config)
         if not commits:
@@ -280,9 +280,9 @@ class Trainer:
         if await self._stream_has(WeightsPublished):
             return
         model = self.state.model
-        weights = await asyncio.to_thread(lambda: self.blobs.put(self.group.weights(self.state)))
-        self.weights.add(0, weights)
-        events = [self.publisher.stamp(WeightsPublished, version=0, step=0, weights=weights)]
+        weights, fmt = await asyncio.to_thread(self.group.publish, self.state, self.blobs)
+        self.weights.add(0, weights, fmt)
+        events = [self.publisher.stamp(WeightsPublished, version=0, step=0, weights=weights, format=fmt)]
         if not await self._stream_has(RunStarted):
             config_text = (self.run_dir / "config.toml").read_text()
             events.insert(0, self.publisher.stamp(
@@ -337,8 +337,9 @@ class Trainer:
         commit, which the log still has: workers follow the bus, so it goes there again."""
         if any(isinstance(e, WeightsPublished) and e.version >= last for e in await self._bus_events("weights")):
             return
-        weights = await asyncio.to_thread(lambda: self.blobs.put(self.group.weights(self.state)))
-        await self.publisher.publish([self.publisher.stamp(WeightsPublished, version=last, step=last, weights=weights)])
+        weights, fmt = await asyncio.to_thread(self.group.publish, self.state, self.blobs)
+        await self.publisher.publish([self.publisher.stamp(WeightsPublished, version=last, step=last, weights=weights,
+                                                           format=fmt)])
         log.warning("policy version %d was missing from the bus (Redis lost its last writes); published it again",
                     last)
 

@@ -1,117 +1,382 @@
-"""`reel bench swap`: weight hot-swap latency, for the built-in engine and for vLLM.
+"""`reel bench swap`: a policy version from the trainer's memory into a serving engine, phase by phase.
 
-A swap is what a rollout worker does with a WeightsPublished: from the BlobRef in hand until the
-engine serves the new version (update_weights returned, and a request sampled under it names it
-in its spans). The built-in engine reads and checks the blob and swaps between decode steps; vLLM
-(a real `vllm serve`, the one `reel run` starts) pauses with running requests kept, loads the blob
-in its workers through Reel's worker extension (sha256 checked), takes the version label and
-resumes. Each swap happens while requests are decoding, as in a run. The baseline, measured in the
-same run, is a raw read of the same blob with safetensors (`load_file`, page cache warm):
-`ratio` = raw read ÷ built-in swap (1.0 would be a swap as cheap as reading the file), and
-`vllm_ratio` the same for vLLM. Best of `rounds` for every figure.
+publish (runtime/weight_publish.py): gather (the tensors under their Hub names: views on one process),
+  serialise (cast to the shards' dtype, headers), hash (sha256), write (+ fsync); each phase timed alone
+  on the version's buckets, then the pipeline as the trainer runs it (shards in parallel, each hashed
+  while written). Baseline in the same run: a raw write of the same bytes to one file + fdatasync.
+load (runtime/weight_load.py into the built-in engine): read (map every shard, touch its pages), verify
+  (sha256 of every shard), copy (into the engine's parameters), each timed alone; then the swap as a
+  rollout worker runs it: update (update_weights: read, verify, copy, overlapped across shards) and
+  visible (what the first request under the new version costs over the same request without a swap:
+  the engine rebuilding its prepared weights), with requests decoding meanwhile at the small size.
+  Baseline: a raw read of the same bytes (every shard file, page cache warm) into one reused buffer.
+`ratio` = baseline seconds / pipeline seconds (1.0: as fast as the medium; `update_ratio` leaves out
+visible). Extra RSS: the most the process's resident memory rose above its level before the phase
+(sampled every 2 ms).
+Two sizes: `small` (~14M parameters, fp32 shards, what the built-in engine serves) and `large` (~550M
+parameters, bf16 shards, ~1.1 GB). Mooncake (one object per shard, a master and holder started here) and
+vLLM, which still loads one whole blob (producers/vllm.py), get a row each at the small size
+(REEL_BENCH_NO_VLLM=1 leaves vLLM out: starting vLLM on CPU takes minutes). Best
+of `rounds` for every figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import importlib.util
+import os
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import BlobRef
 from reel.bus.jsonout import print_json
+from reel.bus.weight_manifest import WeightManifest
 from reel.producers.builtin_engine import BuiltinEngine
 from reel.producers.engine import Engine, SamplingParams
 from reel.runtime import config as config_mod
+from reel.runtime.model import state_dict_adapter
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel
-from reel.runtime.model.weights import save, state_dict_bytes
+from reel.runtime.model.weights import hub_tensors, save, state_dict_bytes
+from reel.runtime.weight_delta import changed, publish_delta
+from reel.runtime.weight_load import copy_version, verify_version
+from reel.runtime.weight_publish import DTYPES, buckets, publish_version
+from reel.runtime.weight_shards import read_header, shard_parts, tensor_at
 
-# ~14M parameters (56 MB of fp32 safetensors): big enough that reading it is measurable, small enough
-# for vLLM's CPU build; head_dim 32 because vLLM's CPU attention has no kernel for 16.
-MODEL = MoEConfig(vocab_size=1024, hidden_size=256, moe_intermediate_size=256, num_hidden_layers=4,
+# head_dim 32 because vLLM's CPU attention has no kernel for 16.
+SMALL = MoEConfig(vocab_size=1024, hidden_size=256, moe_intermediate_size=256, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=4, head_dim=32, num_experts=16,
                   num_experts_per_tok=2, max_position_embeddings=512)
-QUICK_MODEL = MoEConfig(vocab_size=256, hidden_size=64, moe_intermediate_size=64, num_hidden_layers=2,
-                        head_dim=32, num_experts=4, max_position_embeddings=512)
+LARGE = MoEConfig(vocab_size=32000, hidden_size=1024, moe_intermediate_size=1024, num_hidden_layers=9,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=128, num_experts=16,
+                  num_experts_per_tok=2, max_position_embeddings=512)
+QUICK = MoEConfig(vocab_size=256, hidden_size=64, moe_intermediate_size=64, num_hidden_layers=2,
+                  head_dim=32, num_experts=4, max_position_embeddings=512)
 SERVE = '[engine]\nkind = "vllm"\nmax_batch = 16\n[trainer]\nrouter_replay = false\n'
 PROMPT = list(range(3, 19))
 BACKGROUND = SamplingParams(n=4, temperature=1.0, max_tokens=400, seed=1)  # requests decoding during each swap
+PROBE = SamplingParams(temperature=0.0, max_tokens=1)
+SHARD_BYTES = 64 << 20
+THREADS = 2
+DELTA_LR = 1e-6  # a typical RL fine-tuning learning rate
 
 
 def bench_swap(args: argparse.Namespace) -> int:
     quick = bool(getattr(args, "quick", False))
-    rounds = 1 if quick else 3
-    config = QUICK_MODEL if quick else MODEL
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        blobs = BlobStore(root / "blobs")
-        versions = []
-        for seed in range(rounds + 1):
-            torch.manual_seed(seed)
-            versions.append(blobs.put(state_dict_bytes(MoEModel(config))))
-        torch.manual_seed(0)
-        save(MoEModel(config), root / "model")
-        raw_s = min(_time_raw_read(blobs.path(ref)) for ref in versions for _ in range(2))
-        builtin_s = asyncio.run(_time_swaps(_builtin(root / "model", blobs), versions))
-        vllm_s, why_no_vllm = _vllm_swaps(root, blobs, versions)
-    nbytes = versions[0].nbytes
-    print_json({
-        "bench": "swap", "quick": quick, "rounds": rounds, "params": sum(p.numel() for p in MoEModel(config).parameters()),
-        "blob_mb": round(nbytes / 1e6, 1), "raw_read_s": round(raw_s, 4),
-        "raw_read_mb_per_s": round(nbytes / 1e6 / raw_s, 1),
-        "builtin_swap_s": round(builtin_s, 4),
-        "vllm_swap_s": None if vllm_s is None else round(vllm_s, 4),
-        **({"vllm_missing": why_no_vllm} if why_no_vllm else {}),
-        "vllm_ratio": None if vllm_s is None else round(raw_s / vllm_s, 3),
-        "ratio": round(raw_s / builtin_s, 3),
-    })
+    rounds = 1 if quick else 2
+    sizes = {"quick": (QUICK, "float32")} if quick else {"small": (SMALL, "float32"), "large": (LARGE, "bfloat16")}
+    figures: dict[str, object] = {"bench": "swap", "quick": quick, "rounds": rounds, "threads": THREADS,
+                                  "shard_mb": SHARD_BYTES >> 20, "hash": "sha256", "sizes": {}}
+    with tempfile.TemporaryDirectory(prefix="reel-bench-swap-", dir=os.environ.get("REEL_BENCH_DIR")) as tmp:
+        for name, (config, dtype) in sizes.items():
+            figures["sizes"][name] = _one_size(Path(tmp) / name, config, dtype, rounds, background=name != "large")
+        if not quick:
+            figures["mooncake"] = _mooncake_row(Path(tmp) / "mooncake", SMALL, "float32", rounds)
+        skip_vllm = bool(os.environ.get("REEL_BENCH_NO_VLLM"))
+        figures["vllm"] = None if skip_vllm else _vllm_row(Path(tmp) / "vllm", QUICK if quick else SMALL, rounds)
+    last = figures["sizes"]["quick" if quick else "large"]
+    figures["load_ratio"], figures["publish_ratio"] = last["load"]["ratio"], last["publish"]["ratio"]
+    figures["ratio"] = figures["load_ratio"]
+    print_json(figures)
     return 0
 
 
-def _time_raw_read(path: Path) -> float:
+def _one_size(root: Path, config: MoEConfig, dtype: str, rounds: int, background: bool) -> dict[str, object]:
+    root.mkdir(parents=True)
+    blobs = BlobStore(root / "blobs")
+    publish = _publish_phases(root, blobs, _model(config, 0), dtype, rounds)
+    manifests = [_published(blobs, _model(config, seed), seed, dtype) for seed in range(rounds + 1)]
+    load = _load_phases(blobs, _model(config, 0), manifests, rounds, background)
+    nbytes = sum(s.blob.nbytes for s in manifests[0].shards)
+    return {"params": sum(t.numel() for _, t in hub_tensors(_model(config, 0).state_dict(), config)), "dtype": dtype,
+            "gb": _gb(nbytes), "shards": len(manifests[0].shards), "publish": publish, "load": load,
+            "delta": _delta_figures(blobs, _model(config, 0), manifests[0], dtype)}
+
+
+def _unchanged(blobs: BlobStore, base: WeightManifest, tensors: dict[str, torch.Tensor],
+               dtype: torch.dtype) -> tuple[int, int]:
+    """(elements whose bits did not change from `base`, elements), shard by shard."""
+    same = total = 0
+    for shard in base.shards:
+        with blobs.mapped(shard.blob) as data:
+            for entry in read_header(data):
+                total += entry.count
+                same += entry.count - changed(tensors[entry.name].to(dtype), tensor_at(data, entry)).numel()
+    return same, total
+
+
+def _delta_figures(blobs: BlobStore, model: MoEModel, base: WeightManifest, dtype: str) -> dict[str, object]:
+    """One AdamW step (lr DELTA_LR, fresh moments: every element moves by about lr) after version 0:
+    the share of elements whose bits did not change, and the delta's bytes against the full version's."""
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=DELTA_LR, weight_decay=0.0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    del optimizer
+    for p in params:
+        p.grad = None
+    full = _published(blobs, model, base.version + 1, dtype)
+    same, total = _unchanged(blobs, base, dict(hub_tensors(model.state_dict(), model.config)), DTYPES[dtype])
+    started = time.perf_counter()
+    delta = publish_delta(blobs, hub_tensors(model.state_dict(), model.config), base, full, shard_bytes=SHARD_BYTES,
+                          threads=THREADS)
+    seconds = time.perf_counter() - started
+    full_bytes = sum(s.blob.nbytes for s in full.shards)
+    delta_bytes = full_bytes if delta is None else sum(s.blob.nbytes for s in delta[1].shards)
+    return {"lr": DELTA_LR, "unchanged_share": round(same / total, 4), "full_mb": round(full_bytes / 1e6, 1),
+            "delta_mb": round(delta_bytes / 1e6, 1), "saved_share": round(1 - delta_bytes / full_bytes, 4),
+            "delta_publish_s": _s(seconds), "published": delta is not None}
+
+
+def _published(blobs: BlobStore, model: MoEModel, version: int, dtype: str) -> WeightManifest:
+    return publish_version(blobs, hub_tensors(model.state_dict(), model.config), version=version, step=version,
+                           dtype=dtype, shard_bytes=SHARD_BYTES, threads=THREADS)[1]
+
+
+def _model(config: MoEConfig, seed: int) -> MoEModel:
+    torch.manual_seed(seed)
+    return MoEModel(config)
+
+
+# ---- publish --------------------------------------------------------------------------------------
+
+
+def _publish_phases(root: Path, blobs: BlobStore, model: MoEModel, dtype: str, rounds: int) -> dict[str, object]:
+    torch_dtype = DTYPES[dtype]
+    itemsize = torch.empty(0, dtype=torch_dtype).element_size()
+    gather_s = _best(rounds, lambda: buckets(hub_tensors(model.state_dict(), model.config), SHARD_BYTES, itemsize))
+    groups = buckets(hub_tensors(model.state_dict(), model.config), SHARD_BYTES, itemsize)
+    serialise_s = _best(rounds, lambda: [list(shard_parts([(n, t.to(torch_dtype)) for n, t in g])) for g in groups])
+    parts = [list(shard_parts([(n, t.to(torch_dtype)) for n, t in g])) for g in groups]
+    nbytes = sum(p.nbytes if isinstance(p, memoryview) else len(p) for ps in parts for p in ps)
+    hash_s = _best(rounds, lambda: [_sha256(ps) for ps in parts])
+    write_s = _best(rounds, lambda: _raw_write(root / "raw-write", parts))
+    del parts
+    sampler = _RssPeak()
+    pipeline_s = float("inf")
+    for version in range(rounds):
+        with sampler:
+            started = time.perf_counter()
+            publish_version(blobs, hub_tensors(model.state_dict(), model.config), version=100 + version, step=0,
+                            dtype=dtype, shard_bytes=SHARD_BYTES, threads=THREADS)
+            pipeline_s = min(pipeline_s, time.perf_counter() - started)
+    return {"gather_s": _s(gather_s), "serialise_s": _s(serialise_s), "hash_s": _s(hash_s),
+            "hash_gb_per_s": _rate(nbytes, hash_s), "raw_write_fdatasync_s": _s(write_s),
+            "raw_write_gb_per_s": _rate(nbytes, write_s), "pipeline_s": _s(pipeline_s),
+            "pipeline_gb_per_s": _rate(nbytes, pipeline_s), "peak_extra_rss_mb": sampler.peak_mb,
+            "ratio": round(write_s / pipeline_s, 3)}
+
+
+def _sha256(parts: list) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def _raw_write(path: Path, parts: list[list]) -> None:
+    with open(path, "wb") as f:
+        for ps in parts:
+            for p in ps:
+                f.write(p)
+        f.flush()
+        os.fdatasync(f.fileno())
+    path.unlink()
+
+
+# ---- load -----------------------------------------------------------------------------------------
+
+
+def _load_phases(blobs: BlobStore, model: MoEModel, manifests: list[WeightManifest], rounds: int,
+                 background: bool) -> dict[str, object]:
+    shards = [s.blob for s in manifests[0].shards]
+    nbytes = sum(ref.nbytes for ref in shards)
+    raw_s = _best(rounds + 1, lambda: _raw_read(blobs, shards))
+    read_s = _best(rounds, lambda: [_touch(blobs, ref) for ref in shards])
+    shapes = {n: t.shape for n, t in state_dict_adapter.to_hf(model.state_dict(), model.config).items()}
+    verify_s = _best(rounds, lambda: verify_version(blobs, manifests[0], shapes, THREADS))
+    hub = state_dict_adapter.to_hf(model.state_dict(), model.config)
+    with torch.inference_mode():
+        copy_s = _best(rounds, lambda: copy_version(blobs, manifests[0], lambda n, t: hub[n].copy_(t), THREADS))
+    engine = BuiltinEngine(model, max_batch=16, blobs=blobs, version=-1)
+    swaps = asyncio.run(_time_swaps(engine, manifests, background))
+    swap_s = swaps["update_s"] + swaps["visible_s"]
+    return {"raw_read_s": _s(raw_s), "raw_read_gb_per_s": _rate(nbytes, raw_s), "read_s": _s(read_s),
+            "verify_s": _s(verify_s), "verify_gb_per_s": _rate(nbytes, verify_s), "copy_s": _s(copy_s),
+            "update_s": _s(swaps["update_s"]), "update_gb_per_s": _rate(nbytes, swaps["update_s"]),
+            "visible_s": _s(swaps["visible_s"]), "swap_s": _s(swap_s), "update_rss_mb": swaps["update_rss_mb"],
+            "swap_rss_mb": swaps["swap_rss_mb"], "update_ratio": round(raw_s / swaps["update_s"], 3),
+            "ratio": round(raw_s / swap_s, 3)}
+
+
+def _raw_read(blobs: BlobStore, refs: list[BlobRef]) -> None:
+    buffer = bytearray(max(ref.nbytes for ref in refs))
+    for ref in refs:
+        with open(blobs.path(ref), "rb", buffering=0) as f:
+            f.readinto(buffer)
+
+
+def _touch(blobs: BlobStore, ref: BlobRef) -> None:
+    with blobs.mapped(ref) as data:
+        bytes(data[::4096])  # one byte per page: every page mapped in
+
+
+async def _time_swaps(engine: Engine, manifests: list[WeightManifest], background: bool) -> dict[str, float]:
+    """Best seconds of update_weights (read, verify, copy) and of the extra the first request after it
+    costs over the same request without a swap (the version made visible); the peak extra RSS of the
+    update and of the whole swap, each over the level before the update."""
+    update, visible = float("inf"), float("inf")
+    updating, swapping = _RssPeak(), _RssPeak()
+    async with engine:
+        await engine.update_weights(manifests[0], 0)
+        await engine.generate(PROMPT, PROBE)
+        for version, manifest in enumerate(manifests[1:], start=1):
+            decoding = asyncio.create_task(engine.generate(PROMPT, BACKGROUND)) if background else None
+            await asyncio.sleep(0.2 if background else 0)  # decoding when the swap lands
+            probe_s = await _probe(engine, version - 1)
+            with swapping:
+                with updating:
+                    start = time.perf_counter()
+                    await engine.update_weights(manifest, version)
+                    update = min(update, time.perf_counter() - start)
+                visible = min(visible, await _probe(engine, version) - probe_s)
+            if decoding is not None:
+                await decoding
+    return {"update_s": update, "visible_s": max(0.0, visible), "update_rss_mb": updating.peak_mb,
+            "swap_rss_mb": swapping.peak_mb}
+
+
+async def _probe(engine: Engine, version: int) -> float:
     start = time.perf_counter()
-    load_file(path)
+    probe, = await engine.generate(PROMPT, PROBE)
+    if probe.spans != [(0, version)]:
+        raise RuntimeError(f"the engine sampled under {probe.spans}, version {version} expected")
     return time.perf_counter() - start
 
 
-def _builtin(model_dir: Path, blobs: BlobStore) -> BuiltinEngine:
-    from reel.runtime.model.weights import load
-
-    return BuiltinEngine(load(model_dir), max_batch=16, blobs=blobs, version=-1)
+# ---- Mooncake (one object per shard) --------------------------------------------------------------
 
 
-async def _time_swaps(engine: Engine, versions: list[BlobRef]) -> float:
-    """Best time from BlobRef in hand to the engine serving it, with requests decoding meanwhile."""
+def _mooncake_row(root: Path, config: MoEConfig, dtype: str, rounds: int) -> dict[str, object]:
+    """Publish and load through a Mooncake store over TCP (a master and a holder started here)."""
+    if importlib.util.find_spec("mooncake") is None:
+        return {"missing": "Mooncake is not installed (pip install 'reel-rl[mooncake]')"}
+    from reel.bus.blob_backends.mooncake import MooncakeBlobs
+    from reel.bus.blob_backends.mooncake_service import MooncakeService
+
+    with MooncakeService(root / "mooncake", segment_bytes=1 << 30) as service:
+        blobs = MooncakeBlobs(service.address, retry_s=5.0)
+        try:
+            model = _model(config, 0)
+            publish_s = _best(rounds, lambda: _published(blobs, model, 0, dtype))
+            manifests = [_published(blobs, _model(config, seed), seed, dtype) for seed in range(rounds + 1)]
+            refs = [s.blob for s in manifests[0].shards]
+            raw_s = _best(rounds + 1, lambda: [blobs.read(ref) for ref in refs])
+            swaps = asyncio.run(_time_swaps(BuiltinEngine(model, max_batch=16, blobs=blobs, version=-1), manifests,
+                                            background=False))
+        finally:
+            blobs.close()
+    nbytes = sum(ref.nbytes for ref in refs)
+    return {"gb": _gb(nbytes), "objects": len(refs), "publish_s": _s(publish_s), "raw_get_s": _s(raw_s),
+            "update_s": _s(swaps["update_s"]), "update_gb_per_s": _rate(nbytes, swaps["update_s"]),
+            "update_rss_mb": swaps["update_rss_mb"], "update_ratio": round(raw_s / swaps["update_s"], 3)}
+
+
+# ---- vLLM (one whole blob) ------------------------------------------------------------------------
+
+
+def _vllm_row(root: Path, config: MoEConfig, rounds: int) -> dict[str, object]:
+    if importlib.util.find_spec("vllm") is None:
+        return {"missing": "vLLM is not installed (bash ops/install_vllm.sh)"}
+    from reel.producers.vllm_http import VLLMHTTPEngine
+    from reel.runtime.launch.vllm_serve import local_vllm
+
+    root.mkdir(parents=True)
+    blobs = BlobStore(root / "blobs")
+    versions = [blobs.put(state_dict_bytes(_model(config, seed))) for seed in range(rounds + 1)]
+    save(_model(config, 0), root / "model")
+    raw_s = _best(rounds + 1, lambda: _raw_read(blobs, versions[:1]))
+    with local_vllm(config_mod.loads(SERVE), root / "model", root / "vllm.log") as url:
+        engine = VLLMHTTPEngine(root / "model", url=url, blobs=blobs, version=-1, routed_experts=False)
+        swap_s = asyncio.run(_time_blob_swaps(engine, versions))
+    return {"format": "safetensors", "gb": _gb(versions[0].nbytes), "raw_read_s": _s(raw_s), "swap_s": _s(swap_s),
+            "ratio": round(raw_s / swap_s, 3)}
+
+
+async def _time_blob_swaps(engine: Engine, versions: list[BlobRef]) -> float:
     best = float("inf")
     async with engine:
         await engine.update_weights(versions[0], 0)
         for version, ref in enumerate(versions[1:], start=1):
-            background = asyncio.create_task(engine.generate(PROMPT, BACKGROUND))
-            await asyncio.sleep(0.2)  # decoding when the swap lands
+            decoding = asyncio.create_task(engine.generate(PROMPT, BACKGROUND))
+            await asyncio.sleep(0.2)
             start = time.perf_counter()
             await engine.update_weights(ref, version)
-            probe, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=1))
-            seconds = time.perf_counter() - start
+            probe, = await engine.generate(PROMPT, PROBE)
+            best = min(best, time.perf_counter() - start)
             if probe.spans != [(0, version)]:
-                raise RuntimeError(f"after the swap to version {version} the engine sampled under {probe.spans}")
-            best = min(best, seconds)
-            await background
+                raise RuntimeError(f"after the swap to version {version} vLLM sampled under {probe.spans}")
+            await decoding
     return best
 
 
-def _vllm_swaps(root: Path, blobs: BlobStore, versions: list[BlobRef]) -> tuple[float | None, str | None]:
-    if importlib.util.find_spec("vllm") is None:
-        return None, "vLLM is not installed (bash ops/install_vllm.sh)"
-    from reel.producers.vllm_http import VLLMHTTPEngine
-    from reel.runtime.launch.vllm_serve import local_vllm
+# ---- measuring ------------------------------------------------------------------------------------
 
-    with local_vllm(config_mod.loads(SERVE), root / "model", root / "vllm.log") as url:
-        engine = VLLMHTTPEngine(root / "model", url=url, blobs=blobs, version=-1, routed_experts=False)
-        return asyncio.run(_time_swaps(engine, versions)), None
+
+class _RssPeak:
+    """Peak rise of this process's resident memory over its level at `with` entry, across uses (MB)."""
+
+    def __init__(self) -> None:
+        self.peak_mb = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> _RssPeak:
+        self._base = _rss()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak_mb = max(self.peak_mb, round((_rss() - self._base) / 1e6, 1))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _best(rounds: int, run: Callable[[], object]) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def _s(seconds: float) -> float:
+    return round(seconds, 4)
+
+
+def _gb(nbytes: int) -> float:
+    return round(nbytes / 1e9, 3)
+
+
+def _rate(nbytes: int, seconds: float) -> float:
+    return round(nbytes / 1e9 / seconds, 2)

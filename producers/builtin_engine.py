@@ -38,12 +38,16 @@ from safetensors.torch import save as st_save
 
 from reel.bus.blobs import BlobBackend
 from reel.bus.events import BlobRef
+from reel.bus.weight_manifest import WeightManifest
 from reel.producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
 from reel.producers.sampling import Sampler, Uniforms
-from reel.runtime.model.cached_forward import forward_cached
+from reel.runtime.model import state_dict_adapter
+from reel.runtime.model.cached_forward import forward_cached, release_prepared
 from reel.runtime.model.kvcache import new_cache
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import load_state_dict_bytes
+from reel.runtime.weight_delta import apply_delta, full_of, verify_delta
+from reel.runtime.weight_load import copy_version, verify_version
 
 __all__ = ["BuiltinEngine"]
 
@@ -97,6 +101,7 @@ class BuiltinEngine(Engine):
         self.device = next(model.parameters()).device
         self._routing_dtype = routing_dtype(model.config.num_experts)
         self._cache = new_cache(model, max_batch, self.max_seq_len)
+        self._hub = state_dict_adapter.to_hf(model.state_dict(), model.config)  # Hub name -> view of its parameter
         # The step thread's own torch thread count: an OpenMP team driven from a non-main thread was
         # 2x slower per decode step here at 2 threads than at 1 (tiny MoE, 2 cores); raise it for
         # models whose matmuls are big enough to split.
@@ -107,7 +112,7 @@ class BuiltinEngine(Engine):
         self._free_slots = list(range(max_batch))  # a heap: the lowest free slot first
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._running: list[_Sequence] = []
-        self._updates: list[tuple[Mapping[str, torch.Tensor] | bytes, int, asyncio.Future[None]]] = []
+        self._updates: list[tuple[Mapping[str, torch.Tensor] | bytes | WeightManifest, int, asyncio.Future[None]]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -146,11 +151,14 @@ class BuiltinEngine(Engine):
         # Cancelling the caller cancels the future; the loop then drops the request's sequences.
         return await request.future
 
-    async def update_weights(self, weights: Mapping[str, torch.Tensor] | BlobRef, version: int) -> None:
+    async def update_weights(self, weights: Mapping[str, torch.Tensor] | BlobRef | WeightManifest,
+                             version: int) -> None:
+        if isinstance(weights, (BlobRef, WeightManifest)) and self.blobs is None:
+            raise EngineError("update_weights got weights in a blob store but the engine has none")
         if isinstance(weights, BlobRef):
-            if self.blobs is None:
-                raise EngineError("update_weights got a BlobRef but the engine has no blob store")
             weights = await asyncio.to_thread(self.blobs.get, weights)  # verifies sha256, off the step path
+        elif isinstance(weights, WeightManifest):  # every shard verified while the old version serves
+            weights = await asyncio.to_thread(self._verified, weights)
         await self.start()
         done = asyncio.get_running_loop().create_future()
         self._updates.append((weights, version, done))
@@ -261,9 +269,29 @@ class BuiltinEngine(Engine):
     # ---- the step thread --------------------------------------------------------------------
 
     @torch.inference_mode()
-    def _load(self, weights: Mapping[str, torch.Tensor] | bytes) -> None:
+    def _load(self, weights: Mapping[str, torch.Tensor] | bytes | WeightManifest) -> None:
+        release_prepared(self.model)
+        if isinstance(weights, WeightManifest):  # verified: copied shard by shard from the store's maps
+            if weights.base_version >= 0 and not (wrong := apply_delta(self.blobs, weights, self._hub)):
+                return
+            if weights.base_version >= 0:
+                log.warning("delta of version %d did not reproduce shards %s; loading its full shards",
+                            weights.version, wrong)
+                weights = self._verified(full_of(weights))
+            copy_version(self.blobs, weights, lambda name, t: self._hub[name].copy_(t))
+            return
         # A state dict takes the blob's path too (safetensors in memory), so both are checked alike.
         load_state_dict_bytes(self.model, weights if isinstance(weights, bytes) else st_save(dict(weights)))
+
+    def _verified(self, manifest: WeightManifest) -> WeightManifest:
+        """The manifest to load, checked: a delta on the version held here, else the version's full shards."""
+        shapes = {n: t.shape for n, t in self._hub.items()}
+        if manifest.base_version >= 0 and manifest.base_version == self.version:
+            verify_delta(self.blobs, manifest, shapes)
+            return manifest
+        full = full_of(manifest) if manifest.base_version >= 0 else manifest
+        verify_version(self.blobs, full, shapes)
+        return full
 
     def _interrupted(self) -> bool:
         """Whether the serving loop has work between two steps (read from the step thread)."""

@@ -119,6 +119,8 @@ class Engine(abc.ABC):
         """Swap in new weights (HF tensor names) between two decode steps; returns once they are live.
 
         A BlobRef is a safetensors blob in the engine's blob store; its sha256 is verified before use.
+        A WeightManifest (bus/weight_manifest.py; the built-in engine) is verified shard by shard before
+        anything is copied: a bad shard raises WeightLoadError and the old version keeps serving.
         Running requests continue under `version` from their next token; none is dropped or restarted.
         """
 

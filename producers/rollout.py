@@ -51,21 +51,24 @@ import msgspec
 import numpy as np
 
 from reel.bus.blobs import BlobBackend
-from reel.bus.events import RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished, WorkerStats
+from reel.bus.dead_letter import dead_letter_read
+from reel.bus.events import (AnyEvent, BlobRef, RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished,
+                             WorkerStats)
 from reel.bus.log import LogError, RunLog
 from reel.bus.partitions import worker_partition
 from reel.bus.seqs import recover_seq
 from reel.bus.streams import Publisher, connect
 from reel.bus.tail import Tail
+from reel.bus.weight_manifest import WeightManifest
 from reel.producers.engine import Engine, EngineError, SamplingParams
 from reel.producers.envs import Env, env_for
 from reel.producers.episode import Episode, non_finite, run_group
 from reel.producers.outstanding import outstanding_groups
 from reel.producers.envs.rewards import RewardError
-from reel.producers.episode import Episode, run_group
 from reel.runtime.blob_store import run_blobs
 from reel.runtime.config import Config, load
 from reel.runtime.initial_policy import init_dir
+from reel.runtime.weight_load import WeightLoadError, read_manifest
 
 log = logging.getLogger("reel.rollout")
 
@@ -92,6 +95,7 @@ class RolloutWorker:
     engine: Engine | None  # made when the first weights arrive (their config is in the run's init/)
     # Progress, changed only on the event loop.
     committed: int  # newest committed policy version (0 before any commit)
+    refused: int  # newest policy version that could not be loaded (dead-lettered), -1 if none
     first_round: int  # c0 of the async gate: c when this process started its first group
     queued: int  # q of the async gate: groups an earlier process published, not yet trained
     started: int  # groups started by this process
@@ -115,6 +119,7 @@ class RolloutWorker:
         self.seq_base = 0
         self.engine = None
         self.committed = 0
+        self.refused = -1
         self.first_round = 0
         self.queued = 0
         self.started = 0
@@ -173,8 +178,9 @@ class RolloutWorker:
         return self.engine is not None and self.engine.version >= 0 and self._steps_read
 
     def _gate_version(self) -> int:
-        """c of the async gate: committed and live here."""
-        return min(self.committed, self.engine.version)
+        """c of the async gate: committed and live here (or refused: the worker goes on with what it has,
+        and its samples name the version they really came from)."""
+        return min(self.committed, self._held_version())
 
     async def _count_queued(self, redis) -> None:
         """c0 and q of the async gate, from one snapshot of the commits."""
@@ -298,21 +304,39 @@ class RolloutWorker:
     async def _follow_weights(self) -> None:
         async with Tail(self.url, self.run_name, ["weights"], start="0") as tail:
             while True:
-                events = await _read_to_end(tail, block_ms=1000)
-                latest = max((e for e in events if isinstance(e, WeightsPublished)), key=lambda e: e.version,
-                             default=None)
-                if latest is None or (self.engine is not None and latest.version <= self.engine.version):
+                entries = await _entries_to_end(tail, block_ms=1000)
+                latest = max((entry for entry in entries if isinstance(entry[2], WeightsPublished)),
+                             key=lambda entry: entry[2].version, default=None)
+                if latest is None or (self.engine is not None and latest[2].version <= self._held_version()):
                     continue
+                lane, entry_id, event = latest
                 if self.engine is None:
                     model_dir = init_dir(self.run_dir)  # the trainer wrote it before publishing version 0
                     self.engine = await asyncio.to_thread(make_engine, self.config, model_dir, self.blobs,
                                                           self.index)
                     await self.engine.start()
                 started = time.monotonic()
-                await self.engine.update_weights(latest.weights, latest.version)
+                try:
+                    await self.engine.update_weights(await self._weights_of(event), event.version)
+                except WeightLoadError as exc:  # the engine keeps serving the version it has
+                    self.refused = event.version
+                    await dead_letter_read(self.publisher.redis, self.run_name, lane, entry_id, event,
+                                           f"policy version {event.version} not loaded: {exc}", self.name)
+                    self._changed.set()
+                    continue
                 self._swaps.append(time.monotonic() - started)
-                log.info("%s: policy version %d live (%.2f s)", self.name, latest.version, self._swaps[-1])
+                log.info("%s: policy version %d live (%.2f s)", self.name, event.version, self._swaps[-1])
                 self._changed.set()
+
+    async def _weights_of(self, event: WeightsPublished) -> BlobRef | WeightManifest:
+        """What the engine loads: the one blob, or the manifest of shards (read and verified here)."""
+        if event.format == "manifest":
+            return await asyncio.to_thread(read_manifest, self.blobs, event.weights)
+        return event.weights
+
+    def _held_version(self) -> int:
+        """The newest version this worker has dealt with: live in the engine, or refused as unloadable."""
+        return max(self.engine.version, self.refused)
 
     async def _follow_steps(self) -> None:
         async with Tail(self.url, self.run_name, ["steps"], start="0") as tail:
@@ -358,12 +382,17 @@ def _sample(e: Episode) -> Sample:
 
 async def _read_to_end(tail: Tail, block_ms: int) -> list:
     """Events up to the stream's current end (a full batch means more are waiting)."""
+    return [e for _, _, e in await _entries_to_end(tail, block_ms)]
+
+
+async def _entries_to_end(tail: Tail, block_ms: int) -> list[tuple[str, str, AnyEvent]]:
+    """(lane, entry id, event) up to the stream's current end."""
     batch = await tail.read(count=_READ, block_ms=block_ms)
-    events = [e for _, _, e in batch]
+    entries = list(batch)
     while len(batch) == _READ:
         batch = await tail.read(count=_READ, block_ms=0)
-        events += [e for _, _, e in batch]
-    return events
+        entries += batch
+    return entries
 
 
 def newest_logged_commit(run_dir: Path) -> int:

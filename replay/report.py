@@ -33,7 +33,7 @@ def step_view(r: StepReport) -> Group:
                   _same(r.grad_norm, r.logged_grad_norm))
     check.add_row("weights sha256", "", "", "[green]=[/]" if r.weights_sha256_match else "[red]differs[/]")
     check.add_row("trainer ranks", str(r.ranks), str(r.recorded_ranks), "[green]=[/]" if r.ranks == r.recorded_ranks
-                  else f"max |Δweight| {_num(r.max_weight_diff)}")
+                  else f"max |Δweight| {num(r.max_weight_diff)}")
     check.add_row("compute seconds", f"{r.replay_seconds:.3f}", f"{r.original_seconds:.3f}",
                   f"x{r.replay_seconds / r.original_seconds:.2f}" if r.original_seconds > 0 else "")
     restored = "the initial policy" if r.restored_from == 0 else f"the checkpoint of step {r.restored_from}"

@@ -24,6 +24,7 @@ from reel.runtime.initial_policy import load_initial_model
 from reel.runtime.launch.supervisor import load_run_config
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import load_state_dict_bytes
+from reel.runtime.weight_load import version_bytes
 
 
 class TrainedRun(NamedTuple):
@@ -43,7 +44,7 @@ def load_trained_run(run_dir: Path, prompts: int) -> TrainedRun:
         raise ReelError(f"{run_dir} has no published weights or no logged rollouts yet; run it first")
     latest = max(weights, key=lambda e: e.version)
     model = load_initial_model(run_dir)
-    load_state_dict_bytes(model, BlobStore(run_dir / "blobs").get(latest.weights))
+    load_state_dict_bytes(model, version_bytes(BlobStore(run_dir / "blobs"), latest.weights, latest.format))
     length = Counter(t.prompt.shape[0] for t in trajectories).most_common(1)[0][0]
     chosen = [t.prompt.numpy() for t in reversed(trajectories) if t.prompt.shape[0] == length][:prompts]
     stopped = [s.tokens.numpy()[-1] for t in trajectories for s in t.samples if s.finish_reason == "stop"]

@@ -42,7 +42,7 @@ from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.parallelize import apply_fsdp
 from reel.runtime.peak_memory import MALLOC_ENV, PeakMemory, release_free_memory
-from reel.runtime.train_step import TrainState, make_optimizer, train_step
+from reel.runtime.train_step import TrainState, full_weights, make_optimizer, train_step
 
 MODEL = MoEConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -113,13 +113,13 @@ def measure(world: World, model_cfg: MoEConfig, groups: int) -> tuple[Figures, b
     mark = PeakMemory.start(world.device)
     model = apply_fsdp(MoEModel(model_cfg), world)
     state = TrainState(model, make_optimizer(model, config.trainer), 0)
-    held, seconds, weights = 0, [], b""
+    held, seconds = 0, []
     for batch in batches:
         started = time.perf_counter()
-        state, result = train_step(state, batch, config, world)
+        state, _ = train_step(state, batch, config, world)
         seconds.append(time.perf_counter() - started)
         held = max(held, _held_bytes(state))
-        weights = result.weights
+    weights = full_weights(state.model, world)
     backend = torch.distributed.get_backend() if world.distributed else "none"
     # The first step pays for lazy init.
     return Figures(mark.peak_bytes(), mark.device, held, min(seconds[1:] or seconds), backend), weights

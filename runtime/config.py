@@ -142,6 +142,13 @@ class TrainerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # positions and run ring attention; divides ranks (the batch is split over ranks / C groups). CUDA
     # only; not with expert_parallel > 1, objective = "mis" or aux_loss_coef > 0. 1 = no CP.
     context_parallel: int = 1
+    # How a policy version is published (runtime/weight_publish.py): "manifest" = shards written in place
+    # and verified shard by shard; "safetensors" = one whole-model blob (the format of older logs).
+    weight_format: Literal["manifest", "safetensors"] = "manifest"
+    weight_shard_mb: int = 64  # bytes per manifest shard, in MiB (the loader's extra memory is about one per thread)
+    # Also publish each version as a sparse delta against the previous one (runtime/weight_delta.py) when
+    # that is smaller: workers holding the previous version read only what changed. Pays for bf16 shards.
+    weight_delta: bool = False
 
 
 class BlobsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -268,6 +275,8 @@ def validate(c: Config) -> None:
              f"trainer.expert_parallel = {ep} must be at least 1 and divide trainer.ranks = {c.trainer.ranks}; "
              "pick a divisor of trainer.ranks (1 = no expert parallelism)")
     _validate_context_parallel(c.trainer)
+    require(c.trainer.weight_shard_mb >= 1, f"trainer.weight_shard_mb = {c.trainer.weight_shard_mb} must be at "
+            "least 1 (MiB per weight shard)")
     require(c.trainer.checkpoint_every >= 1,
              f"trainer.checkpoint_every = {c.trainer.checkpoint_every} must be at least 1")
     require(c.log.keep_weights_every >= 0,
@@ -418,6 +427,8 @@ def config_hash(c: Config) -> str:
     trainer = msgspec.structs.asdict(c.trainer)
     for layout_key in ("ranks", "expert_parallel", "context_parallel"):
         trainer.pop(layout_key)
+    for publish_key in ("weight_format", "weight_shard_mb", "weight_delta"):  # how versions are written, not what they hold
+        trainer.pop(publish_key)
     keys = msgspec.json.encode([c.run.seed, c.model, trainer])
     return hashlib.sha256(keys).hexdigest()[:16]
 

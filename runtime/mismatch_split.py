@@ -29,6 +29,7 @@ from reel.bus.events import AnyEvent, BlobRef, WeightsPublished
 from reel.runtime import loss as loss_mod
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import load_state_dict_bytes
+from reel.runtime.weight_load import version_bytes
 
 # version -> the weights blob's bytes (state_dict_bytes), None when that version is not known
 WeightsOf = Callable[[int], bytes | None]
@@ -40,12 +41,14 @@ class WeightHistory:
     """Published policy weights by version, read from the blob store on demand; the last few stay in memory."""
 
     refs: dict[int, BlobRef]
+    formats: dict[int, str]
     _cache: OrderedDict[int, bytes]
 
     def __init__(self, blobs: BlobBackend, keep: int = 4):
         self.blobs = blobs
         self.keep = max(1, keep)
         self.refs = {}
+        self.formats = {}
         self._cache = OrderedDict()
 
     @classmethod
@@ -53,11 +56,13 @@ class WeightHistory:
         history = cls(blobs, keep)
         for event in events:
             if isinstance(event, WeightsPublished):
-                history.add(event.version, event.weights)
+                history.add(event.version, event.weights, event.format)
         return history
 
-    def add(self, version: int, ref: BlobRef) -> None:
+    def add(self, version: int, ref: BlobRef, fmt: str = "safetensors") -> None:
+        """`fmt`: the WeightsPublished.format of `ref`."""
         self.refs[version] = ref
+        self.formats[version] = fmt
 
     def get(self, version: int) -> bytes | None:
         if version in self._cache:
@@ -67,7 +72,7 @@ class WeightHistory:
         if ref is None:
             return None
         try:
-            data = self.blobs.get(ref)
+            data = version_bytes(self.blobs, ref, self.formats[version])
         except BlobMissing:  # deleted by retention (bus/retention.py): only older than any trained token
             return None
         self._cache[version] = data

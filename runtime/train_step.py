@@ -11,7 +11,6 @@ Legend: B rows, T positions, V vocabulary, N completion tokens of the batch (fla
 
 from __future__ import annotations
 
-import hashlib
 from typing import NamedTuple
 
 import msgspec
@@ -28,7 +27,8 @@ from reel.runtime.mismatch_split import WeightsOf, sampler_logprobs, split_metri
 from reel.runtime.model.context_parallel import sequence_shard, with_context_parallel
 from reel.runtime.model.determinism import set_determinism
 from reel.runtime.model.model import MoEModel
-from reel.runtime.model.weights import state_dict_bytes, state_dict_to_bytes
+from reel.runtime.model.weights import hub_tensors, state_dict_bytes, state_dict_to_bytes
+from reel.runtime.weight_shards import canonical_sha256
 
 
 class TrainState(NamedTuple):
@@ -40,10 +40,9 @@ class TrainState(NamedTuple):
 class StepResult(msgspec.Struct, frozen=True):
     loss: float
     grad_norm: float
-    weights_sha256: str  # "" on ranks > 0 (only rank 0 gathers the full weights)
+    weights_sha256: str  # sha256 of `state_dict_bytes` of the new weights; "" on ranks > 0
     metrics: dict[str, float]
     staleness: dict[int, int]
-    weights: bytes = b""  # the new weights as `state_dict_bytes` gives them (rank 0)
 
 
 def make_optimizer(model: MoEModel, cfg: TrainerSection) -> torch.optim.AdamW:
@@ -53,7 +52,8 @@ def make_optimizer(model: MoEModel, cfg: TrainerSection) -> torch.optim.AdamW:
 
 
 def weights_sha256(model: MoEModel) -> str:
-    return hashlib.sha256(state_dict_bytes(model)).hexdigest()
+    """sha256 of `state_dict_bytes(model)`, streamed tensor by tensor (never one buffer)."""
+    return canonical_sha256(hub_tensors(model.state_dict(), model.config))
 
 
 class TokenLogprobs(NamedTuple):
@@ -181,11 +181,17 @@ def train_step(state: TrainState, batch: Batch, config: Config, world: World = L
     metrics["router_replay"] = float(cfg.router_replay and batch.routing_BTLK is not None)  # R3 applied, per step
     # Staleness = versions between a token's sampler and the weights this step trains (0 = on-policy).
     staleness = loss_mod.staleness_histogram(versions_N, state.step)
-    weights = full_weights(model, world)
     new_state = TrainState(model, optimizer, step)
-    return new_state, StepResult(loss=loss_total, grad_norm=grad_norm,
-                                 weights_sha256=hashlib.sha256(weights).hexdigest() if weights else "",
-                                 metrics=metrics, staleness=staleness, weights=weights)
+    return new_state, StepResult(loss=loss_total, grad_norm=grad_norm, weights_sha256=weights_digest(model, world),
+                                 metrics=metrics, staleness=staleness)
+
+
+def weights_digest(model: MoEModel, world: World) -> str:
+    """`weights_sha256` of the whole model: a collective on N ranks (the full state on rank 0), "" on ranks > 0."""
+    if not world.distributed:
+        return weights_sha256(model)
+    full = full_state_dict(model)
+    return canonical_sha256(hub_tensors(full, model.config)) if world.rank == 0 else ""
 
 
 def full_weights(model: MoEModel, world: World) -> bytes:

@@ -28,10 +28,16 @@ from safetensors.torch import save as st_save
 
 from reel.runtime.batch import Batch
 from reel.runtime.config import Config
-from reel.runtime.distributed import World, broadcast_bytes, shutdown
+from reel.bus.blobs import BlobBackend
+from reel.bus.events import BlobRef
+from reel.bus.weight_manifest import WeightManifest
+from reel.runtime.distributed import World, broadcast_bytes, full_state_dict, shutdown
 from reel.runtime.mismatch_split import WeightsOf
 from reel.runtime.reexecute import initial_state, restored_state, save_checkpoint
+from reel.runtime.model.weights import hub_tensors
 from reel.runtime.train_step import StepResult, TrainState, full_weights, train_step
+from reel.runtime.weight_delta import publish_delta
+from reel.runtime.weight_publish import publish_format, publish_version, served_dtype
 
 log = logging.getLogger("reel.trainer")
 INIT, RESTORE, STEP, SAVE, WEIGHTS, STOP = "init", "restore", "step", "save", "weights", "stop"
@@ -43,11 +49,13 @@ class TrainerGroup:
     world: World
     run_dir: Path
     config: Config
+    published: WeightManifest | None  # the newest full version `publish` wrote (a delta's base)
 
     def __init__(self, world: World, run_dir: Path, config: Config):
         self.world = world
         self.run_dir = run_dir
         self.config = config
+        self.published = None
 
     def initial_state(self, init: Path | None = None) -> TrainState:
         self._announce(INIT, str(init or ""))
@@ -71,6 +79,27 @@ class TrainerGroup:
     def weights(self, state: TrainState) -> bytes:
         self._announce(WEIGHTS)
         return full_weights(state.model, self.world)
+
+    def publish(self, state: TrainState, blobs: BlobBackend) -> tuple[BlobRef, str]:
+        """Writes policy version `state.step` to `blobs`: (WeightsPublished.weights, .format)."""
+        t = self.config.trainer
+        if publish_format(self.config) == "safetensors":
+            return blobs.put(self.weights(state)), "safetensors"
+        model = state.model
+        if self.world.distributed:  # the followers' `full_weights` makes the same collective
+            self._announce(WEIGHTS)
+            state_dict = full_state_dict(model)
+        else:
+            state_dict = model.state_dict()
+        ref, full = publish_version(blobs, hub_tensors(state_dict, model.config), version=state.step, step=state.step,
+                                    dtype=served_dtype(self.config), shard_bytes=t.weight_shard_mb << 20)
+        previous, self.published = self.published, full
+        if t.weight_delta and previous is not None and previous.version == state.step - 1:
+            delta = publish_delta(blobs, hub_tensors(state_dict, model.config), previous, full,
+                                  shard_bytes=t.weight_shard_mb << 20)
+            if delta is not None:
+                return delta[0], "manifest"
+        return ref, "manifest"
 
     def close(self) -> None:
         self._announce(STOP)

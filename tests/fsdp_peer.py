@@ -23,7 +23,7 @@ from reel.runtime.batch import build_batch
 from reel.runtime.config import Config
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.parallelize import parallelize
-from reel.runtime.train_step import TrainState, make_optimizer, train_step
+from reel.runtime.train_step import TrainState, full_weights, make_optimizer, train_step
 from test_train_step import MODEL, _config, _groups
 
 MICRO_BATCH_TOKENS = 24  # several micro-batches per rank, of different counts across ranks
@@ -70,8 +70,9 @@ def main(mode: str, *paths: str) -> None:
             results.append({"loss": result.loss, "grad_norm": result.grad_norm, "metrics": result.metrics,
                             "sha": result.weights_sha256})
         experts = state.model.model.layers[0].mlp.experts
+        weights = full_weights(state.model, world)  # a collective: every rank gathers, rank 0 gets the bytes
         if world.rank == 0:
-            (out / "weights.safetensors").write_bytes(result.weights)
+            (out / "weights.safetensors").write_bytes(weights)
             (out / "results.json").write_text(json.dumps(results))
             (out / "experts.json").write_text(json.dumps({"class": type(experts).__name__,
                                                           "local_shape": list(experts.gate_proj.to_local().shape)}))

@@ -16,6 +16,7 @@ from safetensors.torch import load, load_file
 import fsdp_peer
 from reel.runtime import sharded_checkpoint
 from reel.runtime.distributed import LOCAL, World
+from reel.runtime.model.weights import state_dict_bytes
 from reel.runtime.train_step import train_step
 
 pytestmark = pytest.mark.slow
@@ -41,7 +42,7 @@ def test_two_ranks_equal_one_process_accumulating_their_micro_batches(tmp_path: 
         state, result = train_step(state, batch, cfg, emulated)
         results.append(result)
     ranks = load((tmp_path / "weights.safetensors").read_bytes())
-    alone = load(result.weights)
+    alone = load(state_dict_bytes(state.model))
     assert ranks.keys() == alone.keys()
     worst = max(float((ranks[k] - alone[k]).abs().max()) for k in ranks)
     assert 0 < worst < 1e-6, worst  # not bitwise (the sum across ranks rounds differently), but close
@@ -68,7 +69,7 @@ def test_expert_parallel_equals_one_process_playing_every_rank(tmp_path: Path, r
     for batch in fsdp_peer.batches(3):
         assert batch.routing_BTLK is not None and cfg.trainer.router_replay  # replayed ids go through EP
         state, result = train_step(state, batch, cfg, emulated)
-    ranks_sd, alone = load((tmp_path / "weights.safetensors").read_bytes()), load(result.weights)
+    ranks_sd, alone = load((tmp_path / "weights.safetensors").read_bytes()), load(state_dict_bytes(state.model))
     assert ranks_sd.keys() == alone.keys()
     assert max(float((ranks_sd[k] - alone[k]).abs().max()) for k in ranks_sd) < 1e-6
     logged = json.loads((tmp_path / "results.json").read_text())
@@ -88,7 +89,7 @@ def test_two_ranks_on_nccl_match_the_cpu_reference(tmp_path: Path, expert_parall
     state = fsdp_peer.fresh_state(emulated, cfg)
     for batch in fsdp_peer.batches(3):
         state, result = train_step(state, batch, cfg, emulated)
-    ranks, alone = load((tmp_path / "weights.safetensors").read_bytes()), load(result.weights)
+    ranks, alone = load((tmp_path / "weights.safetensors").read_bytes()), load(state_dict_bytes(state.model))
     assert max(float((ranks[k] - alone[k]).abs().max()) for k in ranks) < 1e-4  # fp32 GPU kernels differ a little
 
 
@@ -105,7 +106,7 @@ def test_context_parallel_on_nccl_matches_one_process(tmp_path: Path) -> None:
     for batch in fsdp_peer.batches(3):
         state, result = train_step(state, batch, cfg)
         results.append(result)
-    ranks, alone = load((tmp_path / "weights.safetensors").read_bytes()), load(result.weights)
+    ranks, alone = load((tmp_path / "weights.safetensors").read_bytes()), load(state_dict_bytes(state.model))
     assert ranks.keys() == alone.keys()
     assert max(float((ranks[k] - alone[k]).abs().max()) for k in ranks) < 1e-4  # fp32 GPU kernels differ a little
     for mine, theirs in zip(results, json.loads((tmp_path / "results.json").read_text())):

@@ -132,3 +132,37 @@ def test_a_run_with_weights_over_mooncake_replays_bitwise(tmp_path: Path, capsys
     for step in (1, 3):  # replay reads the run dir only: no store is running now
         assert main(["replay", "step", str(step), "--run", str(run_dir), "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["bitwise"] is True
+
+
+def test_a_manifest_version_loads_from_mooncake_one_object_per_shard(store: MooncakeService, tmp_path: Path) -> None:
+    import asyncio
+
+    import torch
+
+    from reel.producers.builtin_engine import BuiltinEngine
+    from reel.runtime.model.weights import hub_tensors
+    from reel.runtime.weight_load import WeightLoadError
+    from reel.runtime.weight_publish import publish_version
+    from test_weight_sync import model
+
+    blobs = MooncakeBlobs(store.address, fallback=BlobStore(tmp_path / "blobs"), retry_s=1.0)
+    try:
+        source = model(1)
+        _, manifest = publish_version(blobs, hub_tensors(source.state_dict(), source.config), version=1, step=1,
+                                      shard_bytes=4096)
+        assert len(manifest.shards) > 3 and all(s.blob.uri == f"mooncake://{s.blob.sha256}" for s in manifest.shards)
+        engine = BuiltinEngine(model(2), max_batch=2, blobs=blobs, version=0)
+        lost = type(manifest)(version=2, step=2, dtype=manifest.dtype, shards=[*manifest.shards[:-1], type(
+            manifest.shards[-1])(blob=BlobRef(uri="mooncake://" + "1" * 64, sha256="1" * 64, nbytes=10), rank=0,
+                                 tensors=manifest.shards[-1].tensors)])
+
+        async def swap() -> None:
+            async with engine:
+                await engine.update_weights(manifest, 1)
+                with pytest.raises(WeightLoadError, match="cannot be read"):
+                    await engine.update_weights(lost, 2)
+        asyncio.run(swap())
+        assert engine.version == 1
+        assert all(torch.equal(engine.model.state_dict()[n], t) for n, t in source.state_dict().items())
+    finally:
+        blobs.close()

@@ -7,8 +7,12 @@ fsyncs the directory, so a blob is either absent or complete.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
+import stat
 import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -33,13 +37,17 @@ class BlobStore(BlobBackend):
         return self.root / sha[:2] / sha
 
     def put(self, data: bytes | Path) -> BlobRef:
+        return self.put_parts(_chunks(data) if isinstance(data, Path) else [data])
+
+    def put_parts(self, parts: Iterable[bytes | memoryview]) -> BlobRef:
+        """Hashes each part as it writes it: one pass over the bytes, never joined in memory."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".put-")
             os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide blobs from other users of a shared store
             try:
                 with os.fdopen(fd, "wb") as f:
-                    digest, nbytes = self._copy(data, f)
+                    digest, nbytes = _copy(parts, f)
                     f.flush()
                     os.fsync(f.fileno())
                 ref = BlobRef(uri="", sha256=digest, nbytes=nbytes)
@@ -96,23 +104,59 @@ class BlobStore(BlobBackend):
         return {path.name: path.stat().st_size for path in self.root.glob("??/*")
                 if path.name[:2] == path.parent.name and len(path.name) == 64}
 
-    @staticmethod
-    def _copy(data: bytes | Path, f) -> tuple[str, int]:
-        sha = hashlib.sha256()
-        if isinstance(data, Path):
-            nbytes = 0
-            with open(data, "rb") as src:
-                while chunk := src.read(_CHUNK):
-                    sha.update(chunk)
-                    f.write(chunk)
-                    nbytes += len(chunk)
-            return sha.hexdigest(), nbytes
-        sha.update(data)
-        f.write(data)
-        return sha.hexdigest(), len(data)
+    @contextmanager
+    def mapped(self, ref: BlobRef) -> Iterator[memoryview]:
+        """A private (copy-on-write) map of this store's file for the blob, by hash only: a regular
+        file, not a link, of exactly ref.nbytes. A ref whose URI names a file that cannot be a blob of
+        this hash is refused, so a manifest cannot point a reader outside the store."""
+        path = self.path(ref)
+        uri = urlparse(ref.uri)
+        if uri.scheme == "file":
+            named = Path(unquote(uri.path))
+            if named.name != ref.sha256 or named.parent.name != ref.sha256[:2]:
+                raise BlobError(f"blob {ref.sha256} names {named}, which is outside the blob store {self.root}")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise BlobError(f"blob {ref.sha256} not found in {self.root}") from None
+        except OSError as exc:
+            raise BlobError(f"cannot read blob {ref.sha256} at {path}: {exc}") from exc
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != ref.nbytes:
+                raise BlobError(f"blob {ref.sha256} at {path} is not a regular file of {ref.nbytes} bytes "
+                                f"(it has {info.st_size})")
+            view = mmap.mmap(fd, ref.nbytes, access=mmap.ACCESS_COPY) if ref.nbytes else None
+        finally:
+            os.close(fd)
+        if view is None:
+            yield memoryview(b"")
+            return
+        try:
+            yield memoryview(view)
+        finally:
+            try:
+                view.close()
+            except BufferError:  # a tensor still views the map (an error unwinding): it unmaps when freed
+                pass
 
     def _make_dir(self, shard: Path) -> None:
         if not shard.is_dir():
             shard.mkdir(exist_ok=True)
             fsync_dir(self.root)
 
+
+def _chunks(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as src:
+        while chunk := src.read(_CHUNK):
+            yield chunk
+
+
+def _copy(parts: Iterable[bytes | memoryview], f) -> tuple[str, int]:
+    sha = hashlib.sha256()
+    nbytes = 0
+    for part in parts:
+        sha.update(part)
+        f.write(part)
+        nbytes += len(part) if isinstance(part, bytes) else part.nbytes
+    return sha.hexdigest(), nbytes

@@ -32,7 +32,6 @@ flags (local_serve_argv), serving the run's version-0 weights (RUN_DIR/init).
 from __future__ import annotations
 
 import json
-import os
 import shlex
 from pathlib import Path
 from typing import NamedTuple

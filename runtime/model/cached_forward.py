@@ -61,6 +61,13 @@ def forward_cached(model: MoEModel, input_ids_N: torch.Tensor, slot_ids_N: torch
     return ModelOutput(logits_NV, routing, None)
 
 
+def release_prepared(model: MoEModel) -> None:
+    """Drops the prepared weights (and the C plan over them) before a weight swap, so their rebuild
+    never holds two copies at once."""
+    model._prepared = None
+    native.forget(model)
+
+
 def _act(x: torch.Tensor, precision: str) -> torch.Tensor:
     """What `linear` multiplies the input by: bf16 copy, or the per-token fp8 round trip."""
     if precision == "fp8":

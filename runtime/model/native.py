@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from reel.runtime.model.kvcache import KVCache, PreparedWeights
     from reel.runtime.model.model import MoEModel
 
-__all__ = ["forward_cached", "usable"]
+__all__ = ["forward_cached", "forget", "usable"]
 
 _SOURCE = package_file(__package__, "forward_cached.c")
 _i64, _f32p, _i64p = ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int64)
@@ -63,6 +63,11 @@ def _ptr(t: torch.Tensor | None):
 
 
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Plan (not copied with it)
+
+
+def forget(model: MoEModel) -> None:
+    """Drops the model's plan (and with it the prepared weights it points into)."""
+    _plans.pop(model, None)
 
 
 def _plan(model: MoEModel, w: PreparedWeights) -> _Plan:

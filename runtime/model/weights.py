@@ -76,6 +76,12 @@ def _stream(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelError(f"cannot read {f}: {exc}") from exc
 
 
+def hub_tensors(state_dict: dict[str, torch.Tensor], config: MoEConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """`_as_hf`, one tensor at a time (a CPU fp32 model's tensors are its own memory: nothing is copied)."""
+    for name, t in state_dict_adapter.to_hf(state_dict, config).items():
+        yield name, t.detach().to("cpu", torch.float32).contiguous()
+
+
 def state_dict_bytes(model: MoEModel) -> bytes:
     """Weights as one safetensors blob with Hub names (what WeightsPublished points to)."""
     return state_dict_to_bytes(model.state_dict(), model.config)

@@ -1,0 +1,163 @@
+"""Sparse delta versions: per shard, what changed bitwise since the previous version.
+
+A delta shard is safetensors like a full one; per tensor of its bucket that changed it holds either
+    <name>::index  int32 [K]  flat indices of the elements whose bits changed
+    <name>::value  [K]        their new values (the manifest's dtype)
+or, where indices and values would outweigh the tensor, <name> itself (the whole new tensor). A tensor
+whose bits did not change is absent. WeightShard.tensors lists every tensor the shard touches, and
+`result_sha256` is the sha256 of those tensors' new bytes in that order: the reader recomputes it after
+applying, so a base that differs from the writer's is caught (the reader then loads the full shards).
+
+Written against the previous version's full shards, read back through the store's maps (the page
+cache), so the trainer keeps no second copy of the weights. A delta pays where training moves few
+elements across a representable step: bf16 weights under a small learning rate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from reel.bus.blobs import BlobBackend, BlobError
+from reel.bus.events import BlobRef
+from reel.bus.weight_manifest import WeightManifest, WeightShard, encode_manifest
+from reel.runtime.weight_load import WeightLoadError
+from reel.runtime.weight_publish import DTYPES, buckets
+from reel.runtime.weight_shards import ShardFormatError, read_header, shard_parts, tensor_at
+
+__all__ = ["INDEX", "VALUE", "changed", "publish_delta", "verify_delta", "full_of", "apply_delta"]
+
+INDEX, VALUE = "::index", "::value"
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Flat indices where the bits differ (NaN and -0.0 compare as the bits they are)."""
+    bits = _BITS[new.element_size()]
+    return torch.nonzero(new.reshape(-1).view(bits) != old.reshape(-1).view(bits)).reshape(-1)
+
+
+def _entries(name: str, new: torch.Tensor, old: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    index = changed(new, old)
+    if index.numel() == 0:
+        return []
+    if index.numel() * (4 + new.element_size()) >= new.numel() * new.element_size() or new.numel() >= 2**31:
+        return [(name, new)]
+    return [(name + INDEX, index.to(torch.int32)), (name + VALUE, new.reshape(-1)[index])]
+
+
+def _result_sha256(tensors: Iterable[torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
+def _delta_shard(blobs: BlobBackend, group: list[tuple[str, torch.Tensor]], base: WeightShard,
+                 dtype: torch.dtype, rank: int) -> WeightShard | None:
+    if base.tensors != [name for name, _ in group]:
+        raise ValueError("the previous version's shard holds other tensors: publish a full version")
+    entries, touched = [], []
+    with blobs.mapped(base.blob) as data:
+        old = {entry.name: entry for entry in read_header(data)}
+        for name, t in group:
+            new = t.detach().to("cpu", dtype).contiguous()
+            found = _entries(name, new, tensor_at(data, old[name]))
+            if found:
+                entries += found
+                touched.append((name, new))
+    if not touched:
+        return None
+    ref = blobs.put_parts(shard_parts(entries))
+    return WeightShard(blob=ref, rank=rank, tensors=[n for n, _ in touched],
+                       result_sha256=_result_sha256(t for _, t in touched))
+
+
+def publish_delta(blobs: BlobBackend, tensors: Iterable[tuple[str, torch.Tensor]], base: WeightManifest,
+                  full: WeightManifest, *, shard_bytes: int, rank: int = 0,
+                  threads: int = 2) -> tuple[BlobRef, WeightManifest] | None:
+    """The delta of `full` (just written, its tensors given again) against the full version `base`; None
+    when the previous version's buckets differ (another layout) or the delta would not be smaller."""
+    dtype = DTYPES[full.dtype]
+    base_shards = base.full_shards or base.shards
+    groups = buckets(tensors, shard_bytes, torch.empty(0, dtype=dtype).element_size())
+    if base.dtype != full.dtype or len(groups) != len(base_shards):
+        return None
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="reel-delta") as pool:
+        try:
+            shards = [s for s in pool.map(lambda gb: _delta_shard(blobs, gb[0], gb[1], dtype, rank),
+                                          zip(groups, base_shards)) if s is not None]
+        except (ValueError, KeyError, BlobError, ShardFormatError):
+            return None
+    if sum(s.blob.nbytes for s in shards) >= sum(s.blob.nbytes for s in full.shards):
+        return None
+    manifest = WeightManifest(version=full.version, step=full.step, dtype=full.dtype, shards=shards,
+                              base_version=base.version, full_shards=full.shards)
+    return blobs.put(encode_manifest(manifest)), manifest
+
+
+def verify_delta(blobs: BlobBackend, manifest: WeightManifest, shapes: dict[str, torch.Size]) -> None:
+    """Every delta shard hashes to its ref; its entries name tensors of `shapes` and fit them."""
+    dtype = DTYPES.get(manifest.dtype)
+    for shard in manifest.shards:
+        where = f"version {manifest.version} delta shard {shard.blob.sha256[:12]}"
+        try:
+            with blobs.mapped(shard.blob) as data:
+                actual = hashlib.sha256(data).hexdigest()
+                if actual != shard.blob.sha256:
+                    raise WeightLoadError(f"{where} is corrupted: its bytes hash to {actual}")
+                entries = {entry.name: entry for entry in read_header(data)}
+                for name in shard.tensors:
+                    _check_entry(where, name, entries, shapes, dtype)
+                    if name + INDEX in entries:
+                        index = tensor_at(data, entries[name + INDEX])
+                        if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < shapes[name].numel():
+                            raise WeightLoadError(f"{where} indexes past the end of {name}")
+                        del index
+        except BlobError as exc:
+            raise WeightLoadError(f"{where}: {exc}") from exc
+        except ShardFormatError as exc:
+            raise WeightLoadError(f"{where} is not safetensors: {exc}") from exc
+
+
+def _check_entry(where: str, name: str, entries: dict, shapes: dict[str, torch.Size], dtype: torch.dtype | None) -> None:
+    if name not in shapes:
+        raise WeightLoadError(f"{where} changes {name}, which the model does not have")
+    whole = entries.get(name)
+    if whole is not None:
+        if whole.shape != shapes[name] or whole.dtype != dtype:
+            raise WeightLoadError(f"{where}: {name} is {whole.dtype} {tuple(whole.shape)}, not the model's shape")
+        return
+    index, value = entries.get(name + INDEX), entries.get(name + VALUE)
+    if index is None or value is None or index.dtype != torch.int32 or value.dtype != dtype \
+            or index.shape != value.shape or len(index.shape) != 1:
+        raise WeightLoadError(f"{where} has no well-formed index and value for {name}")
+
+
+def full_of(manifest: WeightManifest) -> WeightManifest:
+    """The full version a delta carries, as a manifest of its own."""
+    return WeightManifest(version=manifest.version, step=manifest.step, dtype=manifest.dtype,
+                          shards=manifest.full_shards, hash=manifest.hash)
+
+
+def apply_delta(blobs: BlobBackend, manifest: WeightManifest, hub: dict[str, torch.Tensor]) -> list[str]:
+    """Applies a verified delta to `hub` (the held base version, Hub name -> live tensor); returns the
+    shards whose result does not match (empty: the version is in place; else load `full_of` it)."""
+    dtype = DTYPES[manifest.dtype]
+    wrong = []
+    for shard in manifest.shards:
+        with blobs.mapped(shard.blob) as data:
+            entries = {entry.name: entry for entry in read_header(data)}
+            for name in shard.tensors:
+                target = hub[name]
+                if name in entries:
+                    target.copy_(tensor_at(data, entries[name]))
+                    continue
+                target.view(-1).index_copy_(0, tensor_at(data, entries[name + INDEX]).long(),
+                                            tensor_at(data, entries[name + VALUE]).to(target.dtype))
+        if _result_sha256(hub[name].to(dtype) for name in shard.tensors) != shard.result_sha256:
+            wrong.append(shard.blob.sha256[:12])
+    return wrong

@@ -1,0 +1,125 @@
+"""Loading a manifest version (bus/weight_manifest.py) shard by shard from the blob store.
+
+    read     the manifest blob (verified by the store), then each shard as a map of its file
+    verify   every shard's hash and header (names, shapes: every tensor the target needs, once),
+             shards in parallel, while the engine keeps serving the old version
+    copy     each shard's tensors straight from its map into the target, shards in parallel; the
+             engine runs this between two decode steps, so the version goes live when the last
+             shard is in
+
+Why verify before any copy: a failing shard must leave the old version serving, and copying into the
+live weights first would leave a mix; a staging copy would cost a second model in memory. Both
+passes read the page cache through maps, so the extra memory is about one shard per thread.
+
+    ReelError
+     └── WeightLoadError   a shard missing, corrupted, outside the store, or not the tensors expected
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from reel.bus.blobs import BlobBackend, BlobError
+from reel.bus.errors import ReelError
+from reel.bus.events import BlobRef
+from reel.bus.weight_manifest import WeightManifest, WeightShard, decode_manifest
+from reel.runtime.weight_shards import ShardFormatError, read_header, tensor_at
+
+__all__ = ["WeightLoadError", "read_manifest", "verify_version", "copy_version", "version_bytes"]
+
+Sink = Callable[[str, torch.Tensor], None]
+
+
+class WeightLoadError(ReelError):
+    """A published version that cannot be loaded; the message names the version, shard and reason."""
+
+
+def read_manifest(blobs: BlobBackend, ref: BlobRef) -> WeightManifest:
+    try:
+        return decode_manifest(blobs.get(ref))
+    except BlobError as exc:
+        raise WeightLoadError(f"weight manifest {ref.sha256}: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise WeightLoadError(f"weight manifest {ref.sha256} is not a WeightManifest: {exc}") from exc
+
+
+def verify_version(blobs: BlobBackend, manifest: WeightManifest, shapes: Mapping[str, torch.Size],
+                   threads: int = 2) -> None:
+    """Every shard hashes to its ref and the shards hold each tensor of `shapes` exactly once."""
+    if manifest.hash != "sha256":
+        raise WeightLoadError(f"version {manifest.version}: unknown shard hash {manifest.hash!r} (this reader knows sha256)")
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="reel-verify") as pool:
+        names = [n for found in pool.map(lambda s: _verify_shard(blobs, manifest, s, shapes), manifest.shards)
+                 for n in found]
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise WeightLoadError(f"version {manifest.version}: tensor {name} is in more than one shard")
+        seen.add(name)
+    missing = sorted(set(shapes) - seen)
+    if missing:
+        raise WeightLoadError(f"version {manifest.version}: no shard holds {missing[0]}"
+                              + (f" (and {len(missing) - 1} more tensors)" if len(missing) > 1 else ""))
+
+
+def _verify_shard(blobs: BlobBackend, manifest: WeightManifest, shard: WeightShard,
+                  shapes: Mapping[str, torch.Size]) -> list[str]:
+    where = f"version {manifest.version} shard {shard.blob.sha256[:12]}"
+    try:
+        with blobs.mapped(shard.blob) as data:
+            actual = hashlib.sha256(data).hexdigest()
+            if actual != shard.blob.sha256:
+                raise WeightLoadError(f"{where} is corrupted: its bytes hash to {actual}")
+            found = []
+            for entry in read_header(data):
+                if entry.name not in shapes:
+                    raise WeightLoadError(f"{where} has tensor {entry.name}, which the model does not have")
+                if entry.shape != shapes[entry.name]:
+                    raise WeightLoadError(f"{where}: {entry.name} has shape {tuple(entry.shape)}, the model "
+                                          f"needs {tuple(shapes[entry.name])}")
+                found.append(entry.name)
+    except BlobError as exc:
+        raise WeightLoadError(f"{where}: {exc}") from exc
+    except ShardFormatError as exc:
+        raise WeightLoadError(f"{where} is not safetensors: {exc}") from exc
+    if sorted(found) != sorted(shard.tensors):
+        raise WeightLoadError(f"{where} holds other tensors than the manifest lists")
+    return found
+
+
+def copy_version(blobs: BlobBackend, manifest: WeightManifest, sink: Sink, threads: int = 2) -> None:
+    """Hands every tensor of a verified version to `sink` (a view of the shard's map: copy it there)."""
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="reel-copy") as pool:
+        list(pool.map(lambda s: _copy_shard(blobs, s, sink), manifest.shards))
+
+
+def _copy_shard(blobs: BlobBackend, shard: WeightShard, sink: Sink) -> None:
+    try:
+        with blobs.mapped(shard.blob) as data:
+            for entry in read_header(data):
+                sink(entry.name, tensor_at(data, entry))
+    except (BlobError, ShardFormatError) as exc:
+        raise WeightLoadError(f"shard {shard.blob.sha256[:12]} changed after it was verified: {exc}") from exc
+
+
+def version_bytes(blobs: BlobBackend, ref: BlobRef, fmt: str) -> bytes:
+    """A published version as one fp32 safetensors blob (`state_dict_bytes`' layout), for readers that
+    hold the whole model in one process anyway (the mismatch split, a bench from a run's weights)."""
+    if fmt == "safetensors":
+        return blobs.get(ref)
+    manifest = read_manifest(blobs, ref)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in manifest.shards:
+        try:
+            tensors |= {name: t.float() for name, t in st_load(blobs.get(shard.blob)).items()}
+        except (BlobError, SafetensorError) as exc:
+            raise WeightLoadError(f"version {manifest.version} shard {shard.blob.sha256[:12]}: {exc}") from exc
+    return st_save(tensors, metadata={"format": "pt"})
