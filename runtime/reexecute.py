@@ -67,7 +67,14 @@ def checkpoint_before(commits: dict[int, StepCommitted], upto: int, blobs: BlobB
     base = newest_checkpoint(commits, upto)
     if base is None or base.checkpoint is None:
         return b"", "the initial policy"
-    return blobs.get(base.checkpoint), f"checkpoint of step {base.step}"
+    data = blobs.get(base.checkpoint)
+    # The commit, not the blob, says which reader may touch it: only an N-rank commit's checkpoint is
+    # a DCP manifest, whose .metadata is a pickle (runtime/dcp_metadata.py).
+    if sharded_checkpoint.is_manifest(data) != (base.world_size > 1):
+        raise checkpoint.CheckpointError(
+            f"the checkpoint of step {base.step} is {'a DCP manifest' if base.world_size == 1 else 'a one-process file'}"
+            f" but its commit says the trainer had {base.world_size} rank(s); the run directory was tampered with")
+    return data, f"checkpoint of step {base.step}"
 
 
 def restored_state(run_dir: Path, config: Config, world: World, data: bytes, source: str) -> TrainState:
