@@ -47,7 +47,7 @@ class BlobBackend(ABC):
 
     @abstractmethod
     def read(self, ref: BlobRef) -> bytes:
-        """The stored bytes, unverified; BlobError if absent."""
+        """The stored bytes, unverified, at most ref.nbytes + 1 of them; BlobError if absent."""
 
     def get(self, ref: BlobRef) -> bytes:
         """The blob's bytes after checking size and sha256 against `ref`."""
