@@ -30,7 +30,7 @@ from reel.bus.events import (
 )
 from reel.bus.partitions import seq_keys
 
-__all__ = ["PRODUCERS", "wrong_producer", "SeqMarks", "Order", "SEQ_MARKS"]
+__all__ = ["PRODUCERS", "wrong_producer", "SeqMarks", "Order", "SEQ_MARKS", "trusted"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,20 @@ class SeqMarks:
         if event.seq > mark:
             return f"seq {event.seq} of {event.producer} is beyond its published range (its last is {mark})"
         return None
+
+
+async def trusted(client: redis.asyncio.Redis, run: str, marks: SeqMarks,
+                  events: list[tuple[str, AnyEvent]]) -> list[AnyEvent]:
+    """For a reader without a consumer group: the events of (where, event) pairs that pass `role`
+    and `range`; the others are skipped with a warning naming `where` (the archiver dead-letters them)."""
+    await marks.refresh(client, ((e.producer, e.seq) for _, e in events))
+    out = []
+    for where, event in events:
+        if problem := wrong_producer(event, run) or marks.problem(event):
+            log.warning("skipping %s: untrusted: %s", where, problem)
+        else:
+            out.append(event)
+    return out
 
 
 class Order:

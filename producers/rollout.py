@@ -47,6 +47,7 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+import redis.asyncio
 
 from reel.bus.blobs import BlobBackend
 from reel.bus.events import RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished, WorkerStats
@@ -55,6 +56,7 @@ from reel.bus.partitions import worker_partition
 from reel.bus.seqs import recover_seq
 from reel.bus.streams import Publisher, connect
 from reel.bus.tail import Tail
+from reel.bus.trust import SeqMarks, trusted
 from reel.producers.engine import Engine, EngineError, SamplingParams
 from reel.producers.envs import Env, env_for
 from reel.producers.episode import Episode, run_group
@@ -83,6 +85,7 @@ class RolloutWorker:
     round_size: int  # R of the async gate (module docstring)
     # Set when run() starts.
     publisher: Publisher | None
+    redis: redis.asyncio.Redis  # set by run(): publishing and reading the seq marks
     seq_base: int  # the producer's first seq in this process; part of group ids and seeds
     engine: Engine | None  # made when the first weights arrive (their config is in the run's init/)
     # Progress, changed only on the event loop.
@@ -122,9 +125,10 @@ class RolloutWorker:
         self._idle_s = 0.0  # idle seconds since the last WorkerStats
         self._stats_at = time.monotonic()
         self._swaps: list[float] = []  # weight swap seconds since the last WorkerStats
+        self._marks = SeqMarks(self.run_name, config.bus.partitions)  # producers' published ranges
 
     async def run(self, stop: asyncio.Event) -> None:
-        redis = connect(self.url)
+        redis = self.redis = connect(self.url)
         try:
             self.seq_base = await self._recover_seq(redis)
             # Redis may have lost the newest commits (its last second) while the log kept them: a
@@ -267,7 +271,7 @@ class RolloutWorker:
     async def _follow_weights(self) -> None:
         async with Tail(self.url, self.run_name, ["weights"], start="0") as tail:
             while True:
-                events = await _read_to_end(tail, block_ms=1000)
+                events = await self._trusted(await _read_to_end(tail, block_ms=1000))
                 latest = max((e for e in events if isinstance(e, WeightsPublished)), key=lambda e: e.version,
                              default=None)
                 if latest is None or (self.engine is not None and latest.version <= self.engine.version):
@@ -286,11 +290,15 @@ class RolloutWorker:
     async def _follow_steps(self) -> None:
         async with Tail(self.url, self.run_name, ["steps"], start="0") as tail:
             while True:
-                events = await _read_to_end(tail, block_ms=1000 if self._steps_read else 0)
+                events = await self._trusted(await _read_to_end(tail, block_ms=1000 if self._steps_read else 0))
                 versions = [e.version for e in events if isinstance(e, StepCommitted)]
                 self.committed = max([self.committed, *versions])
                 self._steps_read = True
                 self._changed.set()
+
+    async def _trusted(self, events: list) -> list:
+        """What the trainer published, not what anyone wrote to its streams (bus/trust.py)."""
+        return await trusted(self.redis, self.run_name, self._marks, events)
 
     async def _report_stats(self) -> None:
         while True:
@@ -325,12 +333,12 @@ def _sample(e: Episode) -> Sample:
 
 
 async def _read_to_end(tail: Tail, block_ms: int) -> list:
-    """Events up to the stream's current end (a full batch means more are waiting)."""
+    """(where, event) up to the stream's current end (a full batch means more are waiting)."""
     batch = await tail.read(count=_READ, block_ms=block_ms)
-    events = [e for _, _, e in batch]
+    events = [(f"entry {i} of {s}", e) for s, i, e in batch]
     while len(batch) == _READ:
         batch = await tail.read(count=_READ, block_ms=0)
-        events += [e for _, _, e in batch]
+        events += [(f"entry {i} of {s}", e) for s, i, e in batch]
     return events
 
 
