@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from pathlib import Path
 from urllib.parse import quote, urlencode, urlsplit
 
 from reel.bus.events import stream_key
-from reel.runtime.config import Config, ConfigError
+from reel.runtime.config import Config, ConfigError, load
 
 __all__ = ["bus_url", "acl_setuser", "key_patterns", "REEL_COMMANDS", "PASSWORD_ENV"]
 
@@ -69,3 +70,18 @@ def key_patterns(run: str) -> list[str]:
     """The run's keys: its own slot's (reel:{RUN}:...) and every partition's (reel:{RUN:P}:...,
     bus/partitions.py). Run names hold no glob characters and no ':' (runtime/config.py)."""
     return [stream_key(run, "*"), f"reel:{{{run}:[0-9]*}}:*"]
+
+
+def main(argv: list[str]) -> int:
+    """`python -m reel.runtime.launch.bus_access CONFIG`: the run's bus URL with its secrets on stdout,
+    for a Slurm job to put in REEL_BUS_URL (a variable and a 0600 file, never a command line)."""
+    try:
+        print(bus_url(load(Path(argv[0]))))
+    except ConfigError as exc:
+        print(f"reel: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
