@@ -112,6 +112,6 @@ def _vllm_swaps(root: Path, blobs: BlobStore, versions: list[BlobRef]) -> tuple[
     from reel.producers.vllm_http import VLLMHTTPEngine
     from reel.runtime.launch.vllm_serve import local_vllm
 
-    with local_vllm(config_mod.loads(SERVE), root / "model", root / "vllm.log") as url:
+    with local_vllm(config_mod.loads(SERVE), root / "model", root / "vllm.log", blobs.root) as url:
         engine = VLLMHTTPEngine(root / "model", url=url, blobs=blobs, version=-1, routed_experts=False)
         return asyncio.run(_time_swaps(engine, versions)), None

@@ -372,3 +372,21 @@ def test_cluster_mode_hands_roles_the_password_and_tls_files(tmp_path: Path) -> 
     out = subprocess.run(["bash", "-c", f'{line}\nprintf "%s" "$REEL_BUS_URL"'], env=env, capture_output=True,
                          text=True, check=True).stdout
     assert out == f"rediss://reel:s3cret@10.0.0.5:7000?ssl_ca_certs={quote(str(tmp_path), safe='')}%2Fca.crt"
+
+
+def test_the_announced_metrics_address_is_the_one_bound(tmp_path: Path) -> None:
+    script = render("", tmp_path)
+    metrics, = commands(script, "metrics")
+    assert flag(metrics, "--addr") == "$BUS_HOST" and flag(metrics, "--port") == "$METRICS_PORT"
+    assert 'echo "reel: metrics at http://$BUS_HOST:$METRICS_PORT/metrics"' in script
+
+
+def test_vllm_servers_bind_their_node_and_get_the_runs_key_by_environment(tmp_path: Path) -> None:
+    script = render(VLLM, tmp_path, gpus_per_node=8)
+    server, = commands(script, "vllm-rollout-0")
+    assert flag(server, "--host") == "$(group_addr 1 0)" and "0.0.0.0" not in script
+    assert flag(server, "--middleware") == "reel.producers.vllm_auth.RequireKey"
+    assert not any("key" in word.lower() for word in server if not word.startswith(("--middleware", "reel.")))
+    key_line = 'VLLM_API_KEY=$("$PYTHON" -m reel.runtime.launch.vllm_key "$RUN_DIR") || exit 2'
+    assert script.index(key_line) < script.index("start vllm-rollout-0") < script.index("start rollout")
+    assert "REEL_BLOBS_DIR=$RUN_DIR/blobs" in " ".join(server)

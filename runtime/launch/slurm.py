@@ -221,7 +221,7 @@ def _control_lines(c: Config) -> list[str]:
             "METRICS_PORT=$((PORT_BASE + 1))",
             start_line("metrics", 0, "metrics.log", ["--nodes=1", "--ntasks=1"],
                        [Expand("$REEL"), "metrics", "serve", "--run", Expand("$RUN_DIR"),
-                        "--port", Expand("$METRICS_PORT")]),
+                        "--port", Expand("$METRICS_PORT"), "--addr", Expand("$BUS_HOST")]),  # where it is announced
             'echo "reel: metrics at http://$BUS_HOST:$METRICS_PORT/metrics"', ""]
 
 
@@ -334,7 +334,8 @@ def check(c: Config, run_dir: Path, opts: JobOptions) -> None:
 
 
 def _vllm_lines(c: Config, pools: list[Pool]) -> list[str]:
-    lines: list[str] = []
+    # The run's API key (RUN_DIR/vllm_api_key, 0600): servers and rollout workers get it by environment.
+    lines = ['VLLM_API_KEY=$("$PYTHON" -m reel.runtime.launch.vllm_key "$RUN_DIR") || exit 2', "export VLLM_API_KEY"]
     store = c.engine.kv_connector == "MooncakeStoreConnector"
     if store:
         lines += ["# het group 0: the Mooncake store master (each vLLM node adds its segment to the store)",
@@ -354,7 +355,7 @@ def _vllm_lines(c: Config, pools: list[Pool]) -> list[str]:
                    for k, v in vllm_args.serve_env(c, pool, node, addr).items()]
             lines.append(start_line(f"vllm-{pool.role}-{node}", group, f"vllm-{pool.role}-{node}.log",
                                 ["--nodes=1", "--ntasks=1", f"--relative={node}"],
-                                ["env", *env, *vllm_args.serve_argv(c, pool, node)]))
+                                ["env", *env, *vllm_args.serve_argv(c, pool, node, addr)]))
         lines.append("")
     heads = [f"http://${p.head_var}:{vllm_args.API_PORT}" for p in pools]
     if c.engine.pd_disaggregation:
