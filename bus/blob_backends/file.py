@@ -15,6 +15,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from reel.bus.blobs import BlobBackend, BlobError, check_key
+from reel.bus.errors import printable
 from reel.bus.events import BlobRef
 from reel.bus.logformat import fsync_dir
 
@@ -73,7 +74,7 @@ class BlobStore(BlobBackend):
             # O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: a symlink is refused.
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
-            elsewhere = f"; its reference names {_printable(ref.uri)}, which is not read from here" if ref.uri and \
+            elsewhere = f"; its reference names {printable(ref.uri)}, which is not read from here" if ref.uri and \
                 urlparse(ref.uri).path != path.as_posix() else ""
             raise BlobError(f"blob {ref.sha256} not found in {self.root}{elsewhere}") from None
         except OSError as exc:
@@ -107,8 +108,3 @@ class BlobStore(BlobBackend):
             shard.mkdir(exist_ok=True)
             fsync_dir(self.root)
 
-
-
-def _printable(text: str) -> str:
-    """`text` with control characters escaped, so a crafted uri cannot drive the terminal."""
-    return text.encode("unicode_escape").decode("ascii") if not text.isprintable() else text
