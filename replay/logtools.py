@@ -20,9 +20,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from reel.bus.errors import printable
 from reel.bus.events import Tensor, Trajectory
 from reel.bus.jsonout import json_line
 from reel.bus.log import LogError, RunLog
+from reel.replay.integrity import run_file_problems
 from reel.runtime import config
 from reel.runtime.tokenizer import Tokenizer, load_tokenizer
 
@@ -32,7 +34,8 @@ _HEAD = 8
 
 
 def verify(args: argparse.Namespace) -> int:
-    """Check every record's framing and CRC; one line per stream. Corruption -> exit 1 (via cli)."""
+    """Check every record's framing and CRC, one line per stream; then the files the log names
+    (replay/integrity.py). Corruption or tampering -> exit 1 (via cli)."""
     with RunLog(Path(args.run_dir), readonly=True) as run_log:
         total = 0
         for name in run_log.names():
@@ -42,6 +45,12 @@ def verify(args: argparse.Namespace) -> int:
             print(f"{name:<14}{count:>10} records{note}")
             total += count
         print(f"ok: {total} records in {len(run_log.names())} streams, every CRC checked")
+    checked, problems = run_file_problems(Path(args.run_dir))
+    for problem in problems:
+        print(f"tampered: {printable(problem)}")
+    if problems:
+        raise LogError(f"{len(problems)} of {checked} files the log names do not match it; the first: {problems[0]}")
+    print(f"ok: {checked} blobs, init/ and checkpoints match the hashes the log names")
     return 0
 
 

@@ -67,13 +67,7 @@ def load(data: bytes, state: TrainState, world: World, run_dir: Path, *, source:
     The manifest is trusted only as far as its own hash (named by the commit): its directory must be
     the step's own under the run, every file in it one of the manifest's, each a regular file whose
     sha256 matches, `.metadata` among them; only then is `.metadata` read (runtime/dcp_metadata.py)."""
-    try:
-        manifest = msgspec.json.decode(data, type=Manifest)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise CheckpointError(f"{source} is not a Reel DCP checkpoint manifest: {exc}") from exc
-    directory = _checked_directory(manifest, run_dir, source)
-    for name, digest in manifest.files.items():
-        _check_file(directory, name, digest, source)
+    manifest, directory = verify_files(data, run_dir, source=source)
     metadata = read_metadata((directory / METADATA).read_bytes(), source, set(manifest.files))
     model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
     with _single_process_is_meant(world):
@@ -81,6 +75,18 @@ def load(data: bytes, state: TrainState, world: World, run_dir: Path, *, source:
                  no_dist=not world.distributed)
     set_state_dict(state.model, state.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     return TrainState(state.model, state.optimizer, manifest.step)
+
+
+def verify_files(data: bytes, run_dir: Path, *, source: str) -> tuple[Manifest, Path]:
+    """(the manifest, its directory) once every file it lists is in place and matches its sha256."""
+    try:
+        manifest = msgspec.json.decode(data, type=Manifest)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise CheckpointError(f"{source} is not a Reel DCP checkpoint manifest: {exc}") from exc
+    directory = _checked_directory(manifest, run_dir, source)
+    for name, digest in manifest.files.items():
+        _check_file(directory, name, digest, source)
+    return manifest, directory
 
 
 def _checked_directory(manifest: Manifest, run_dir: Path, source: str) -> Path:
