@@ -11,6 +11,7 @@ import os
 import secrets
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -38,11 +39,14 @@ def local_vllm(config: Config, model_dir: Path, log_path: Path, blobs_dir: Path,
     """The URL of a healthy `vllm serve` on `model_dir` (its output in `log_path`), stopped on exit.
     It loads weights only from `blobs_dir` and requires this process's VLLM_API_KEY (made here when
     unset), which the HTTP engine in this process sends."""
-    from reel.runtime.launch.supervisor import beside_python, free_port
+    from reel.runtime.launch.supervisor import free_port
 
     port = free_port()
     key = os.environ.setdefault(KEY_ENV, secrets.token_urlsafe(32))
-    argv = vllm_args.local_serve_argv(config, beside_python("vllm"), model_dir, port)
+    # Under this interpreter: the server imports Reel's middleware and worker extension, which must be
+    # the `reel` this process runs (another environment's `vllm` script could import another one).
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main",
+            *vllm_args.local_serve_argv(config, "vllm", model_dir, port)[1:]]
     env = os.environ | vllm_args.local_serve_env(config, key, blobs_dir)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
