@@ -12,7 +12,9 @@ import pytest
 
 from reel.bus.events import RunFinished, encode
 from reel.bus.partitions import lane_key
-from reel.bus.streams import BusError, GroupConsumer, Publisher, connect, dead_letters_added, recover_next_seq, safe_trim
+from reel.bus.streams import (
+    BusError, GroupConsumer, Publisher, connect, dead_letters_added, recover_next_seq, safe_trim,
+)
 from reel.consumers.archiver import Archiver
 from reel.runtime.launch.bus_access import bus_url
 from test_bus_security import PASSWORD, _config, _run_user, secure_redis  # noqa: F401 - the fixture

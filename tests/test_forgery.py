@@ -60,7 +60,8 @@ def _forge(url: str) -> dict[tuple[str, str], str]:
         ("weights", _weights("trainer:0", FAR + 1, 10**9), "beyond its published range"),
         ("weights", _weights("evil:0", 1, 2), "only trainer publishes it"),  # names a missing blob
         ("control", RunFinished(run=RUN, producer="evil:0", seq=0, reason="completed"), "only launcher or trainer"),
-        ("control", RunFinished(run=RUN, producer="launcher:0", seq=FAR, reason="completed"), "seq 1000000 of launcher:0"),
+        ("control", RunFinished(run=RUN, producer="launcher:0", seq=FAR, reason="completed"),
+         "seq 1000000 of launcher:0"),
         ("control", RunFinished(run="other", producer="launcher:0", seq=0, reason="completed"), "of run 'other'"),
     ]
     # rollout:0's seqs ahead of it: on main they deduplicate its real groups away, stalling the trainer
