@@ -15,6 +15,8 @@ from reel.bus.log import RunLog
 from reel.runtime.launch.cli import main
 from runbuilder import build_run
 
+pytestmark = pytest.mark.slow  # builds a run and replays it
+
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
