@@ -55,7 +55,7 @@ class BlobBackend(ABC):
 
     @abstractmethod
     def read(self, ref: BlobRef) -> bytes:
-        """The stored bytes, unverified; BlobMissing if absent."""
+        """The stored bytes, unverified, at most ref.nbytes + 1 of them; BlobMissing if absent."""
 
     @abstractmethod
     def delete(self, ref: BlobRef) -> int:

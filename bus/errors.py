@@ -10,5 +10,11 @@ traceback.
 """
 
 
+def printable(text: str) -> str:
+    """`text` with control characters escaped (\\x1b...), so a crafted path or entry cannot drive the
+    terminal it is printed on."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 class ReelError(Exception):
     """An error the user can fix; the message names the thing to fix."""

@@ -37,16 +37,17 @@ from reel.bus.cluster import SlotReader, cluster_client, cluster_from_env, is_cl
 from reel.bus.errors import ReelError
 from reel.bus.events import STREAM_OF, STREAMS, AnyEvent, Event, MalformedEvent, decode, encode, event_key
 from reel.bus.partitions import lane_key, lane_of, lanes, seq_keys, slot_key
+from reel.bus.trust import SEQ_MARKS, SeqMarks, wrong_producer
 
 __all__ = ["BusError", "connect", "Publisher", "recover_next_seq", "Delivery", "GroupConsumer", "safe_trim",
-           "DEAD", "FIELD", "dead_letters_added"]
+           "DEAD", "FIELD", "dead_letters_added", "try_stamp"]
 
 log = logging.getLogger(__name__)
 E = TypeVar("E", bound=Event)
 _Raw = tuple[str, str, "dict | None", int]  # (stream, entry id, fields, deliveries) as read
 
 DEAD = "dead"  # dead-letter stream name, one per slot: slot_key(<the dead entry's key>, DEAD)
-_SEQ = "seq"  # sorted set per slot, slot_key(<key>, _SEQ): producer -> highest seq it has published there
+_SEQ = SEQ_MARKS  # sorted set per slot, slot_key(<key>, _SEQ): producer -> highest seq it has published there
 FIELD = b"e"  # the one field of an entry: the encoded event
 READ_MARGIN_S = 10.0  # a blocking reader's socket timeout = BLOCK + this
 _DEDUPE_KEYS = 1 << 20  # (producer, seq) keys a consumer remembers
@@ -226,7 +227,7 @@ async def recover_next_seq(redis: redis.asyncio.Redis, run: str, producer: str, 
         while True:
             with boundary(redis, f"XREVRANGE on {key}"):
                 entries = await redis.xrevrange(key, max=end, min="-", count=_SCAN)
-            stamps = (_try_stamp(fields) for _, fields in entries)
+            stamps = (try_stamp(fields) for _, fields in entries)
             seq = next((s.seq for s in stamps if s is not None and s.producer == producer), None)
             if seq is not None or len(entries) < _SCAN:
                 best = max(best, -1 if seq is None else seq)
@@ -235,7 +236,8 @@ async def recover_next_seq(redis: redis.asyncio.Redis, run: str, producer: str, 
     return best + 1
 
 
-def _try_stamp(fields: dict) -> _Stamp | None:
+def try_stamp(fields: dict) -> _Stamp | None:
+    """(producer, seq) of an entry without decoding the rest; None if it is not an event."""
     try:
         return _stamp_decoder.decode(fields.get(FIELD, b""))
     except (msgspec.DecodeError, msgspec.ValidationError):
@@ -284,7 +286,9 @@ class GroupConsumer:
         self._history: dict[str, str] = {}  # stream -> cursor through our own pending entries
         self._claim_from: dict[str, str] = {}  # stream -> XAUTOCLAIM cursor
         self._next_claim = 0.0  # monotonic time of the next XAUTOCLAIM round
-        self._seen: OrderedDict[tuple[str, int], str] = OrderedDict()  # (producer, seq) -> entry id
+        self._seen: OrderedDict[tuple[str, int], tuple[str, int]] = OrderedDict()  # (producer, seq) -> (entry id,
+        # hash of its bytes): a second entry of the same key is a repeat only with the same bytes
+        self._marks = SeqMarks(run, partitions)  # producers' published ranges (bus/trust.py)
         self._failures: dict[str, str] = {}  # entry id -> last reason given to fail()
         self._handed: set[str] = set()  # entry ids handed out by this process, not yet acked or failed
 
@@ -425,6 +429,7 @@ class GroupConsumer:
     async def _accept(self, raw: list[_Raw]) -> list[Delivery]:
         out: list[Delivery] = []
         skip: list[tuple[str, str]] = []  # duplicates and entries deleted while pending
+        decoded: list[tuple[str, str, bytes, AnyEvent, int]] = []
         for stream, entry_id, fields, deliveries in raw:
             if not fields:
                 skip.append((stream, entry_id))
@@ -433,21 +438,29 @@ class GroupConsumer:
             try:
                 if data is None:
                     raise MalformedEvent(f"entry has no '{FIELD.decode()}' field")
-                event = decode(data)
+                decoded.append((stream, entry_id, data, decode(data), deliveries))
             except MalformedEvent as exc:
                 raw_bytes = data or msgspec.msgpack.encode(fields)
                 await self._dead(stream, entry_id, raw_bytes, f"undecodable: {exc}")
-                continue
+        await self._refresh_marks(decoded)
+        for stream, entry_id, data, event, deliveries in decoded:
             if deliveries > self.max_deliveries:
                 last = self._failures.get(entry_id)
                 await self._dead(stream, entry_id, data, f"delivered {deliveries} times (max_deliveries="
                                  f"{self.max_deliveries})" + (f", last failure: {last}" if last else ""))
                 continue
             key = event_key(event)
-            if self._seen.get(key, entry_id) != entry_id:
+            seen_id, seen_digest = self._seen.get(key, (entry_id, hash(data)))
+            untrusted = wrong_producer(event, self.run) or self._marks.problem(event)
+            if untrusted is None and seen_digest != hash(data):
+                untrusted = f"seq {event.seq} of {event.producer} was already used by entry {seen_id}, with other bytes"
+            if untrusted is not None:
+                await self._dead(stream, entry_id, data, f"untrusted: {untrusted}")
+                continue
+            if seen_id != entry_id:
                 skip.append((stream, entry_id))
                 continue
-            self._seen[key] = entry_id
+            self._seen[key] = (entry_id, hash(data))
             self._seen.move_to_end(key)
             self._handed.add(entry_id)
             if len(self._seen) > _DEDUPE_KEYS:
@@ -455,6 +468,10 @@ class GroupConsumer:
             out.append(Delivery(stream, entry_id, event, deliveries))
         await self._ack(skip)
         return out
+
+    async def _refresh_marks(self, decoded: list[tuple[str, str, bytes, AnyEvent, int]]) -> None:
+        with boundary(self._redis, f"ZMSCORE on {', '.join(self._marks.keys)}"):
+            await self._marks.refresh(self._redis, ((e.producer, e.seq) for _, _, _, e, _ in decoded))
 
     async def _ack(self, items: list[tuple[str, str]]) -> None:
         if not items:

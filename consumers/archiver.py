@@ -8,7 +8,8 @@ pending. Each round:
             then new ones (blocking up to block_ms); the next read overlaps this round's writing
     skip    entries at or before their stream's last logged entry id: logged by a predecessor that
             died before acking them
-    dead    entries that are not Reel events -> the dead-letter stream (acked there, not logged)
+    dead    entries that are not Reel events, or that their producer's role, range or order refuses
+            (bus/trust.py) -> the dead-letter stream (acked there, not logged)
     blobs   with a blob store other than the run's blobs/ (Mooncake), copy every blob the round's
             events name into blobs/ first: replay never depends on a live store
     log     append per stream: one write + one fdatasync per stream per round (group commit)
@@ -60,7 +61,8 @@ from reel.bus.log import LogError, RunLog
 from reel.bus.logindex import LogIndex
 from reel.bus.logformat import entry_order
 from reel.bus.partitions import lane_key, lanes, slot_key, stream_of
-from reel.bus.streams import DEAD, FIELD, READ_MARGIN_S, BusError, connect, safe_trim
+from reel.bus.streams import DEAD, FIELD, READ_MARGIN_S, BusError, connect, safe_trim, try_stamp
+from reel.bus.trust import Order, SeqMarks, wrong_producer
 
 __all__ = ["Archiver", "main", "GROUP", "CONSUMER"]
 
@@ -117,6 +119,8 @@ class Archiver:
         self._slots: SlotReader | None = None  # set by run(): one XREADGROUP per cluster slot
         self._split = {stream_of(lane) for lane in self.streams if lane != stream_of(lane)}  # log streams of >1 lane
         self._last_id: dict[str, str | None] = {}  # split log stream -> last log entry id given out
+        self._marks = SeqMarks(run, partitions)  # what each producer has published (bus/trust.py)
+        self._order = Order()  # the trainer's versions and steps so far, from the log on start
 
     async def run(self, stop: asyncio.Event) -> None:
         self.log = RunLog(self.run_dir, self.segment_bytes)
@@ -131,6 +135,9 @@ class Archiver:
             await self._create_groups()
             self._last_id = {s: self.log.stream(s).last_entry_id() for s in self._split}
             await self._index_split_logs()
+            for stream in ("weights", "steps"):
+                for _, event in self.log.events(stream):
+                    self._order.learn(event)
             log.info("archiving run %s into %s, after %s", self.run_name, self.log.root,
                      {s: self.log.stream(s).last_entry_id() for s in STREAMS})
             next_trim = time.monotonic() + self.trim_every_s
@@ -143,6 +150,7 @@ class Archiver:
                         await self._done(written)
                     writing = None
                 if entries:
+                    await self._refresh_marks(entries)
                     written = self._prepare(entries)
                     await self._dead_letter(written.dead)
                     writing = asyncio.ensure_future(self._write(disk, written, stop))
@@ -235,6 +243,10 @@ class Archiver:
             if redelivered and stream in self._split and self.log.stream(stream).lookup(event.producer, event.seq):
                 repeats += 1
                 continue
+            untrusted = wrong_producer(event, self.run_name) or self._marks.problem(event) or self._order.admit(event)
+            if untrusted is not None:
+                round_.dead.append((lane, entry_id, data, f"untrusted: {untrusted}"))
+                continue
             round_.finished |= isinstance(event, RunFinished)
             if self.blobs is not None:
                 round_.blobs += blob_refs(event)
@@ -247,6 +259,11 @@ class Archiver:
             log.info("%d re-delivered entries were already logged; acking them", repeats)
             self.repeats += repeats
         return round_
+
+    async def _refresh_marks(self, entries: list[Entry]) -> None:
+        stamps = [stamp for _, _, fields in entries if fields and (stamp := try_stamp(fields)) is not None]
+        with self._bus(f"ZMSCORE on {', '.join(self._marks.keys)}"):
+            await self._marks.refresh(self.redis, ((s.producer, s.seq) for s in stamps))
 
     def _log_ids(self, stream: str, records: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
         """A split stream's records in Redis id order, each with an id after the log's last one."""

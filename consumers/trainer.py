@@ -42,12 +42,14 @@ from reel.bus.partitions import lane_key, lanes
 from reel.bus.retention import Retention, RetentionPolicy
 from reel.bus.seqs import recover_seq
 from reel.bus.streams import FIELD, Delivery, GroupConsumer, Publisher, connect
+from reel.bus.trust import Order, SeqMarks, trusted
 from reel.runtime import distributed, environment, work_progress
 from reel.runtime.batch import Group, build_batch, decode_routing, routing_problem
 from reel.runtime.blob_store import run_blobs
 from reel.runtime.config import Config, config_hash
 from reel.runtime.config import load as load_config
 from reel.runtime.data_files import dataset_sha256
+from reel.runtime.group_checks import group_problem
 from reel.runtime.groups import GroupLookup
 from reel.runtime.initial_policy import code_version, ensure_initial_policy, initial_reward
 from reel.runtime.mismatch_split import WeightHistory
@@ -211,7 +213,8 @@ class Trainer:
         if part.trajectory is None or part.routing is None:
             return
         assert isinstance(part.trajectory.event, Trajectory)
-        reason = self._stale_reason(part.trajectory.event) or self._resolve(part)
+        reason = (self._invalid_reason(part.trajectory.event) or self._stale_reason(part.trajectory.event)
+                  or self._resolve(part))
         if reason is not None:
             out.dropped.append((DroppedGroup(group_id, reason), part))
         elif len(out.groups) < self.config.trainer.batch_groups:
@@ -219,6 +222,10 @@ class Trainer:
         else:
             return
         del self.pending[group_id]
+
+    def _invalid_reason(self, trajectory: Trajectory) -> str | None:
+        problem = group_problem(trajectory, self.state.model.config.vocab_size)
+        return f"invalid: {problem}" if problem else None
 
     def _stale_reason(self, trajectory: Trajectory) -> str | None:
         oldest = min((v for s in trajectory.samples for _, v in s.spans), default=self.state.step)
@@ -308,8 +315,14 @@ class Trainer:
         """Every StepCommitted of the run: what is still on the bus plus the archived log."""
         on_bus = await self._bus_events("steps")
         commits = {e.step: e for e in logged_events(self.run_dir, "steps") if isinstance(e, StepCommitted)}
+        order = Order()  # the log's commits, then the bus's only while each is the next step
+        for commit in commits.values():
+            order.learn(commit)
         for event in on_bus:
             if isinstance(event, StepCommitted):
+                if problem := order.admit(event):
+                    log.warning("skipping a StepCommitted of %s: %s", event.producer, problem)
+                    continue
                 commits.setdefault(event.step, event)
         return commits
 
@@ -322,15 +335,16 @@ class Trainer:
 
     async def _bus_events(self, stream: str, count: int | None = None) -> list[AnyEvent]:
         """A stream's events on the bus (on each of its lanes), oldest first per lane; entries that are
-        not events are skipped (the archiver dead-letters them), so one bad entry cannot stop a resume."""
+        not events, or that bus/trust.py refuses, are skipped (the archiver dead-letters them), so one
+        bad entry cannot stop or steer a resume."""
         events = []
         for lane in lanes([stream], self.config.bus.partitions):
             for entry_id, fields in await self.redis.xrange(lane_key(self.run, lane), count=count):
                 try:
-                    events.append(decode(fields.get(FIELD, b"")))
+                    events.append((f"entry {entry_id.decode()} of {lane}", decode(fields.get(FIELD, b""))))
                 except MalformedEvent as exc:
                     log.warning("skipping entry %s of %s: not an event (%s)", entry_id.decode(), lane, exc)
-        return events
+        return await trusted(self.redis, self.run, SeqMarks(self.run, self.config.bus.partitions), events)
 
     async def _republish_newest_weights(self, last: int) -> None:
         """Redis can lose its last second (AOF everysec) and with it WeightsPublished of the newest

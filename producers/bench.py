@@ -151,5 +151,5 @@ def _time_vllm(model: MoEModel, prompts: list[list[int]], max_tokens: int, round
 
     with tempfile.TemporaryDirectory() as tmp:
         save(model, tmp)
-        with local_vllm(serve, Path(tmp), Path(tmp) / "vllm.log") as url:
+        with local_vllm(serve, Path(tmp), Path(tmp) / "vllm.log", Path(tmp) / "blobs") as url:
             return asyncio.run(run(url, Path(tmp)))

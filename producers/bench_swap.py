@@ -305,7 +305,7 @@ def _vllm_row(root: Path, config: MoEConfig, rounds: int) -> dict[str, object]:
     versions = [blobs.put(state_dict_bytes(_model(config, seed))) for seed in range(rounds + 1)]
     save(_model(config, 0), root / "model")
     raw_s = _best(rounds + 1, lambda: _raw_read(blobs, versions[:1]))
-    with local_vllm(config_mod.loads(SERVE), root / "model", root / "vllm.log") as url:
+    with local_vllm(config_mod.loads(SERVE), root / "model", root / "vllm.log", blobs.root) as url:
         engine = VLLMHTTPEngine(root / "model", url=url, blobs=blobs, version=-1, routed_experts=False)
         swap_s = asyncio.run(_time_blob_swaps(engine, versions))
     return {"format": "safetensors", "gb": _gb(versions[0].nbytes), "raw_read_s": _s(raw_s), "swap_s": _s(swap_s),

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+import redis.asyncio
 
 from reel.bus.blobs import BlobBackend
 from reel.bus.dead_letter import dead_letter_read
@@ -59,6 +60,7 @@ from reel.bus.partitions import worker_partition
 from reel.bus.seqs import recover_seq
 from reel.bus.streams import Publisher, connect
 from reel.bus.tail import Tail
+from reel.bus.trust import SeqMarks, trusted
 from reel.bus.weight_manifest import WeightManifest
 from reel.producers.engine import Engine, EngineError, SamplingParams
 from reel.producers.envs import Env, env_for
@@ -91,6 +93,7 @@ class RolloutWorker:
     round_size: int  # R of the async gate (module docstring)
     # Set when run() starts.
     publisher: Publisher | None
+    redis: redis.asyncio.Redis  # set by run(): publishing and reading the seq marks
     seq_base: int  # the producer's first seq in this process; part of group ids and seeds
     engine: Engine | None  # made when the first weights arrive (their config is in the run's init/)
     # Progress, changed only on the event loop.
@@ -136,9 +139,10 @@ class RolloutWorker:
         self._idle_s = 0.0  # idle seconds since the last WorkerStats
         self._stats_at = time.monotonic()
         self._swaps: list[float] = []  # weight swap seconds since the last WorkerStats
+        self._marks = SeqMarks(self.run_name, config.bus.partitions)  # producers' published ranges
 
     async def run(self, stop: asyncio.Event) -> None:
-        redis = connect(self.url)
+        redis = self.redis = connect(self.url)
         try:
             self.seq_base = await self._recover_seq(redis)
             # Redis may have lost the newest commits (its last second) while the log kept them: a
@@ -304,7 +308,7 @@ class RolloutWorker:
     async def _follow_weights(self) -> None:
         async with Tail(self.url, self.run_name, ["weights"], start="0") as tail:
             while True:
-                entries = await _entries_to_end(tail, block_ms=1000)
+                entries = await self._trusted(await _entries_to_end(tail, block_ms=1000))
                 latest = max((entry for entry in entries if isinstance(entry[2], WeightsPublished)),
                              key=lambda entry: entry[2].version, default=None)
                 if latest is None or (self.engine is not None and latest[2].version <= self._held_version()):
@@ -341,11 +345,19 @@ class RolloutWorker:
     async def _follow_steps(self) -> None:
         async with Tail(self.url, self.run_name, ["steps"], start="0") as tail:
             while True:
-                events = await _read_to_end(tail, block_ms=1000 if self._steps_read else 0)
+                entries = await self._trusted(await _entries_to_end(tail, block_ms=1000 if self._steps_read else 0))
+                events = [event for _, _, event in entries]
                 versions = [e.version for e in events if isinstance(e, StepCommitted)]
                 self.committed = max([self.committed, *versions])
                 self._steps_read = True
                 self._changed.set()
+
+    async def _trusted(self, entries: list[tuple[str, str, AnyEvent]]) -> list[tuple[str, str, AnyEvent]]:
+        """What the trainer published, not what anyone wrote to its streams (bus/trust.py)."""
+        kept = await trusted(self.redis, self.run_name, self._marks,
+                             [(f"entry {entry_id} of {lane}", event) for lane, entry_id, event in entries])
+        kept_ids = {id(event) for event in kept}
+        return [entry for entry in entries if id(entry[2]) in kept_ids]
 
     async def _report_stats(self) -> None:
         while True:
@@ -380,13 +392,8 @@ def _sample(e: Episode) -> Sample:
                   scores=e.scores)
 
 
-async def _read_to_end(tail: Tail, block_ms: int) -> list:
-    """Events up to the stream's current end (a full batch means more are waiting)."""
-    return [e for _, _, e in await _entries_to_end(tail, block_ms)]
-
-
 async def _entries_to_end(tail: Tail, block_ms: int) -> list[tuple[str, str, AnyEvent]]:
-    """(lane, entry id, event) up to the stream's current end."""
+    """(lane, entry id, event) up to the stream's current end (a full batch means more are waiting)."""
     batch = await tail.read(count=_READ, block_ms=block_ms)
     entries = list(batch)
     while len(batch) == _READ:

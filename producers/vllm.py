@@ -32,7 +32,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
-import hashlib
 import itertools
 import json
 import logging
@@ -47,7 +46,9 @@ import numpy as np
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import BlobRef
 from reel.producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
-from reel.runtime.launch.vllm_args import DTYPE, WORKER_EXTENSION, cpu_env, quantization, router_replay_unsupported
+from reel.runtime.launch.vllm_args import (
+    BLOBS_ENV, DTYPE, WORKER_EXTENSION, cpu_env, quantization, router_replay_unsupported,
+)
 from reel.runtime.model.config import MoEConfig
 
 log = logging.getLogger("reel.vllm")
@@ -236,6 +237,8 @@ class VLLMEngine(VLLMEngineBase):
         self._check_routed_experts()
         for key, value in cpu_env().items():
             os.environ.setdefault(key, value)
+        if isinstance(self.blobs, BlobStore):  # the in-process workers load from this store only
+            os.environ.setdefault(BLOBS_ENV, str(self.blobs.root))
         if self.routed_experts:
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # where the routed-expert capture lives
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -315,13 +318,12 @@ class ReelWorkerExtension:
     model_runner: Any  # provided by vLLM's worker
 
     def reel_load_weights(self, path: str, sha256: str) -> None:
-        """Load a Reel weights blob (safetensors, HF names) in place, after checking its hash."""
+        """Load a Reel weights blob (safetensors, HF names) in place: only the blob of hash `sha256` in
+        the run's blob store (REEL_BLOBS_DIR, set by the launcher), read through its checks; `path`
+        must be where that store keeps it. No other file is ever read."""
         from safetensors.torch import load
 
-        data = Path(path).read_bytes()
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != sha256:
-            raise ValueError(f"weights blob {path} hashes to {actual}, expected {sha256}")
+        data = _run_blob(path, sha256)
         runner = self.model_runner
         model = runner.get_model()  # the runner may wrap the model it serves
         tensors = load(data)
@@ -338,6 +340,22 @@ class ReelWorkerExtension:
 
         if current_platform.is_cpu() and any(".mlp.experts." in name for name in tensors):
             _repack_cpu_experts(model)  # a blob always holds every expert: each is packed exactly once
+
+
+def _run_blob(path: str, sha256: str) -> bytes:
+    root = os.environ.get(BLOBS_ENV)
+    if not root:
+        raise ValueError(f"{BLOBS_ENV} is not set in the vLLM server's environment: weights load only from the "
+                         "run's blob store")
+    store = BlobStore(Path(root))
+    where = store.path(BlobRef(uri="", sha256=sha256, nbytes=0))  # BlobError for a key that is not a sha256
+    if Path(path).absolute() != where:
+        raise ValueError(f"weights blob {path} is not the blob {sha256} of the run's store {store.root}")
+    try:
+        size = where.lstat().st_size
+    except OSError as exc:
+        raise ValueError(f"weights blob {sha256} is not in the run's store {store.root}") from exc
+    return store.get(BlobRef(uri="", sha256=sha256, nbytes=size))
 
 
 def _repack_cpu_experts(model: Any) -> None:

@@ -31,6 +31,7 @@ the second time); after `close`, unfinished requests raise EngineClosed.
 from __future__ import annotations
 
 import asyncio
+import os
 import base64
 import binascii
 import io
@@ -49,6 +50,7 @@ from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import BlobRef
 from reel.producers.engine import Completion, EngineClosed, EngineError, SamplingParams
 from reel.producers.vllm import LOAD_WEIGHTS, VLLMEngineBase, cache_salt, policy_version, sampling_options
+from reel.producers.vllm_auth import KEY_ENV
 
 try:
     import httpx
@@ -206,8 +208,11 @@ class VLLMHTTPEngine(VLLMEngineBase):
         # not in the client (no connection limit).
         # Idle connections are dropped well before uvicorn's 5 s keep-alive ends them: reusing one the
         # server is closing fails the request ("Server disconnected"), which happens between steps.
+        # Reel's servers require the run's API key on every route (producers/vllm_auth.py).
+        key = os.environ.get(KEY_ENV)
         client = self._client = httpx.AsyncClient(
-            trust_env=False, limits=httpx.Limits(max_connections=None, keepalive_expiry=KEEPALIVE_S))
+            trust_env=False, limits=httpx.Limits(max_connections=None, keepalive_expiry=KEEPALIVE_S),
+            headers={"Authorization": f"Bearer {key}"} if key else None)
         try:
             await asyncio.gather(*(self._wait_healthy(s) for s in dict.fromkeys([self.url, *self.servers])))
         except BaseException:

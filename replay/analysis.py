@@ -44,6 +44,7 @@ from reel.runtime.mismatch_split import WeightsOf, sampler_logprobs, split_metri
 from reel.runtime.model.determinism import set_determinism
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import load_state_dict_bytes
+from reel.replay.integrity import tampering_note
 from reel.runtime.reexecute import ReplayMismatch, catch_up, check_reproduced, checkpoint_before
 from reel.runtime.train_step import StepResult, TrainState, completion_tokens, scored_tokens, split, token_logprobs
 from reel.runtime.trainer_group import TrainerGroup
@@ -216,8 +217,13 @@ class Run:
         base = self.group.restore(*checkpoint_before(self.commits, step - 1, self.blobs))
         self.require(base.step + 1, step - 1, why=f" (needed to rebuild step {step})")
         check = all(self.same_world(s) for s in range(base.step + 1, step))
-        state = catch_up(base, self.commits, step - 1, self.lookup, self.config, on_step, step_fn=self.group.step,
-                         check=check)
+        try:
+            state = catch_up(base, self.commits, step - 1, self.lookup, self.config, on_step,
+                             step_fn=self.group.step, check=check)
+        except ReplayMismatch as exc:
+            if note := tampering_note(self.run_dir):  # a changed file, not a non-deterministic machine
+                raise ReplayMismatch(f"{exc}; {note}") from exc
+            raise
         return state, base.step
 
     def unsharded(self, state: TrainState) -> TrainState:

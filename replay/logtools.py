@@ -23,9 +23,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from reel.bus.errors import printable
 from reel.bus.events import Tensor, Trajectory
 from reel.bus.jsonout import json_line
 from reel.bus.log import LogError, RunLog
+from reel.replay.integrity import run_file_problems
 from reel.runtime import config
 from reel.runtime.tokenizer import Tokenizer, load_tokenizer
 
@@ -35,8 +37,9 @@ _HEAD = 8
 
 
 def verify(args: argparse.Namespace) -> int:
-    """Check every record's framing and CRC of every stream, one line each; damage -> exit 1, naming
-    each damaged stream and where its valid prefix ends."""
+    """Check every record's framing and CRC of every stream, one line each (damage -> exit 1, naming
+    each damaged stream and where its valid prefix ends); then the files the log names
+    (replay/integrity.py: tampering -> exit 1 via cli)."""
     damaged: list[str] = []
     with RunLog(Path(args.run_dir), readonly=True, valid_prefix=True) as run_log:
         total = 0
@@ -56,6 +59,12 @@ def verify(args: argparse.Namespace) -> int:
                   f"keeps the valid records of each stream (after copying the log)", file=sys.stderr)
             return 1
         print(f"ok: {total} records in {len(run_log.names())} streams, every CRC checked")
+    checked, problems = run_file_problems(Path(args.run_dir))
+    for problem in problems:
+        print(f"tampered: {printable(problem)}")
+    if problems:
+        raise LogError(f"{len(problems)} of {checked} files the log names do not match it; the first: {problems[0]}")
+    print(f"ok: {checked} blobs, init/ and checkpoints match the hashes the log names")
     return 0
 
 

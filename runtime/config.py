@@ -309,7 +309,8 @@ def validate(c: Config) -> None:
                  f"trainer.expert_parallel = {c.trainer.expert_parallel} does not divide model.num_experts = "
                  f"{m.num_experts}: each EP rank holds whole experts; pick a divisor of both")
     require(c.bus.url == "" or c.bus.url.split("://")[0] in ("redis", "rediss", "unix"),
-             f"bus.url = {c.bus.url!r} must start with redis://, rediss:// or unix:// (or be empty)")
+             f"bus.url must start with redis://, rediss:// or unix:// (or be empty), not "
+             f"{c.bus.url.split('://')[0][:20]!r}://")  # never the rest: it may hold a password
     require(":" not in c.bus.url.split("://")[-1].rpartition("@")[0],
              "bus.url holds a password, which would be copied into the run's log: remove it and put it in "
              "bus.password_file (mode 0600) or REEL_BUS_PASSWORD")

@@ -20,7 +20,7 @@ from pathlib import Path
 from reel.bus.errors import ReelError
 from reel.runtime.config import Config, warmup_steps
 from reel.runtime.model.model import MoEModel
-from reel.runtime.model.weights import load, save, shard_files
+from reel.runtime.model.weights import contained, load, save, shard_files
 from reel.runtime.work_progress import PROGRESS_FILE, reporting_to
 
 WARM_START = "reel.producers.warmstart:warm_start"
@@ -71,12 +71,14 @@ def ensure_initial_policy(run_dir: Path, config: Config) -> Path:
 def link_checkpoint(source: Path, target: Path) -> None:
     """config.json, the shard index and the shards of `source` into `target`: hard links where the
     filesystem allows (a real checkpoint is big), else copies. Their bytes are version 0."""
-    files = [source / "config.json", *shard_files(source)]
+    files = [source / "config.json", *shard_files(source)]  # every name checked before anything is linked
     if (source / "model.safetensors.index.json").is_file():
         files.append(source / "model.safetensors.index.json")
     for f in files:
-        try:
-            os.link(f, target / f.name)
+        contained(source, f)
+    for f in files:
+        try:  # the file itself, not a cache's symlink to it: init/ holds regular files only
+            os.link(f.resolve(), target / f.name)
         except OSError:
             shutil.copyfile(f, target / f.name)
 

@@ -73,10 +73,17 @@ def checkpoint_before(commits: dict[int, StepCommitted], upto: int, blobs: BlobB
     if base is None or base.checkpoint is None:
         return b"", "the initial policy"
     try:
-        return blobs.get(base.checkpoint), f"checkpoint of step {base.step}"
+        data = blobs.get(base.checkpoint)
     except BlobError as exc:
         raise CheckpointUnusable(f"the checkpoint of step {base.step} cannot be read ({exc}); "
                                  f"{_nearest_usable(commits, base.step - 1, blobs)}") from exc
+    # The commit, not the blob, says which reader may touch it: only an N-rank commit's checkpoint is
+    # a DCP manifest, whose .metadata is a pickle (runtime/dcp_metadata.py).
+    if sharded_checkpoint.is_manifest(data) != (base.world_size > 1):
+        raise checkpoint.CheckpointError(
+            f"the checkpoint of step {base.step} is {'a DCP manifest' if base.world_size == 1 else 'a one-process file'}"
+            f" but its commit says the trainer had {base.world_size} rank(s); the run directory was tampered with")
+    return data, f"checkpoint of step {base.step}"
 
 
 def _nearest_usable(commits: dict[int, StepCommitted], upto: int, blobs: BlobBackend) -> str:

@@ -1,7 +1,8 @@
 """Checkpoints of an N-rank trainer with torch.distributed.checkpoint (DCP), resharded on load.
 
 Every rank writes its own shards of the model and AdamW state into RUN_DIR/checkpoints/step-N/
-(DCP's files, no pickle: tensors plus DCP's metadata); rank 0 then returns a small manifest
+(DCP's files: tensors, loaded with torch's weights_only unpickler, and DCP's pickled `.metadata`,
+read only through runtime/dcp_metadata.py); rank 0 then returns a small manifest
 (format, step, world size, every file's sha256) that goes to the blob store, and its BlobRef into
 the StepCommitted like a one-process checkpoint (runtime/checkpoint.py). Loading reads the manifest,
 checks the files and lets DCP reshard onto whatever world loads it: 2 ranks -> 1 process, 1 -> 2.
@@ -11,6 +12,7 @@ Keys are parameter names (FQNs), the same sharded or not, so a plain module load
 from __future__ import annotations
 
 import hashlib
+import stat
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,10 +23,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from reel.runtime.checkpoint import CheckpointError
+from reel.runtime.dcp_metadata import CheckedReader, read_metadata
 from reel.runtime.distributed import World, barrier
 from reel.runtime.train_step import TrainState
 
 FORMAT = "reel-dcp-1"
+METADATA = ".metadata"  # DCP's pickled index of the shards (runtime/dcp_metadata.py)
 
 
 class Manifest(msgspec.Struct, frozen=True):
@@ -58,22 +62,58 @@ def is_manifest(data: bytes) -> bool:
 
 
 def load(data: bytes, state: TrainState, world: World, run_dir: Path, *, source: str) -> TrainState:
-    """Restore `state` (its model and optimizer, in place) from a manifest: any world size."""
-    try:
-        manifest = msgspec.json.decode(data, type=Manifest)
-    except msgspec.ValidationError as exc:
-        raise CheckpointError(f"{source} is not a Reel DCP checkpoint manifest: {exc}") from exc
-    directory = run_dir / manifest.directory
-    for name, digest in manifest.files.items():
-        path = directory / name
-        if not path.is_file() or _sha256(path) != digest:
-            raise CheckpointError(f"{source}: {path} is missing or damaged; restore it or delete the run's "
-                                  f"checkpoints after it")
+    """Restore `state` (its model and optimizer, in place) from a manifest: any world size.
+
+    The manifest is trusted only as far as its own hash (named by the commit): its directory must be
+    the step's own under the run, every file in it one of the manifest's, each a regular file whose
+    sha256 matches, `.metadata` among them; only then is `.metadata` read (runtime/dcp_metadata.py)."""
+    manifest, directory = verify_files(data, run_dir, source=source)
+    metadata = read_metadata((directory / METADATA).read_bytes(), source, set(manifest.files))
     model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
     with _single_process_is_meant(world):
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory), no_dist=not world.distributed)
+        dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=CheckedReader(directory, metadata),
+                 no_dist=not world.distributed)
     set_state_dict(state.model, state.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     return TrainState(state.model, state.optimizer, manifest.step)
+
+
+def verify_files(data: bytes, run_dir: Path, *, source: str) -> tuple[Manifest, Path]:
+    """(the manifest, its directory) once every file it lists is in place and matches its sha256."""
+    try:
+        manifest = msgspec.json.decode(data, type=Manifest)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise CheckpointError(f"{source} is not a Reel DCP checkpoint manifest: {exc}") from exc
+    directory = _checked_directory(manifest, run_dir, source)
+    for name, digest in manifest.files.items():
+        _check_file(directory, name, digest, source)
+    return manifest, directory
+
+
+def _checked_directory(manifest: Manifest, run_dir: Path, source: str) -> Path:
+    """The step's checkpoint directory, exactly where `save` puts it: no other path is read."""
+    expected = directory_of(run_dir, manifest.step)
+    if manifest.directory != str(expected.relative_to(run_dir)):
+        raise CheckpointError(f"{source} names directory {manifest.directory!r}, not "
+                              f"{str(expected.relative_to(run_dir))!r}; the run directory was tampered with")
+    if METADATA not in manifest.files:
+        raise CheckpointError(f"{source} lists no {METADATA} file; the run directory was tampered with")
+    if expected.is_symlink() or not expected.resolve().is_relative_to(run_dir.resolve()):
+        raise CheckpointError(f"{source}: {expected} is a link out of the run directory; replace it with the "
+                              "checkpoint's own files")
+    return expected
+
+
+def _check_file(directory: Path, name: str, digest: str, source: str) -> None:
+    path = directory / name
+    if "/" in name or name in ("", ".", ".."):
+        raise CheckpointError(f"{source} lists {name!r}, which is not a file name in {directory}")
+    try:
+        mode = path.lstat().st_mode
+    except OSError:
+        mode = 0
+    if not stat.S_ISREG(mode) or _sha256(path) != digest:
+        raise CheckpointError(f"{source}: {path} is missing, not a regular file, or damaged; restore it or delete "
+                              f"the run's checkpoints after it")
 
 
 @contextmanager

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -41,10 +42,20 @@ def _events(publisher: Publisher, i: int) -> list:
         publisher.stamp(Trajectory, group_id=f"g{i}", env="e", prompt=tokens, samples=[sample] * 4, worker="w"),
         publisher.stamp(WorkerStats, worker="w", tokens_per_s=1.0, running=1, waiting=0, policy_version=i,
                         groups_published=i),
-        publisher.stamp(WeightsPublished, version=i, step=i, weights=BlobRef("file:///w", "ab" * 32, 3)),
-        publisher.stamp(StepCommitted, step=i, version=i, groups=[f"g{i}"], dropped=[], loss=0.1, grad_norm=1.0,
-                        weights_sha256="ab" * 32, timing=StepTiming(0.0, 1.0, 0.1)),
+        _as_trainer(publisher.stamp(WeightsPublished, version=i, step=i, weights=BlobRef("file:///w", "ab" * 32, 3))),
+        _as_trainer(publisher.stamp(StepCommitted, step=i + 1, version=i + 1, groups=[f"g{i}"], dropped=[], loss=0.1,
+                                    grad_norm=1.0, weights_sha256="ab" * 32, timing=StepTiming(0.0, 1.0, 0.1))),
     ]
+
+
+def _as_trainer(event):
+    """Versions and steps come from the trainer's role alone (bus/trust.py); Publisher records the
+    seq mark of whichever producer an event names."""
+    return msgspec.structs.replace(event, producer="trainer:0")
+
+
+def _as_launcher(event):
+    return msgspec.structs.replace(event, producer="launcher:0")
 
 
 async def _stream_contents(client, run: str) -> dict[str, list[tuple[str, bytes]]]:
@@ -67,7 +78,7 @@ async def test_archives_everything_dead_letters_garbage_and_finishes(redis_url: 
         await publisher.publish(events)
         await publisher.publish(events[:2])  # a retried XADD: same (producer, seq), new entry ids
         await client.xadd(stream_key(run_name, "control"), {b"e": b"\xc1 not msgpack"})
-        await publisher.publish([publisher.stamp(RunFinished, reason="done")])
+        await publisher.publish([_as_launcher(publisher.stamp(RunFinished, reason="done"))])
         archiver = Archiver(tmp_path, redis_url, run_name, batch=16, block_ms=100)
         await asyncio.wait_for(archiver.run(asyncio.Event()), timeout=30)  # returns on its own
         on_bus = await _stream_contents(client, run_name)
@@ -166,7 +177,7 @@ async def test_sigkilled_archiver_leaves_no_gap_and_no_duplicate(redis_url: str,
             child.wait()
             kills += 1
         await producing
-        published["control"] += await publisher.publish([publisher.stamp(RunFinished, reason="done")])
+        published["control"] += await publisher.publish([_as_launcher(publisher.stamp(RunFinished, reason="done"))])
         child = start()
         assert await asyncio.to_thread(child.wait, 30) == 0, (tmp_path / "archiver.err").read_text()
         logged = _log_contents(tmp_path)

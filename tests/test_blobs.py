@@ -55,15 +55,13 @@ def test_keys_that_are_not_sha256_are_rejected(tmp_path: Path, key: str):
         store.path(ref)
 
 
-def test_uri_fallback_only_to_a_file_laid_out_as_that_blob(tmp_path: Path):
+def test_a_blob_is_read_from_this_store_only(tmp_path: Path):
     other = BlobStore(tmp_path / "other-run" / "blobs")
     ref = other.put(b"init weights")
     store = BlobStore(tmp_path / "blobs")
-    assert store.get(ref) == b"init weights"  # found through the ref's own file:// path
-    decoy = tmp_path / "decoy"
-    decoy.write_bytes(b"init weights")
-    with pytest.raises(BlobError, match="not found"):
-        store.get(BlobRef(uri=decoy.as_uri(), sha256=ref.sha256, nbytes=ref.nbytes))
+    # A copied run never silently reads the original run's file through the ref's absolute path.
+    with pytest.raises(BlobError, match=f"not found in {store.root}; its reference names {ref.uri}"):
+        store.get(ref)
     in_mooncake = BlobRef(uri=f"mooncake://{ref.sha256}", sha256=ref.sha256, nbytes=ref.nbytes)
     with pytest.raises(BlobError, match="not found"):  # a file store never reaches into another store
         store.get(in_mooncake)
@@ -72,6 +70,45 @@ def test_uri_fallback_only_to_a_file_laid_out_as_that_blob(tmp_path: Path):
     shutil.rmtree(tmp_path / "other-run")
     assert store.get(ref) == b"init weights"
     assert store.get(in_mooncake) == b"init weights"  # the archiver's copy of a Mooncake blob
+
+
+def _replace_blob(store: BlobStore, ref: BlobRef, make) -> None:
+    path = store.path(ref)
+    path.unlink()
+    make(path)
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("symlink to a file", "a symbolic link"), ("symlink to /dev/zero", "a symbolic link"),
+    ("fifo", "not a regular file"), ("symlinked shard directory", "is a symbolic link"),
+])
+def test_a_blob_that_is_not_a_regular_file_is_refused_without_reading_it(tmp_path: Path, kind: str,
+                                                                         message: str) -> None:
+    store = BlobStore(tmp_path / "blobs")
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"private key")
+    ref = store.put(b"private key")
+    if kind == "symlink to a file":
+        _replace_blob(store, ref, lambda p: p.symlink_to(secret))
+    elif kind == "symlink to /dev/zero":
+        _replace_blob(store, ref, lambda p: p.symlink_to("/dev/zero"))
+    elif kind == "fifo":
+        _replace_blob(store, ref, os.mkfifo)  # a plain open() would wait for a writer forever
+    else:
+        shard = store.path(ref).parent
+        shutil.move(shard, tmp_path / "shard")
+        shard.symlink_to(tmp_path / "shard")
+    with pytest.raises(BlobError, match=message):
+        store.get(ref)
+
+
+def test_a_read_is_bounded_by_the_size_the_reference_names(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path / "blobs")
+    ref = store.put(b"small")
+    with open(store.path(ref), "ab") as f:
+        f.truncate(1 << 40)  # a sparse terabyte: reading it whole would exhaust memory
+    with pytest.raises(BlobError, match="has 6 bytes, its reference says 5"):
+        store.get(ref)
 
 
 _PUT_CHILD = """

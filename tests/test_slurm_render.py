@@ -6,12 +6,15 @@ Redis. No Slurm needed here (tests/test_slurm_cluster.py submits to a real one).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 import redis
@@ -330,7 +333,8 @@ def test_partitioned_run_on_a_redis_cluster_with_mooncake_blobs(tmp_path: Path) 
                     '[blobs]\nbackend = "mooncake"\nmooncake_protocol = "rdma"\nmooncake_device = "mlx5_0"\n'
                     '[rollout]\nworkers = 2\n', tmp_path)
     bash_ok(script)
-    assert "export REEL_BUS_CLUSTER=1" in script and "export REEL_BUS_URL=redis://10.0.0.5:7000" in script
+    assert "export REEL_BUS_CLUSTER=1" in script
+    assert 'REEL_BUS_URL=$("$PYTHON" -m reel.runtime.launch.bus_access "$RUN_DIR/config.toml")' in script
     assert "start_bus" not in script.split("# het group 0: control")[1]  # no Redis of its own
     master, = commands(script, "blob-master")
     holder, = commands(script, "blob-holder")
@@ -344,3 +348,36 @@ def test_partitioned_run_on_a_redis_cluster_with_mooncake_blobs(tmp_path: Path) 
 def test_slurm_refuses_a_bus_url_that_is_not_a_cluster(tmp_path: Path) -> None:
     with pytest.raises(ReelError, match="bus.cluster = true"):
         render('[bus]\nurl = "redis://10.0.0.5:7000"\n', tmp_path)
+
+
+def test_cluster_mode_hands_roles_the_password_and_tls_files(tmp_path: Path) -> None:
+    """The job composes REEL_BUS_URL from the config and REEL_BUS_PASSWORD at run time: the roles get
+    the password and the TLS files, which neither the script nor any argv holds."""
+    text = ('[run]\nname = "c"\n[bus]\nurl = "rediss://reel@10.0.0.5:7000"\ncluster = true\n'
+            f'tls_ca = "{tmp_path}/ca.crt"\n')
+    script = render(text, tmp_path)
+    assert "s3cret" not in script
+    (tmp_path / "config.toml").write_text(text)
+    line = next(x for x in script.splitlines() if "reel.runtime.launch.bus_access" in x)
+    env = {**os.environ, "PYTHON": sys.executable, "RUN_DIR": str(tmp_path), "REEL_BUS_PASSWORD": "s3cret"}
+    out = subprocess.run(["bash", "-c", f'{line}\nprintf "%s" "$REEL_BUS_URL"'], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert out == f"rediss://reel:s3cret@10.0.0.5:7000?ssl_ca_certs={quote(str(tmp_path), safe='')}%2Fca.crt"
+
+
+def test_the_announced_metrics_address_is_the_one_bound(tmp_path: Path) -> None:
+    script = render("", tmp_path)
+    metrics, = commands(script, "metrics")
+    assert flag(metrics, "--addr") == "$BUS_HOST" and flag(metrics, "--port") == "$METRICS_PORT"
+    assert 'echo "reel: metrics at http://$BUS_HOST:$METRICS_PORT/metrics"' in script
+
+
+def test_vllm_servers_bind_their_node_and_get_the_runs_key_by_environment(tmp_path: Path) -> None:
+    script = render(VLLM, tmp_path, gpus_per_node=8)
+    server, = commands(script, "vllm-rollout-0")
+    assert flag(server, "--host") == "$(group_addr 1 0)" and "0.0.0.0" not in script
+    assert flag(server, "--middleware") == "reel.producers.vllm_auth.RequireKey"
+    assert not any("key" in word.lower() for word in server if not word.startswith(("--middleware", "reel.")))
+    key_line = 'VLLM_API_KEY=$("$PYTHON" -m reel.runtime.launch.vllm_key "$RUN_DIR") || exit 2'
+    assert script.index(key_line) < script.index("start vllm-rollout-0") < script.index("start rollout")
+    assert "REEL_BLOBS_DIR=$RUN_DIR/blobs" in " ".join(server)

@@ -151,7 +151,7 @@ uvloop.run(main(sys.argv[1], sys.argv[2]))
 
 async def test_killed_consumer_entries_are_reclaimed(bus_url, run_name):
     async with connect(bus_url) as client:
-        publisher = Publisher(client, run_name, "rollout:0")
+        publisher = Publisher(client, run_name, "launcher:0")
         await publisher.publish(finished(publisher, 30))
         victim = subprocess.Popen([sys.executable, "-c", VICTIM, bus_url, run_name], stdout=subprocess.PIPE,
                                   text=True)
@@ -181,7 +181,7 @@ async def test_killed_consumer_entries_are_reclaimed(bus_url, run_name):
 
 async def test_poison_and_undecodable_entries_go_to_dead_letters(bus_url, run_name):
     async with connect(bus_url) as client:
-        publisher = Publisher(client, run_name, "rollout:0")
+        publisher = Publisher(client, run_name, "launcher:0")
         await publisher.publish(finished(publisher, 4))  # seq 1 fails every time; seq 2 crashes its reader
         key = stream_key(run_name, "control")
         garbage_id = (await client.xadd(key, {"e": b"\xc1not msgpack"})).decode()
@@ -221,7 +221,7 @@ async def test_poison_and_undecodable_entries_go_to_dead_letters(bus_url, run_na
 
 async def test_duplicate_is_not_returned_twice(bus_url, run_name):
     async with connect(bus_url) as client:
-        publisher = Publisher(client, run_name, "rollout:0")
+        publisher = Publisher(client, run_name, "launcher:0")
         event, other = finished(publisher, 2)
         await publisher.publish([event])
         await publisher.publish([event, other])  # a producer re-sending after a lost reply
@@ -240,7 +240,7 @@ async def test_duplicate_is_not_returned_twice(bus_url, run_name):
 
 async def test_restarted_consumer_resumes_its_own_pending_entries(bus_url, run_name):
     async with connect(bus_url) as client:
-        publisher = Publisher(client, run_name, "rollout:0")
+        publisher = Publisher(client, run_name, "launcher:0")
         await publisher.publish(finished(publisher, 5))
         async with GroupConsumer(bus_url, run_name, "g", "c0", ["control"], block_ms=50) as before:
             taken = await before.read(count=3)  # then the process "dies" without acking
@@ -255,7 +255,7 @@ async def test_restarted_consumer_resumes_its_own_pending_entries(bus_url, run_n
 async def test_restarts_never_dead_letter_pending_entries(bus_url, run_name):
     """A trainer restarted more than max_deliveries times still gets the groups it holds pending."""
     async with connect(bus_url) as client:
-        publisher = Publisher(client, run_name, "rollout:0")
+        publisher = Publisher(client, run_name, "launcher:0")
         await publisher.publish(finished(publisher, 3))
         for _ in range(7):
             async with GroupConsumer(bus_url, run_name, "g", "c0", ["control"], block_ms=50,
@@ -267,7 +267,7 @@ async def test_restarts_never_dead_letter_pending_entries(bus_url, run_name):
 async def test_a_lost_read_reply_strands_nothing(redis_url, run_name):
     """Redis delivers entries but the reply is lost: the next reads hand them out, once each."""
     async with connect(redis_url) as client, FaultProxy(redis_url) as proxy:
-        publisher = Publisher(client, run_name, "rollout:0")
+        publisher = Publisher(client, run_name, "launcher:0")
         async with GroupConsumer(proxy.url, run_name, "g", "c0", ["control"], block_ms=50,
                                  claim_idle_ms=3_600_000) as consumer:
             assert await consumer.read() == []  # own pending list and claims done: next comes `>`
@@ -286,7 +286,7 @@ async def test_a_lost_read_reply_strands_nothing(redis_url, run_name):
 
 async def test_trim_never_drops_unacknowledged_entries(bus_url, run_name):
     async with connect(bus_url) as client:
-        publisher = Publisher(client, run_name, "rollout:0")
+        publisher = Publisher(client, run_name, "launcher:0")
         key = stream_key(run_name, "control")
         ids = await publisher.publish(finished(publisher, 10))
         assert await safe_trim(client, run_name, "control") == 0  # no group yet: keep everything

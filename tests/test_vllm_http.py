@@ -12,6 +12,7 @@ exercised by the `gpu` test at the end, which starts `vllm serve` where vLLM and
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -28,9 +29,11 @@ import pytest
 import torch
 
 from reel.bus.blob_backends.file import BlobStore
+from reel.bus.blobs import BlobError
 from reel.producers.engine import EngineClosed, EngineError, SamplingParams
 from reel.producers.rollout import make_engine
 from reel.producers.vllm import LOAD_WEIGHTS, ReelWorkerExtension, known_spans
+from reel.producers.vllm_auth import RequireKey
 from reel.producers.vllm_http import GENERATE, VLLMHTTPEngine, generate_body, parse_generate_response
 from reel.runtime import config
 from reel.runtime.launch import vllm_args
@@ -239,20 +242,38 @@ def test_make_engine_talks_http_when_the_job_exported_reel_vllm_url(monkeypatch,
 @pytest.mark.parametrize("router_replay", [True, False])
 def test_the_serve_line_loads_reel_weights_through_dev_endpoints(router_replay: bool) -> None:
     c, pool = toml(router_replay), Pool("rollout", 1, "--rollout-nodes")
-    argv = vllm_args.serve_argv(c, pool, 0)
+    argv = vllm_args.serve_argv(c, pool, 0, "10.0.0.1")
     module, _, name = argv[argv.index("--worker-extension-cls") + 1].rpartition(".")
     extension = getattr(importlib.import_module(module), name)
     assert extension is ReelWorkerExtension and callable(getattr(extension, LOAD_WEIGHTS))
     assert ("--enable-return-routed-experts" in argv) == router_replay
     assert "--enable-scale-out" in argv  # the token-ids generate route answers 403 without it
     assert vllm_args.serve_env(c, pool, 0, "10.0.0.1")["VLLM_SERVER_DEV_MODE"] == "1"
+    assert argv[argv.index("--host") + 1] == "10.0.0.1"  # the node's address, never 0.0.0.0
+    module, _, name = argv[argv.index("--middleware") + 1].rpartition(".")
+    assert getattr(importlib.import_module(module), name) is RequireKey  # the key on every route
 
 
-def test_the_worker_extension_refuses_a_blob_with_another_hash(tmp_path: Path) -> None:
-    blob = tmp_path / "weights"
-    blob.write_bytes(b"safetensors bytes")
-    with pytest.raises(ValueError, match=f"{blob} hashes to"):
-        ReelWorkerExtension().reel_load_weights(str(blob), "0" * 64)  # before any model is touched
+def test_the_worker_extension_loads_only_the_runs_blob_of_that_hash(tmp_path: Path, monkeypatch) -> None:
+    """Whoever calls /collective_rpc names a path and a hash: only the run's blob of that hash is read,
+    through the blob store's checks, before any model is touched."""
+    store = BlobStore(tmp_path / "blobs")
+    ref = store.put(b"safetensors bytes")
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"private")
+    monkeypatch.delenv(vllm_args.BLOBS_ENV, raising=False)
+    with pytest.raises(ValueError, match="REEL_BLOBS_DIR is not set"):
+        ReelWorkerExtension().reel_load_weights(str(store.path(ref)), ref.sha256)
+    monkeypatch.setenv(vllm_args.BLOBS_ENV, str(store.root))
+    sha = hashlib.sha256(b"private").hexdigest()
+    with pytest.raises(ValueError, match="is not the blob"):  # any file whose hash the caller supplies
+        ReelWorkerExtension().reel_load_weights(str(secret), sha)
+    with pytest.raises(ValueError, match="is not in the run's store"):
+        ReelWorkerExtension().reel_load_weights(str(store.root / sha[:2] / sha), sha)
+    store.path(ref).unlink()
+    store.path(ref).symlink_to(secret)
+    with pytest.raises(BlobError, match="symbolic link"):
+        ReelWorkerExtension().reel_load_weights(str(store.path(ref)), ref.sha256)
 
 
 @pytest.fixture
@@ -265,10 +286,12 @@ def vllm_serve(tmp_path: Path) -> Iterator[str]:
     save(MoEModel(MoEConfig(vocab_size=64, initializer_range=0.1)), tmp_path / "model")
     c = toml(True, str(tmp_path / "model"), "--enforce-eager --gpu-memory-utilization 0.3")
     pool, port = Pool("rollout", 1, "--rollout-nodes"), 18000 + os.getpid() % 1000
-    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", *vllm_args.serve_argv(c, pool, 0)[1:]]
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", *vllm_args.serve_argv(c, pool, 0, "127.0.0.1")[1:]]
     argv[argv.index("--port") + 1] = str(port)
     with open(tmp_path / "vllm.log", "wb") as out:
-        server = subprocess.Popen(argv, env=os.environ | vllm_args.serve_env(c, pool, 0, "127.0.0.1"), stdout=out,
+        env = os.environ | vllm_args.serve_env(c, pool, 0, "127.0.0.1") | {
+            vllm_args.BLOBS_ENV: str(tmp_path / "blobs"), "VLLM_API_KEY": os.environ.setdefault("VLLM_API_KEY", "k")}
+        server = subprocess.Popen(argv, env=env, stdout=out,
                                   stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -11,6 +11,7 @@ Runner V2): on this CPU router replay is refused before vLLM starts, which is te
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,13 +67,38 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, MoEModel, Mo
 
 
 @pytest.fixture(scope="module")
-def server(models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server_blobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The blob store the server loads weights from (the only one it accepts)."""
+    return tmp_path_factory.mktemp("vllm-blobs")
+
+
+@pytest.fixture(scope="module")
+def server(models, server_blobs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """URL of a real `vllm serve` on the tiny model, with the command line `reel run` gives its server."""
     import importlib.util
 
     assert importlib.util.find_spec("vllm") is not None, "vLLM is not installed: run `bash ops/install_vllm.sh`"
-    with local_vllm(config_mod.loads(RUN), models[0], tmp_path_factory.mktemp("vllm") / "vllm.log") as url:
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    with local_vllm(config_mod.loads(RUN), models[0], log, server_blobs) as url:
         yield url
+
+
+@pytest.mark.parametrize("key", [None, "Bearer wrong-key", "bearer"])
+def test_the_server_refuses_every_control_call_without_the_runs_key(server, server_blobs, key) -> None:
+    """vLLM's own --api-key leaves the dev-mode routes open; Reel's middleware does not."""
+    blobs = BlobStore(server_blobs)
+    ref = blobs.put(b"not even safetensors")
+    calls = [("POST", "/pause", None), ("POST", "/resume", None),
+             ("POST", "/collective_rpc", {"method": "reel_load_weights", "args": [str(blobs.path(ref)), ref.sha256]}),
+             ("POST", "/update_weight_version", {"new_version": "1000000000"}), ("GET", "/get_world_size", None),
+             ("GET", "/v1/models", None), ("POST", "/inference/v1/generate", {}), ("GET", "/metrics", None)]
+    headers = {"Authorization": key} if key else {}
+    with httpx.Client(base_url=server, trust_env=False, timeout=30) as client:
+        for method, path, body in calls:
+            assert client.request(method, path, json=body, headers=headers).status_code == 401, path
+        assert client.get("/health").status_code == 200  # the readiness probe stays open
+        authorized = {"Authorization": f"Bearer {os.environ['VLLM_API_KEY']}"}
+        assert client.get("/v1/models", headers=authorized).status_code == 200
 
 
 def _engine(models, url: str, blobs: BlobStore, **kwargs) -> VLLMHTTPEngine:
@@ -99,8 +125,8 @@ async def _push(engine, model: MoEModel, blobs: BlobStore, version: int) -> None
     await engine.update_weights(blobs.put(state_dict_bytes(model)), version)
 
 
-async def test_http_greedy_and_sampled_logprobs_match_reels_forward(models, server, tmp_path) -> None:
-    blobs = BlobStore(tmp_path / "blobs")
+async def test_http_greedy_and_sampled_logprobs_match_reels_forward(models, server, server_blobs) -> None:
+    blobs = BlobStore(server_blobs)
     async with _engine(models, server, blobs) as engine:
         assert await engine._server_version(server) == -1  # a fresh server says "default": no Reel version
         await _push(engine, models[2], blobs, 0)  # not the weights it started with: the load must really happen
@@ -115,8 +141,8 @@ async def test_http_greedy_and_sampled_logprobs_match_reels_forward(models, serv
             torch.testing.assert_close(torch.tensor(sample.logprobs), want, atol=1e-4, rtol=0)
 
 
-async def test_http_seeded_samples_reproduce(models, server, tmp_path) -> None:
-    blobs = BlobStore(tmp_path / "blobs")
+async def test_http_seeded_samples_reproduce(models, server, server_blobs) -> None:
+    blobs = BlobStore(server_blobs)
     async with _engine(models, server, blobs) as engine:
         await _push(engine, models[1], blobs, 3)
         params = SamplingParams(n=4, temperature=1.0, max_tokens=20, seed=1234)
@@ -128,10 +154,10 @@ async def test_http_seeded_samples_reproduce(models, server, tmp_path) -> None:
         assert [c.seed for c in first] == [1234, 1235, 1236, 1237]
 
 
-async def test_http_seeded_prompts_longer_than_a_default_step_budget_are_served(models, server, tmp_path) -> None:
+async def test_http_seeded_prompts_longer_than_a_default_step_budget_are_served(models, server, server_blobs) -> None:
     """16 seeded 200-token prompts at once (3200 tokens) exceed vLLM's default 2048-token step:
     split, a seeded prefill kills the CPU engine; the command line `reel run` uses keeps them whole."""
-    blobs = BlobStore(tmp_path / "blobs")
+    blobs = BlobStore(server_blobs)
     long_prompt = [(7 * i) % 90 + 3 for i in range(200)]
     async with _engine(models, server, blobs) as engine:
         await _push(engine, models[1], blobs, 5)
@@ -140,8 +166,9 @@ async def test_http_seeded_prompts_longer_than_a_default_step_budget_are_served(
         assert len(samples) == 16 and all(len(s.tokens) == 4 for s in samples)
 
 
-async def test_http_weight_push_mid_generation_changes_outputs_and_spans_say_where(models, server, tmp_path) -> None:
-    blobs = BlobStore(tmp_path / "blobs")
+async def test_http_weight_push_mid_generation_changes_outputs_and_spans_say_where(models, server,
+                                                                                  server_blobs) -> None:
+    blobs = BlobStore(server_blobs)
     old, new = models[1], models[2]
     async with _engine(models, server, blobs) as engine:
         # 1000 greedy tokens take vLLM's CPU build a second or more; a busy machine can admit the
@@ -169,8 +196,8 @@ async def test_http_weight_push_mid_generation_changes_outputs_and_spans_say_whe
         assert fresh.spans == [(0, v + 1)] and fresh.tokens == _greedy_tokens(new, PROMPT, 16)
 
 
-async def test_http_cancelled_request_is_aborted_on_the_server(models, server, tmp_path) -> None:
-    blobs = BlobStore(tmp_path / "blobs")
+async def test_http_cancelled_request_is_aborted_on_the_server(models, server, server_blobs) -> None:
+    blobs = BlobStore(server_blobs)
     async with _engine(models, server, blobs) as engine:
         await _push(engine, models[1], blobs, 20)
         before = await _metric(server, "vllm:generation_tokens_total")
@@ -189,8 +216,8 @@ async def test_http_cancelled_request_is_aborted_on_the_server(models, server, t
         assert settled - before < 4 * 1000, settled - before
 
 
-async def test_http_follower_waits_for_the_version_worker_0_pushes(models, server, tmp_path) -> None:
-    blobs = BlobStore(tmp_path / "blobs")
+async def test_http_follower_waits_for_the_version_worker_0_pushes(models, server, server_blobs) -> None:
+    blobs = BlobStore(server_blobs)
     async with _engine(models, server, blobs) as pusher, _engine(models, server, blobs, push_weights=False) as follower:
         await _push(pusher, models[1], blobs, 30)
         ref = blobs.put(state_dict_bytes(models[2]))

@@ -6,6 +6,7 @@ fsyncs the directory, so a blob is either absent or complete.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import mmap
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from reel.bus.blobs import BlobBackend, BlobError, BlobMissing, check_key
+from reel.bus.errors import printable
 from reel.bus.events import BlobRef
 from reel.bus.logformat import fsync_dir
 
@@ -52,7 +54,7 @@ class BlobStore(BlobBackend):
                     os.fsync(f.fileno())
                 ref = BlobRef(uri="", sha256=digest, nbytes=nbytes)
                 final = self.path(ref)
-                if final.is_file() and final.stat().st_size == nbytes:
+                if not final.is_symlink() and final.is_file() and final.stat().st_size == nbytes:
                     os.unlink(tmp)  # already stored: content addressing makes put idempotent
                 else:
                     self._make_dir(final.parent)
@@ -67,24 +69,31 @@ class BlobStore(BlobBackend):
         return BlobRef(uri=final.as_uri(), sha256=digest, nbytes=nbytes)
 
     def read(self, ref: BlobRef) -> bytes:
-        """From this store by hash first (the run dir may have moved, and the archiver copies blobs of
-        other stores, e.g. mooncake://, into the run's blobs/), then the ref's own file."""
-        candidates = [self.path(ref)]
-        uri = urlparse(ref.uri)
-        if uri.scheme == "file":
-            elsewhere = Path(unquote(uri.path))
-            # Only a file named like a blob of this hash, in another store's layout, is accepted.
-            if elsewhere.name == ref.sha256 and elsewhere.parent.name == ref.sha256[:2]:
-                candidates.append(elsewhere)
-        for path in candidates:
+        """From this store, by hash only: a run directory is untrusted input, so a blob is a regular
+        file inside the store (no symlink, FIFO or device) and no more than ref.nbytes (+1, so a longer
+        one fails the size check) are read. The ref's own uri is never followed: a copied run must
+        not silently read another run's files (the archiver copies blobs of other stores here)."""
+        path = self.path(ref)
+        if path.parent.is_symlink():
+            raise BlobError(f"blob {ref.sha256}: {path.parent} is a symbolic link; a blob store holds only its "
+                            "own files")
+        try:
+            # O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW: a symlink is refused.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            elsewhere = f"; its reference names {printable(ref.uri)}, which is not read from here" if ref.uri and \
+                urlparse(ref.uri).path != path.as_posix() else ""
+            raise BlobMissing(f"blob {ref.sha256} not found in {self.root}{elsewhere}") from None
+        except OSError as exc:
+            why = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+            raise BlobError(f"cannot read blob {ref.sha256} at {path}: {why}") from exc
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise BlobError(f"blob {ref.sha256} at {path} is not a regular file")
             try:
-                return path.read_bytes()
-            except FileNotFoundError:
-                continue
+                return f.read(ref.nbytes + 1)
             except OSError as exc:
                 raise BlobError(f"cannot read blob {ref.sha256} at {path}: {exc}") from exc
-        raise BlobMissing(f"blob {ref.sha256} not found in {self.root}" +
-                        (f" nor at {candidates[1]}" if len(candidates) > 1 else ""))
 
     def delete(self, ref: BlobRef) -> int:
         """Unlink the blob from this store (never the ref's own file elsewhere); bytes freed."""

@@ -8,7 +8,7 @@ arguments, into the URL the launcher hands its roles through the environment and
 
 An ACL user for one run is limited to that run's keys and the commands Reel sends:
 
-    ACL SETUSER reel reset on >PASSWORD ~reel:{RUN}:* resetchannels -@all +ping +multi +exec ...
+    ACL SETUSER reel reset on >PASSWORD ~reel:{RUN}:* ~reel:{RUN:[0-9]*}:* resetchannels -@all +ping +multi ...
 
 (`acl_setuser(run, user)` gives the arguments after SETUSER, without the password.)
 """
@@ -17,19 +17,22 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from pathlib import Path
 from urllib.parse import quote, urlencode, urlsplit
 
 from reel.bus.events import stream_key
-from reel.runtime.config import Config, ConfigError
+from reel.runtime.config import Config, ConfigError, load
 
-__all__ = ["bus_url", "acl_setuser", "REEL_COMMANDS", "PASSWORD_ENV"]
+__all__ = ["bus_url", "acl_setuser", "key_patterns", "REEL_COMMANDS", "PASSWORD_ENV"]
 
 PASSWORD_ENV = "REEL_BUS_PASSWORD"
-# Every command Reel's clients send, those Lua scripts run (safe_trim) included.
-REEL_COMMANDS = ("ping", "multi", "exec", "discard", "eval", "exists", "zadd", "zscore", "xadd", "xack", "xautoclaim",
-                 "xlen", "xpending", "xrange", "xrevrange", "xread", "xreadgroup", "xtrim", "xgroup|create",
-                 "xinfo|groups")
+# Every command Reel's clients send, those Lua scripts run (safe_trim) included: the seq marks
+# (zadd, zscore, zmscore: bus/trust.py), the dead-letter count (xinfo|stream), and what redis-py's
+# cluster client asks a node for its slots and command table (cluster|slots, command).
+REEL_COMMANDS = ("ping", "multi", "exec", "discard", "eval", "exists", "zadd", "zscore", "zmscore", "xadd", "xack",
+                 "xautoclaim", "xlen", "xpending", "xrange", "xrevrange", "xread", "xreadgroup", "xtrim",
+                 "xgroup|create", "xinfo|groups", "xinfo|stream", "cluster|slots", "command")
 
 
 def bus_url(config: Config) -> str:
@@ -59,5 +62,26 @@ def _read_password_file(path: Path) -> str:
 
 def acl_setuser(run: str, user: str) -> list[str]:
     """Arguments of ACL SETUSER for a user limited to `run`'s keys and Reel's commands (add >PASSWORD)."""
-    return [user, "reset", "on", f"~{stream_key(run, '*')}", "resetchannels", "-@all",
+    return [user, "reset", "on", *(f"~{pattern}" for pattern in key_patterns(run)), "resetchannels", "-@all",
             *(f"+{command}" for command in REEL_COMMANDS)]
+
+
+def key_patterns(run: str) -> list[str]:
+    """The run's keys: its own slot's (reel:{RUN}:...) and every partition's (reel:{RUN:P}:...,
+    bus/partitions.py). Run names hold no glob characters and no ':' (runtime/config.py)."""
+    return [stream_key(run, "*"), f"reel:{{{run}:[0-9]*}}:*"]
+
+
+def main(argv: list[str]) -> int:
+    """`python -m reel.runtime.launch.bus_access CONFIG`: the run's bus URL with its secrets on stdout,
+    for a Slurm job to put in REEL_BUS_URL (a variable and a 0600 file, never a command line)."""
+    try:
+        print(bus_url(load(Path(argv[0]))))
+    except ConfigError as exc:
+        print(f"reel: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

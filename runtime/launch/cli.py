@@ -13,7 +13,7 @@ import importlib
 import importlib.metadata
 import sys
 
-from reel.bus.errors import ReelError
+from reel.bus.errors import ReelError, printable
 from reel.bus.events import STREAMS
 
 # `reel bench NAME` -> handler; each prints one JSON line with a `ratio` key.
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     except ReelError as exc:
         from reel.runtime.config import ConfigError
 
-        print(f"reel: {exc}", file=sys.stderr)
+        print(f"reel: {printable(str(exc))}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) or args.errors_exit_2 else 1
     except KeyboardInterrupt as interrupt:  # SIGTERM/SIGHUP too, where the command asked (launch/signals.py)
         from reel.runtime.launch.signals import exit_code

@@ -167,7 +167,7 @@ def render(c: Config, run_dir: Path, opts: JobOptions) -> str:
     settings = {"RUN_DIR": str(run_dir), "RUN_NAME": c.run.name, **_binaries(c),
                 "FINISHER": "trainer", "DRAINER": "archiver"}
     if c.bus.cluster:  # every role's bus client follows the cluster's MOVED replies
-        settings |= {"REEL_BUS_URL": c.bus.url, "REEL_BUS_CLUSTER": "1"}
+        settings |= {"REEL_BUS_CLUSTER": "1"}
     return job_script(header=_header(c, run_dir, components, vllm), components=components, opts=opts,
                       job_name=f"reel-{c.run.name}", output=f"{run_dir}/slurm/job-%j.out", chdir=str(run_dir),
                       settings=settings, body="\n".join(lines))
@@ -208,9 +208,13 @@ def _components(c: Config, opts: JobOptions, pools: list[Pool]) -> list[Componen
 
 
 def _control_lines(c: Config) -> list[str]:
-    # With bus.cluster the bus is the Redis Cluster of bus.url (REEL_BUS_URL in the settings); the
-    # URL may hold a password, hence the umask.
-    bus = ["BUS_HOST=$(group_addr 0 0)", '(umask 077; printf \'%s\\n\' "$REEL_BUS_URL" > "$RUN_DIR/bus_url")'] \
+    # With bus.cluster the bus is the Redis Cluster of bus.url; the URL every role gets adds the
+    # password (REEL_BUS_PASSWORD or bus.password_file) and the TLS files (runtime/launch/bus_access.py),
+    # through a variable and the 0600 bus_url file, never argv.
+    bus = ["BUS_HOST=$(group_addr 0 0)",
+           'REEL_BUS_URL=$("$PYTHON" -m reel.runtime.launch.bus_access "$RUN_DIR/config.toml") || exit 2',
+           "export REEL_BUS_URL",
+           '(umask 077; printf \'%s\\n\' "$REEL_BUS_URL" > "$RUN_DIR/bus_url")'] \
         if c.bus.cluster else ["start_bus 0"]
     return ["# het group 0: control", *bus, 'wait_until "the bus" bus_ok',
             start_line("archiver", 0, "archiver.log", ["--nodes=1", "--ntasks=1"],
@@ -218,7 +222,7 @@ def _control_lines(c: Config) -> list[str]:
             "METRICS_PORT=$((PORT_BASE + 1))",
             start_line("metrics", 0, "metrics.log", ["--nodes=1", "--ntasks=1"],
                        [Expand("$REEL"), "metrics", "serve", "--run", Expand("$RUN_DIR"),
-                        "--port", Expand("$METRICS_PORT")]),
+                        "--port", Expand("$METRICS_PORT"), "--addr", Expand("$BUS_HOST")]),  # where it is announced
             'echo "reel: metrics at http://$BUS_HOST:$METRICS_PORT/metrics"', ""]
 
 
@@ -331,7 +335,8 @@ def check(c: Config, run_dir: Path, opts: JobOptions) -> None:
 
 
 def _vllm_lines(c: Config, pools: list[Pool]) -> list[str]:
-    lines: list[str] = []
+    # The run's API key (RUN_DIR/vllm_api_key, 0600): servers and rollout workers get it by environment.
+    lines = ['VLLM_API_KEY=$("$PYTHON" -m reel.runtime.launch.vllm_key "$RUN_DIR") || exit 2', "export VLLM_API_KEY"]
     store = c.engine.kv_connector == "MooncakeStoreConnector"
     if store:
         lines += ["# het group 0: the Mooncake store master (each vLLM node adds its segment to the store)",
@@ -351,7 +356,7 @@ def _vllm_lines(c: Config, pools: list[Pool]) -> list[str]:
                    for k, v in vllm_args.serve_env(c, pool, node, addr).items()]
             lines.append(start_line(f"vllm-{pool.role}-{node}", group, f"vllm-{pool.role}-{node}.log",
                                 ["--nodes=1", "--ntasks=1", f"--relative={node}"],
-                                ["env", *env, *vllm_args.serve_argv(c, pool, node)]))
+                                ["env", *env, *vllm_args.serve_argv(c, pool, node, addr)]))
         lines.append("")
     heads = [f"http://${p.head_var}:{vllm_args.API_PORT}" for p in pools]
     if c.engine.pd_disaggregation:

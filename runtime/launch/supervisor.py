@@ -43,6 +43,7 @@ from reel.runtime.config_overrides import load_with_sets
 from reel.runtime.distributed import torchrun_argv
 from reel.runtime.launch import resume as resume_mod
 from reel.runtime.launch import vllm_args
+from reel.runtime.launch.vllm_key import KEY_ENV, run_api_key
 from reel.runtime.launch.progress import Progress
 from reel.runtime.launch.signals import StopRequested, exit_code, stop_on_signals
 from reel.runtime.work_progress import PROGRESS_FILE
@@ -332,12 +333,14 @@ class Supervisor:
         if not (weights / "config.json").is_file():
             return
         argv = vllm_args.local_serve_argv(self.config, beside_python("vllm"), weights, self.vllm_port)
+        env = vllm_args.local_serve_env(self.config, run_api_key(self.run_dir), self.run_dir / "blobs")
         self.roles["vllm"] = RoleProcess("vllm", argv, self.run_dir / "roles" / "vllm.log", self.config.engine.threads,
-                                         vllm_args.local_serve_env(self.config))
+                                         env)
 
     def run(self) -> int:
         trainer_threads = self.config.trainer.threads or 1
-        rollout_env = {"REEL_VLLM_URL": f"http://127.0.0.1:{self.vllm_port}"} if self.vllm_port else None
+        rollout_env = {"REEL_VLLM_URL": f"http://127.0.0.1:{self.vllm_port}",  # and its key, by environment
+                       KEY_ENV: run_api_key(self.run_dir)} if self.vllm_port else None
         try:
             self._start("archiver", "archiver")
             self._start("trainer", "trainer", threads=trainer_threads, ranks=self.config.trainer.ranks)

@@ -23,7 +23,9 @@ rejects P/D connectors, so that combination is refused at config load (runtime/c
 Weight updates reach the servers over HTTP (producers/vllm_http.py): /pause, /collective_rpc into
 Reel's worker extension (--worker-extension-cls), /update_weight_version, /resume; those endpoints
 exist only with VLLM_SERVER_DEV_MODE=1 in the server's environment, and the token-ids generate
-route only with --enable-scale-out (403 without it).
+route only with --enable-scale-out (403 without it). Every route but /health requires the run's
+API key (VLLM_API_KEY, runtime/launch/vllm_key.py; --middleware producers/vllm_auth.py), and the
+worker extension loads weights only from the run's blob store (REEL_BLOBS_DIR), by hash.
 
 `reel run` with engine.vllm_server = "local" starts one `vllm serve` on this machine with the same
 flags (local_serve_argv), serving the run's version-0 weights (RUN_DIR/init).
@@ -47,6 +49,9 @@ MOONCAKE_BOOTSTRAP_PORT = 8998
 MOONCAKE_LOCAL_BUFFER_BYTES = 4 << 30  # a store client's staging buffer
 # Loads Reel's weight blobs inside vLLM's workers; named, not imported (runtime/ never imports producers/).
 WORKER_EXTENSION = "reel.producers.vllm.ReelWorkerExtension"
+# Requires the run's API key on every route, the dev-mode ones included (producers/vllm_auth.py).
+AUTH_MIDDLEWARE = "reel.producers.vllm_auth.RequireKey"
+BLOBS_ENV = "REEL_BLOBS_DIR"  # the run's blob store: the only place the worker extension loads weights from
 
 DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
 # vLLM's online quantisation with DeepSeek-style 128x128 block scales, the trainer's FP8 numerics
@@ -144,7 +149,8 @@ def common_serve_args(c: Config, model_dir: str | Path) -> list[str]:
             "--enable-scale-out", "--skip-tokenizer-init",
             # Reel salts the prefix cache per policy version and compares processed logprobs.
             "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs",
-            "--worker-extension-cls", WORKER_EXTENSION, *precision_args(e.precision, model_dir)]
+            "--worker-extension-cls", WORKER_EXTENSION, "--middleware", AUTH_MIDDLEWARE,
+            *precision_args(e.precision, model_dir)]
     if e.max_seq_len:
         argv += ["--max-model-len", str(e.max_seq_len)]
     if c.trainer.router_replay:
@@ -172,11 +178,11 @@ def _max_model_len(c: Config, model_dir: Path) -> int:
     return int(json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"])
 
 
-def local_serve_env(c: Config) -> dict[str, str]:
+def local_serve_env(c: Config, api_key: str, blobs_dir: Path) -> dict[str, str]:
     # vLLM's workers import Reel's worker extension (reel.producers.vllm) from the installed `reel`
     # package, the same interpreter as the server's.
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENGINE_READY_TIMEOUT_S": "3600",
-           "OMP_NUM_THREADS": str(c.engine.threads)}
+           "OMP_NUM_THREADS": str(c.engine.threads), "VLLM_API_KEY": api_key, BLOBS_ENV: str(blobs_dir)}
     if c.trainer.router_replay:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     return env | cpu_env()
@@ -217,10 +223,11 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def serve_argv(c: Config, pool: Pool, node: int) -> list[str]:
-    """`vllm serve` for node `node` (from 0) of `pool`; Expand words refer to the job's shell."""
+def serve_argv(c: Config, pool: Pool, node: int, addr: str) -> list[str]:
+    """`vllm serve` for node `node` (from 0) of `pool`, bound to `addr` (the node's own address, not
+    every interface); Expand words refer to the job's shell."""
     e = c.engine
-    argv = [Expand("$VLLM"), "serve", c.model.path, "--host", "0.0.0.0", "--port", str(API_PORT),
+    argv = [Expand("$VLLM"), "serve", c.model.path, "--host", addr, "--port", str(API_PORT),
             *common_serve_args(c, c.model.path)]
     if e.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(e.tensor_parallel_size)]
@@ -251,8 +258,9 @@ def serve_argv(c: Config, pool: Pool, node: int) -> list[str]:
 def serve_env(c: Config, pool: Pool, node: int, addr: str) -> dict[str, str]:
     """Environment of a pool's node; `addr` is the node's own address (usually an Expand)."""
     e = c.engine
-    env = {"VLLM_SERVER_DEV_MODE": "1",  # the pause / update_weights / resume endpoints
-           "VLLM_ENGINE_READY_TIMEOUT_S": "3600"}  # big MoE checkpoints load for tens of minutes
+    env = {"VLLM_SERVER_DEV_MODE": "1",  # the pause / update_weights / resume endpoints (behind the API key)
+           "VLLM_ENGINE_READY_TIMEOUT_S": "3600",  # big MoE checkpoints load for tens of minutes
+           BLOBS_ENV: Expand("$RUN_DIR/blobs")}  # VLLM_API_KEY: exported by the job (runtime/launch/slurm.py)
     if e.precision == "fp8":
         env |= {"VLLM_USE_DEEP_GEMM": "1", "VLLM_MOE_USE_DEEP_GEMM": "1"}
     if c.trainer.router_replay:

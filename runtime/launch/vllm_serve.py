@@ -8,8 +8,10 @@ local server gets (runtime/launch/vllm_args.py); `reel run` itself supervises it
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -20,6 +22,7 @@ from pathlib import Path
 from reel.bus.errors import ReelError
 from reel.runtime.config import Config
 from reel.runtime.launch import vllm_args
+from reel.runtime.launch.vllm_key import KEY_ENV
 
 STARTUP_TIMEOUT_S = 900.0  # imports and model load: ~1 minute on an idle CPU machine, many on a busy one
 STOP_TIMEOUT_S = 30.0
@@ -31,14 +34,20 @@ class VLLMServeError(ReelError):
 
 
 @contextmanager
-def local_vllm(config: Config, model_dir: Path, log_path: Path, *,
+def local_vllm(config: Config, model_dir: Path, log_path: Path, blobs_dir: Path, *,
                startup_timeout_s: float = STARTUP_TIMEOUT_S) -> Iterator[str]:
-    """The URL of a healthy `vllm serve` on `model_dir` (its output in `log_path`), stopped on exit."""
-    from reel.runtime.launch.supervisor import beside_python, free_port
+    """The URL of a healthy `vllm serve` on `model_dir` (its output in `log_path`), stopped on exit.
+    It loads weights only from `blobs_dir` and requires this process's VLLM_API_KEY (made here when
+    unset), which the HTTP engine in this process sends."""
+    from reel.runtime.launch.supervisor import free_port
 
     port = free_port()
-    argv = vllm_args.local_serve_argv(config, beside_python("vllm"), model_dir, port)
-    env = os.environ | vllm_args.local_serve_env(config)
+    key = os.environ.setdefault(KEY_ENV, secrets.token_urlsafe(32))
+    # Under this interpreter: the server imports Reel's middleware and worker extension, which must be
+    # the `reel` this process runs (another environment's `vllm` script could import another one).
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main",
+            *vllm_args.local_serve_argv(config, "vllm", model_dir, port)[1:]]
+    env = os.environ | vllm_args.local_serve_env(config, key, blobs_dir)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

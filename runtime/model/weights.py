@@ -52,18 +52,37 @@ def load(directory: str | Path, precision: str = "fp32") -> MoEModel:
 
 
 def shard_files(directory: Path) -> list[Path]:
-    """The checkpoint's safetensors files: those its index names, else every *.safetensors."""
+    """The checkpoint's safetensors files: those its index names, else every *.safetensors; each one
+    checked by `contained` (an index is untrusted input: its names must not reach outside)."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as exc:
+        except (OSError, json.JSONDecodeError, KeyError, AttributeError, TypeError) as exc:
             raise ModelError(f"cannot read the shard index {index}: {exc}") from exc
-        return [directory / n for n in names]
+        for name in names:
+            if not isinstance(name, str) or Path(name).name != name or not name.endswith(".safetensors"):
+                raise ModelError(f"the shard index {index} names {name!r}, which is not a *.safetensors file name "
+                                 "in its directory; fix the index")
+        return [contained(directory, directory / n) for n in names]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ModelError(f"no *.safetensors file in {directory}")
-    return files
+    return [contained(directory, f) for f in files]
+
+
+def contained(directory: Path, path: Path) -> Path:
+    """`path` if it is a regular file that resolves inside `directory`, else ModelError. A Hugging Face
+    cache snapshot (…/snapshots/REV/) links its files to the repo's blobs/, so there the repo's folder
+    is the bound."""
+    bound = directory.resolve()
+    if bound.parent.name == "snapshots":
+        bound = bound.parent.parent
+    real = path.resolve()
+    if not real.is_relative_to(bound) or not real.is_file():
+        raise ModelError(f"{path} is not a regular file inside {bound}; a checkpoint directory may only name "
+                         "its own files")
+    return path
 
 
 def _stream(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,99 @@
+"""Do the run directory's files still match the hashes its log names? (`reel log verify`, and replay
+when a step does not reproduce: tampering is named as tampering, not as non-determinism.)
+
+    init/        the version-0 weights: their safetensors blob hashes to WeightsPublished(version 0)
+    blobs/       every blob an event names (routing traces, checkpoints, weights) that is present
+                 hashes to its BlobRef; a missing routing trace or checkpoint is a problem (replay
+                 needs them), a missing weights blob is not (versions are transient)
+    checkpoints/ a DCP checkpoint's files match the manifest the commit's checkpoint blob holds
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from reel.bus.blob_backends.file import BlobStore
+from reel.bus.blobs import BlobError
+from reel.bus.errors import ReelError
+from reel.bus.events import AnyEvent, BlobRef, RoutingTrace, StepCommitted, WeightsPublished
+from reel.bus.log import RunLog
+
+__all__ = ["run_file_problems", "tampering_note"]
+
+
+def run_file_problems(run_dir: Path) -> tuple[int, list[str]]:
+    """(files checked, one sentence per file that does not match the log)."""
+    blobs = BlobStore(run_dir / "blobs")
+    checked, problems = 0, []
+    with RunLog(run_dir, readonly=True) as run_log:
+        events = [e for name in run_log.names() for _, e in run_log.events(name)]
+    for what, ref, required in _named_blobs(events):
+        checked += 1
+        if problem := _blob_problem(blobs, ref, what, required):
+            problems.append(problem)
+    version_zero = next((e for e in events if isinstance(e, WeightsPublished) and e.version == 0), None)
+    if version_zero is not None and (run_dir / "init").is_dir():
+        checked += 1
+        if problem := _init_problem(run_dir, version_zero.weights.sha256):
+            problems.append(problem)
+    for commit in (e for e in events if isinstance(e, StepCommitted) and e.checkpoint and e.world_size > 1):
+        checked += 1
+        if problem := _dcp_problem(run_dir, blobs, commit):
+            problems.append(problem)
+    return checked, problems
+
+
+def tampering_note(run_dir: Path) -> str:
+    """"" when the run's files match its log, else a clause naming the first file that does not."""
+    _, problems = run_file_problems(run_dir)
+    if not problems:
+        return ""
+    more = f" (and {len(problems) - 1} more; see `reel log verify`)" if len(problems) > 1 else ""
+    return f"the run directory was tampered with: {problems[0]}{more}"
+
+
+def _named_blobs(events: list[AnyEvent]) -> Iterator[tuple[str, BlobRef, bool]]:
+    for event in events:
+        match event:
+            case WeightsPublished():
+                yield f"the weights of version {event.version}", event.weights, False
+            case RoutingTrace(blob=BlobRef() as ref):
+                yield f"the routing trace of group {event.group_id}", ref, True
+            case StepCommitted(checkpoint=BlobRef() as ref):
+                yield f"the checkpoint of step {event.step}", ref, True
+
+
+def _blob_problem(blobs: BlobStore, ref: BlobRef, what: str, required: bool) -> str | None:
+    if not required and not blobs.path(ref).exists() and not blobs.path(ref).is_symlink():
+        return None
+    try:
+        blobs.get(ref)
+    except BlobError as exc:
+        return f"{what}: {exc}"
+    return None
+
+
+def _init_problem(run_dir: Path, sha256: str) -> str | None:
+    from reel.runtime.initial_policy import load_initial_model  # torch: only when there is an init/
+    from reel.runtime.model.weights import state_dict_bytes
+
+    try:
+        actual = hashlib.sha256(state_dict_bytes(load_initial_model(run_dir))).hexdigest()
+    except ReelError as exc:
+        return f"init/ cannot be read: {exc}"
+    if actual != sha256:
+        return f"init/ holds weights hashing to {actual}, the log's version 0 is {sha256}"
+    return None
+
+
+def _dcp_problem(run_dir: Path, blobs: BlobStore, commit: StepCommitted) -> str | None:
+    from reel.runtime.sharded_checkpoint import verify_files
+
+    assert commit.checkpoint is not None
+    try:
+        verify_files(blobs.get(commit.checkpoint), run_dir, source=f"the checkpoint of step {commit.step}")
+    except ReelError as exc:
+        return str(exc)
+    return None
