@@ -59,6 +59,12 @@ def _workers(client, run: str) -> list[Publisher]:
     return [Publisher(client, run, f"rollout:{w}", partition=worker_partition(w, P)) for w in range(P)]
 
 
+async def _finish(client, run: str) -> None:
+    """RunFinished from the launcher: a rollout worker may not end a run (bus/trust.py)."""
+    launcher = Publisher(client, run, "launcher:0")
+    await launcher.publish([launcher.stamp(RunFinished, reason="done")])
+
+
 def test_lanes_and_keys() -> None:
     assert lanes(list(STREAMS), 1) == list(STREAMS)
     assert lanes(["control", "trajectories"], 3) == ["control", "trajectories/0", "trajectories/1", "trajectories/2"]
@@ -203,7 +209,7 @@ async def test_archiver_logs_every_partition_once_across_sigkills(bus: str, run_
             await asyncio.to_thread(child.wait)
             kills += 1
         await producing
-        await workers[0].publish([workers[0].stamp(RunFinished, reason="done")])
+        await _finish(client, run_name)
         child = start(16)
         assert await asyncio.to_thread(child.wait, 60) == 0, (tmp_path / "archiver.err").read_text()[-3000:]
         assert kills >= 2
@@ -225,7 +231,8 @@ async def test_archiver_with_one_partition_reads_the_unsplit_streams(redis_url: 
                                                                     tmp_path: Path) -> None:
     async with connect(redis_url) as client:
         publisher = Publisher(client, run_name, "rollout:0", partition=worker_partition(0, 1))
-        await publisher.publish(_group(publisher, 0) + [publisher.stamp(RunFinished, reason="done")])
+        await publisher.publish(_group(publisher, 0))
+        await _finish(client, run_name)
         await Archiver(tmp_path, redis_url, run_name, block_ms=50).run(asyncio.Event())
         logged = _log(tmp_path)
         on_bus = [(i.decode(), f[b"e"]) for i, f in await client.xrange(stream_key(run_name, "trajectories"))]
@@ -258,7 +265,7 @@ async def test_logged_but_unacked_partition_entries_are_acked_not_logged_twice(b
             run_log.stream("trajectories").append_batch(records)
         for publisher in workers:
             await publisher.publish_atomic(_group(publisher, 9))
-        await workers[0].publish([workers[0].stamp(RunFinished, reason="done")])
+        await _finish(client, run_name)
         archiver = Archiver(tmp_path, bus, run_name, batch=2, block_ms=50, partitions=P)
         await archiver.run(asyncio.Event())
         assert archiver.repeats == len(logged_before) > 0
