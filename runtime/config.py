@@ -118,7 +118,7 @@ class TrainerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # overflow the loss; dual_clip caps a negative-advantage token's loss at dual_clip·|A| (verl's
     # 3, Ye et al. 2020), 0 = off. Both are inert on the first optimizer step (ρ = 1). docs/numerics.md
     ratio_clamp: float = 20.0
-    dual_clip: float = 3.0
+    dual_clip: float = 3.0  # cap of a negative-advantage token's loss, in units of |A| (0 = off; verl's 3)
     tis_cap: float = 2.0
     icepop_low: float = 0.5
     icepop_high: float = 5.0
@@ -188,7 +188,7 @@ class EvalSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     every: int = 0  # evaluate versions 0, N, 2N, ... and the last; 0 = no eval role
     prompts: int = 32  # held-out prompts per evaluation (the same ones at every version)
     samples_per_prompt: int = 4  # k of pass@k
-    temperature: float = 1.0
+    temperature: float = 1.0  # sampling temperature of the held-out samples
     max_tokens: int = 0  # per model turn; 0 = rollout.max_tokens
     pass_threshold: float = 1.0  # a sample passes (pass@k) when its reward is at least this
     seed: int = 1  # draws the held-out prompts and the sampling seeds

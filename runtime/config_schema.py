@@ -71,6 +71,8 @@ def _type_name(annotation: Any) -> str:
 
 
 def _toml(value: Any) -> str:
+    if value is None:  # TOML has no null: such a key is absent unless a config sets it
+        return "unset"
     return tomli_w.dumps({"k": msgspec.to_builtins(value)}).strip().removeprefix("k = ")
 
 
