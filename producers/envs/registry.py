@@ -68,17 +68,23 @@ def check_options(section: EnvSection) -> None:
 
 def resolve(name: str) -> Callable[..., object]:
     """The factory callable of env.name (imports its module)."""
-    module_name, attribute = factory_path(name).split(":")
+    return import_callable("env.name", name, factory_path(name))
+
+
+def import_callable(key: str, name: str, path: str) -> Callable[..., object]:
+    """The callable at "package.module:attr.attr" that config key `key` (set to `name`) names;
+    ConfigError naming the key when it cannot be imported or is not callable."""
+    module_name, attribute = path.split(":")
     try:
         target: object = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"env.name = {name!r}: cannot import {module_name!r} ({exc})") from exc
+        raise ConfigError(f"{key} = {name!r}: cannot import {module_name!r} ({exc})") from exc
     for part in attribute.split("."):
         if not hasattr(target, part):
-            raise ConfigError(f"env.name = {name!r}: {module_name!r} has no attribute {attribute!r}")
+            raise ConfigError(f"{key} = {name!r}: {module_name!r} has no attribute {attribute!r}")
         target = getattr(target, part)
     if not callable(target):
-        raise ConfigError(f"env.name = {name!r}: {attribute!r} is not callable")
+        raise ConfigError(f"{key} = {name!r}: {attribute!r} is not callable")
     return target
 
 

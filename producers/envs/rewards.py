@@ -13,7 +13,6 @@ the reason and the run goes on (producers/rollout.py).
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 import re
@@ -22,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from reel.bus.errors import ReelError
+from reel.producers.envs.registry import import_callable
 from reel.runtime.config import ConfigError
 
 RewardFn = Callable[[str, str, str, dict[str, Any]], Any]  # verl's compute_score(data_source, solution, truth, info)
@@ -63,18 +63,7 @@ def resolve(name: str, key: str = "env.options.reward") -> RewardFn:
     if not _FUNCTION.fullmatch(name):
         raise ConfigError(f"{key} = {name!r} is unknown; use \"exact\", \"math_verify\" or "
                           "\"package.module:function\" (verl's compute_score signature)")
-    module_name, attribute = name.split(":")
-    try:
-        target: object = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"{key} = {name!r}: cannot import {module_name!r} ({exc})") from exc
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            raise ConfigError(f"{key} = {name!r}: {module_name!r} has no attribute {attribute!r}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise ConfigError(f"{key} = {name!r} is not callable")
-    return target  # type: ignore[return-value]
+    return import_callable(key, name, name)  # type: ignore[return-value]
 
 
 def as_reward(value: Any, what: str) -> float:
