@@ -27,13 +27,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from reel.bus.blobs import BlobBackend, BlobError
+from reel.bus.blobs import BlobBackend, BlobError, BlobMissing
 from reel.bus.errors import ReelError
 from reel.bus.events import BlobRef
 from reel.bus.weight_manifest import WeightManifest, WeightShard, decode_manifest
 from reel.runtime.weight_shards import ShardFormatError, read_header, tensor_at
 
-__all__ = ["WeightLoadError", "read_manifest", "verify_version", "copy_version", "version_bytes"]
+__all__ = ["WeightLoadError", "VersionDeleted", "read_manifest", "verify_version", "copy_version", "version_bytes"]
 
 Sink = Callable[[str, torch.Tensor], None]
 
@@ -42,9 +42,16 @@ class WeightLoadError(ReelError):
     """A published version that cannot be loaded; the message names the version, shard and reason."""
 
 
+class VersionDeleted(WeightLoadError, BlobMissing):
+    """A version's manifest or shard is no longer in the store (retention deleted it: bus/retention.py);
+    readers that can re-derive it (replay/versions.py) or do without it (the mismatch split) catch BlobMissing."""
+
+
 def read_manifest(blobs: BlobBackend, ref: BlobRef) -> WeightManifest:
     try:
         return decode_manifest(blobs.get(ref))
+    except BlobMissing as exc:
+        raise VersionDeleted(f"weight manifest {ref.sha256}: {exc}") from exc
     except BlobError as exc:
         raise WeightLoadError(f"weight manifest {ref.sha256}: {exc}") from exc
     except msgspec.DecodeError as exc:
@@ -120,6 +127,8 @@ def version_bytes(blobs: BlobBackend, ref: BlobRef, fmt: str) -> bytes:
     for shard in manifest.shards:
         try:
             tensors |= {name: t.float() for name, t in st_load(blobs.get(shard.blob)).items()}
+        except BlobMissing as exc:
+            raise VersionDeleted(f"version {manifest.version} shard {shard.blob.sha256[:12]}: {exc}") from exc
         except (BlobError, SafetensorError) as exc:
             raise WeightLoadError(f"version {manifest.version} shard {shard.blob.sha256[:12]}: {exc}") from exc
     return st_save(tensors, metadata={"format": "pt"})

@@ -17,7 +17,8 @@ from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import BlobRef, StepCommitted, StepTiming, WeightsPublished, decode, stream_key
 from reel.bus.partitions import slot_key
 from reel.bus.streams import DEAD, Publisher, connect
-from reel.bus.weight_manifest import WeightManifest, blob_refs
+from reel.bus.blobs import BlobMissing
+from reel.bus.weight_manifest import WeightManifest, WeightShard, blob_refs, encode_manifest
 from reel.producers.builtin_engine import BuiltinEngine
 from reel.producers.engine import SamplingParams
 from reel.producers.rollout import RolloutWorker
@@ -342,3 +343,18 @@ def test_the_trainer_publishes_a_delta_where_it_is_smaller(tmp_path: Path) -> No
     assert _swapped(blobs, full0, delta).model.state_dict()["model.norm.weight"].equal(m.model.norm.weight)
     ref2, _ = group.publish(TrainState(m, None, 5), blobs)  # not the next version: a full one
     assert read_manifest(blobs, ref2).base_version == -1
+
+
+def test_a_version_retention_deleted_reads_as_missing_not_broken(tmp_path: Path) -> None:
+    """Replay re-derives (and the mismatch split skips) a deleted version only if its loss is told
+    apart from damage: a deleted manifest or shard is a BlobMissing, still a WeightLoadError."""
+    blobs = BlobStore(tmp_path / "blobs")
+    shard = blobs.put(st_save({"w": torch.ones(2)}))
+    manifest = blobs.put(encode_manifest(WeightManifest(1, 1, "float32", [])))
+    with_shard = blobs.put(encode_manifest(WeightManifest(2, 2, "float32", [WeightShard(shard, 0, ["w"])])))
+    blobs.delete(manifest)
+    blobs.delete(shard)
+    for ref in (manifest, with_shard):
+        with pytest.raises(BlobMissing) as caught:
+            version_bytes(blobs, ref, "manifest")
+        assert isinstance(caught.value, WeightLoadError)
