@@ -15,15 +15,17 @@ seen with its groups (never counting a trained group, which could stall a synchr
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from pathlib import Path
 
 import msgspec
 import redis.asyncio
 
-from reel.bus.events import StepCommitted, decode
+from reel.bus.events import MalformedEvent, StepCommitted, decode
 from reel.bus.log import LogError, RunLog
 from reel.bus.partitions import lane_key, lane_of
 from reel.bus.streams import FIELD
+from reel.bus.trust import wrong_producer
 
 __all__ = ["Outstanding", "outstanding_groups"]
 
@@ -54,8 +56,11 @@ async def outstanding_groups(redis_client: redis.asyncio.Redis, run_dir: Path, r
               if h.type == "trajectory" and h.producer == producer]
     commits = await asyncio.to_thread(_logged_commits, run_dir)
     for _, fields in await redis_client.xrange(lane_key(run, "steps")):
-        event = decode(fields[FIELD])
-        if isinstance(event, StepCommitted):
+        try:
+            event = decode(fields[FIELD])
+        except (KeyError, MalformedEvent):  # not a Publisher's entry: the archiver dead-letters it
+            continue
+        if isinstance(event, StepCommitted) and wrong_producer(event, run) is None:
             commits.append(event)
     done = {g for c in commits for g in c.groups} | {d.group_id for c in commits for d in c.dropped}
     return Outstanding(version=max((c.version for c in commits), default=0),
@@ -70,12 +75,23 @@ async def _unread_by_trainer(redis_client: redis.asyncio.Redis, key: str) -> lis
     groups = {g["name"]: g for g in await redis_client.xinfo_groups(key)}
     trainer = groups.get(TRAINER_GROUP.encode()) or groups.get(TRAINER_GROUP)
     if trainer is None:
-        return [_head.decode(fields[FIELD]) for _, fields in entries]
+        return _heads(fields for _, fields in entries)
     last = _entry_id(trainer["last-delivered-id"])
     pending = {_entry_id(p["message_id"]) for p in await redis_client.xpending_range(
         key, TRAINER_GROUP, min="-", max="+", count=max(1, int(trainer["pending"])))}
-    return [_head.decode(fields[FIELD]) for entry_id, fields in entries
-            if _entry_id(entry_id) > last or _entry_id(entry_id) in pending]
+    return _heads(fields for entry_id, fields in entries if _entry_id(entry_id) > last or _entry_id(entry_id) in pending)
+
+
+def _heads(entries: Iterable[dict]) -> list[_Head]:
+    """The entries that decode; anything else was not written by a Publisher (the trainer dead-letters
+    it), so it is no group of this worker's."""
+    heads = []
+    for fields in entries:
+        try:
+            heads.append(_head.decode(fields[FIELD]))
+        except (KeyError, msgspec.DecodeError, msgspec.ValidationError):
+            continue
+    return heads
 
 
 def _entry_id(raw: bytes | str) -> tuple[int, int]:

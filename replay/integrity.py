@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from reel.bus.blob_backends.file import BlobStore
-from reel.bus.blobs import BlobError
+from reel.bus.blobs import BlobError, BlobMissing
 from reel.bus.errors import ReelError
 from reel.bus.events import AnyEvent, BlobRef, RoutingTrace, StepCommitted, WeightsPublished
 from reel.bus.log import RunLog
@@ -36,7 +36,7 @@ def run_file_problems(run_dir: Path) -> tuple[int, list[str]]:
     version_zero = next((e for e in events if isinstance(e, WeightsPublished) and e.version == 0), None)
     if version_zero is not None and (run_dir / "init").is_dir():
         checked += 1
-        if problem := _init_problem(run_dir, version_zero.weights.sha256):
+        if problem := _init_problem(run_dir, blobs, version_zero):
             problems.append(problem)
     for commit in (e for e in events if isinstance(e, StepCommitted) and e.checkpoint and e.world_size > 1):
         checked += 1
@@ -75,16 +75,33 @@ def _blob_problem(blobs: BlobStore, ref: BlobRef, what: str, required: bool) -> 
     return None
 
 
-def _init_problem(run_dir: Path, sha256: str) -> str | None:
-    from reel.runtime.initial_policy import load_initial_model  # torch: only when there is an init/
+def _init_problem(run_dir: Path, blobs: BlobStore, version_zero: WeightsPublished) -> str | None:
+    import torch  # torch: only when there is an init/
+    from safetensors.torch import load as st_load
+
+    from reel.runtime.initial_policy import load_initial_model
     from reel.runtime.model.weights import state_dict_bytes
+    from reel.runtime.weight_load import version_bytes
 
     try:
-        actual = hashlib.sha256(state_dict_bytes(load_initial_model(run_dir))).hexdigest()
+        ours = state_dict_bytes(load_initial_model(run_dir))
     except ReelError as exc:
         return f"init/ cannot be read: {exc}"
-    if actual != sha256:
-        return f"init/ holds weights hashing to {actual}, the log's version 0 is {sha256}"
+    if version_zero.format == "safetensors":  # one blob: its hash is the weights' own
+        actual = hashlib.sha256(ours).hexdigest()
+        if actual != version_zero.weights.sha256:
+            return f"init/ holds weights hashing to {actual}, the log's version 0 is {version_zero.weights.sha256}"
+        return None
+    try:  # a manifest of shards: compare tensor by tensor with what version 0 published
+        logged = st_load(version_bytes(blobs, version_zero.weights, version_zero.format))
+    except BlobMissing:
+        return None  # retention deleted version 0; the checkpoints' hashes still bind the run
+    except ReelError as exc:
+        return f"version 0's weights cannot be read: {exc}"
+    held = st_load(ours)
+    differ = sorted(set(held) ^ set(logged)) or [n for n in sorted(held) if not torch.equal(held[n], logged[n])]
+    if differ:
+        return f"init/ does not hold the weights the log published as version 0 (tensor {differ[0]} differs)"
     return None
 
 

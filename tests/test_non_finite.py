@@ -21,6 +21,7 @@ from reel.producers.episode import Episode, non_finite
 from reel.runtime.batch import build_batch
 from reel.runtime.blob_store import run_blobs
 from reel.runtime.config import load
+from reel.runtime.weight_load import version_bytes
 from reel.runtime.distributed import LOCAL
 from reel.runtime.finite import NonFiniteStep, check_weights
 from reel.runtime.launch.cli import main
@@ -104,7 +105,9 @@ def test_a_nan_reward_is_dead_lettered_and_the_run_stays_finite(tmp_path: Path, 
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     monkeypatch.setenv("NAN_ONCE_MARKER", str(tmp_path / "nan_given"))
-    config = e2e_config(tmp_path / "nan.toml", "nanonce", 3, {"env": {"name": "nan_once_env:make"}})
+    # Every version kept (retention would delete the old ones), so every published weight can be checked.
+    config = e2e_config(tmp_path / "nan.toml", "nanonce", 3, {"env": {"name": "nan_once_env:make"},
+                                                               "log": {"keep_weights_every": 1}})
     run_dir = tmp_path / "run"
     assert main(["run", str(config), "--out", str(run_dir), "--no-live"]) == 0
     assert (tmp_path / "nan_given").exists()  # the env did return its NaN
@@ -121,5 +124,5 @@ def test_a_nan_reward_is_dead_lettered_and_the_run_stays_finite(tmp_path: Path, 
     assert finished.dead_letters == 1
     assert [p.version for p in published] == [0, 1, 2, 3]
     for p in published:
-        tensors = st_load(blobs.get(p.weights))
+        tensors = st_load(version_bytes(blobs, p.weights, p.format))
         assert all(bool(torch.isfinite(t).all()) for t in tensors.values()), f"version {p.version}"
