@@ -83,7 +83,9 @@ def _retrain(args: argparse.Namespace, source: Path, out: Path, config: Config, 
     if args.rescore:
         module, function = RESCORER.split(":")
         rescore = getattr(importlib.import_module(module), function)(config)
-        lookup.trajectories = {g: rescore(t) for g, t in lookup.trajectories.items()}
+        # The trained groups, read once through the log index and kept re-scored in memory.
+        trained = {g for c in commits for g in c.groups}
+        lookup.trajectories = {g: rescore(t) for g in trained if (t := lookup.trajectory(g)) is not None}
     schedule = list(_schedule(commits, config, args.epochs, args.shuffle))
     if args.steps is not None:
         schedule = schedule[:args.steps]

@@ -48,6 +48,7 @@ from reel.runtime.blob_store import run_blobs
 from reel.runtime.config import Config, load
 from reel.runtime.initial_policy import init_dir
 from reel.runtime.tokenizer import load_tokenizer
+from reel.runtime.weight_load import engine_weights
 
 log = logging.getLogger("reel.eval")
 PRODUCER = "eval:0"
@@ -191,11 +192,12 @@ class EvalRole:
 
     async def _evaluate(self, weights: WeightsPublished) -> dict:
         started = time.monotonic()
+        blobs = run_blobs(self.run_dir, self.config)
         if self.engine is None:
-            blobs = run_blobs(self.run_dir, self.config)
             self.engine = await asyncio.to_thread(make_engine, self.config, init_dir(self.run_dir), blobs)
             await self.engine.start()
-        await self.engine.update_weights(weights.weights, weights.version)
+        loaded = await asyncio.to_thread(engine_weights, blobs, weights.weights, weights.format)
+        await self.engine.update_weights(loaded, weights.version)
         scores = await score(self.engine, self.env, self.prompts, self.config)
         skipped, self.skipped, self.evaluated = self.skipped, [], weights.version
         log.info("eval: version %d mean reward %.3f pass@1 %.3f", weights.version, scores.mean_reward, scores.pass_at_1)
@@ -234,15 +236,17 @@ def main_cli(args: argparse.Namespace) -> int:
         config = msgspec.structs.replace(config, eval=msgspec.structs.replace(config.eval, prompts=args.prompts))
     if not (init_dir(run_dir) / "config.json").is_file():
         raise EvalError(f"{run_dir} has no initial policy ({init_dir(run_dir)}); the run never started its trainer")
-    weights, version, step = _weights_to_load(run_dir, args)
+    weights, version, step, fmt = _weights_to_load(run_dir, args)
     env = eval_env(config)
     prompts = held_out_prompts(env, config)
 
     async def evaluate() -> Scores:
-        engine = make_engine(config, init_dir(run_dir), run_blobs(run_dir, config))
+        blobs = run_blobs(run_dir, config)
+        engine = make_engine(config, init_dir(run_dir), blobs)
         await engine.start()
         try:
-            await engine.update_weights(weights, max(version, 0))
+            loaded = weights if fmt == "file" else await asyncio.to_thread(engine_weights, blobs, weights, fmt)
+            await engine.update_weights(loaded, max(version, 0))
             return await score(engine, env, prompts, config)
         finally:
             await engine.close()
@@ -255,13 +259,13 @@ def main_cli(args: argparse.Namespace) -> int:
 
 
 def _weights_to_load(run_dir: Path, args: argparse.Namespace):
-    """(weights for engine.update_weights, version, step): a file's tensors, or a logged version's BlobRef."""
+    """(weights, version, step, format): a file's tensors ("file"), or a logged version's BlobRef and format."""
     if args.weights is not None:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         try:
-            return load_file(args.weights), -1, -1
+            return load_file(args.weights), -1, -1, "file"
         except (OSError, SafetensorError) as exc:
             raise EvalError(f"--weights {args.weights}: not a readable safetensors file ({exc})") from exc
     try:
@@ -272,4 +276,4 @@ def _weights_to_load(run_dir: Path, args: argparse.Namespace):
         raise EvalError(f"cannot read the log of {run_dir}: {exc}") from exc
     if not found:
         raise EvalError(f"--version {args.version}: {run_dir}'s log has no WeightsPublished for that version")
-    return found[-1].weights, args.version, found[-1].step  # a blob retention deleted fails with BlobError
+    return found[-1].weights, args.version, found[-1].step, found[-1].format  # a deleted version: BlobError

@@ -70,7 +70,7 @@ from reel.producers.envs.rewards import RewardError
 from reel.runtime.blob_store import run_blobs
 from reel.runtime.config import Config, load
 from reel.runtime.initial_policy import init_dir
-from reel.runtime.weight_load import WeightLoadError, read_manifest
+from reel.runtime.weight_load import WeightLoadError, engine_weights
 
 log = logging.getLogger("reel.rollout")
 
@@ -334,9 +334,7 @@ class RolloutWorker:
 
     async def _weights_of(self, event: WeightsPublished) -> BlobRef | WeightManifest:
         """What the engine loads: the one blob, or the manifest of shards (read and verified here)."""
-        if event.format == "manifest":
-            return await asyncio.to_thread(read_manifest, self.blobs, event.weights)
-        return event.weights
+        return await asyncio.to_thread(engine_weights, self.blobs, event.weights, event.format)
 
     def _held_version(self) -> int:
         """The newest version this worker has dealt with: live in the engine, or refused as unloadable."""

@@ -33,7 +33,7 @@ from reel.bus.events import BlobRef
 from reel.bus.weight_manifest import WeightManifest, WeightShard, decode_manifest
 from reel.runtime.weight_shards import ShardFormatError, read_header, tensor_at
 
-__all__ = ["WeightLoadError", "VersionDeleted", "read_manifest", "verify_version", "copy_version", "version_bytes"]
+__all__ = ["WeightLoadError", "VersionDeleted", "engine_weights", "read_manifest", "verify_version", "copy_version", "version_bytes"]
 
 Sink = Callable[[str, torch.Tensor], None]
 
@@ -56,6 +56,12 @@ def read_manifest(blobs: BlobBackend, ref: BlobRef) -> WeightManifest:
         raise WeightLoadError(f"weight manifest {ref.sha256}: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise WeightLoadError(f"weight manifest {ref.sha256} is not a WeightManifest: {exc}") from exc
+
+
+def engine_weights(blobs: BlobBackend, ref: BlobRef, fmt: str) -> BlobRef | WeightManifest:
+    """What an engine's update_weights takes for a published version (WeightsPublished.weights and
+    .format): the one blob, or the manifest of shards (read and checked here)."""
+    return read_manifest(blobs, ref) if fmt == "manifest" else ref
 
 
 def verify_version(blobs: BlobBackend, manifest: WeightManifest, shapes: Mapping[str, torch.Size],

@@ -8,11 +8,11 @@ import hashlib
 import json
 import math
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 import numpy as np
 import pytest
 
+from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import EvalResult, RunFinished, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished
 from reel.bus.log import RunLog
 from reel.consumers.aggregates import RunAggregates
@@ -21,6 +21,7 @@ from reel.producers.evaluator import due, pass_at_k
 from reel.runtime.config import ConfigError, loads
 from reel.runtime.launch.cli import main
 from reel.runtime.tokenizer import CharTokenizer
+from reel.runtime.weight_load import version_bytes
 from runbuilder import TINY_MODEL_TOML
 
 pytest.importorskip("reasoning_gym", reason="the `tasks` extra (pip install '.[tasks]')")
@@ -170,8 +171,10 @@ def test_reasoning_gym_run_with_the_eval_role(tmp_path: Path, capsys: pytest.Cap
     offline = json.loads(capsys.readouterr().out)
     assert offline["version"] == 4 and offline["prompts"] == 8 and 0.0 <= offline["mean_reward"] <= 1.0
     with RunLog(run_dir, readonly=True) as log:
-        uri = next(e.weights.uri for _, e in log.events("weights") if isinstance(e, WeightsPublished) and e.version == 4)
-    assert main(["eval", "--run", str(run_dir), "--weights", unquote(urlparse(uri).path)]) == 0  # a safetensors file
+        v4 = next(e for _, e in log.events("weights") if isinstance(e, WeightsPublished) and e.version == 4)
+    weights_file = tmp_path / "v4.safetensors"  # the version as one safetensors file
+    weights_file.write_bytes(version_bytes(BlobStore(run_dir / "blobs"), v4.weights, v4.format))
+    assert main(["eval", "--run", str(run_dir), "--weights", str(weights_file)]) == 0
     assert {k: v for k, v in json.loads(capsys.readouterr().out).items() if k not in ("version", "step", "wall_s")} == \
         {k: v for k, v in offline.items() if k not in ("version", "step", "wall_s")}
     assert main(["compare", str(run_dir), str(run_dir)]) == 0

@@ -19,6 +19,7 @@ from reel.runtime.launch.cli import main
 from reel.runtime.model import state_dict_adapter
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.tokenizer import HFTokenizer
+from reel.runtime.weight_load import version_bytes
 
 RUN = """
 [run]
@@ -71,7 +72,9 @@ def _checkpoint_tensors(directory: Path):
 def test_run_trains_the_checkpoint_with_its_tokenizer(tmp_path: Path, checkpoint: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
-    assert main(["run", str(_config(tmp_path, checkpoint)), "--out", str(run_dir), "--no-live"]) == 0
+    # Every version kept (retention would delete version 0), so version 0 can be compared with the checkpoint.
+    config_path = _config(tmp_path, checkpoint, extra="[log]\nkeep_weights_every = 1\n")
+    assert main(["run", str(config_path), "--out", str(run_dir), "--no-live"]) == 0
     assert not json.loads((run_dir / "init" / "init.json").read_text()).get("reward_mean")  # no warm-start
     with RunLog(run_dir, readonly=True) as log:
         weights = [e for _, e in log.events("weights") if isinstance(e, WeightsPublished)]
@@ -80,7 +83,8 @@ def test_run_trains_the_checkpoint_with_its_tokenizer(tmp_path: Path, checkpoint
 
     # Version 0 is the checkpoint, bit for bit.
     config = MoEConfig.from_hf_dict(json.loads((checkpoint / "config.json").read_text()))
-    v0 = st_load(BlobStore(run_dir / "blobs").get(next(w for w in weights if w.version == 0).weights))
+    first = next(w for w in weights if w.version == 0)
+    v0 = st_load(version_bytes(BlobStore(run_dir / "blobs"), first.weights, first.format))
     published, original = _by_param(v0.items(), config), _by_param(_checkpoint_tensors(checkpoint), config)
     assert published.keys() == original.keys()
     assert all(published[k].dtype == original[k].dtype and torch.equal(published[k], original[k]) for k in original)

@@ -119,7 +119,8 @@ def test_holder_restart_loses_the_store_not_the_run_dir_copy(tmp_path: Path, tmp
 @pytest.mark.slow
 def test_a_run_with_weights_over_mooncake_replays_bitwise(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = e2e_config(tmp_path / "mooncake.toml", "mooncake", 3,
-                        {"blobs": {"backend": "mooncake", "mooncake_segment_bytes": 256 << 20}})
+                        {"blobs": {"backend": "mooncake", "mooncake_segment_bytes": 256 << 20},
+                         "log": {"keep_weights_every": 1}})  # every version kept: each archived copy is checked
     run_dir = tmp_path / "run"
     assert main(["run", str(config), "--out", str(run_dir), "--no-live"]) == 0
     with RunLog(run_dir, readonly=True) as log:
