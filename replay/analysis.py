@@ -234,11 +234,15 @@ class Run:
         load_state_dict_bytes(model, self.group.weights(state))
         return TrainState(model, state.optimizer, state.step)
 
-    def weight_diff(self, step: int, weights: bytes) -> float:
-        """max |Δ| between `weights` and the weights the run published after `step`."""
+    def weight_diff(self, step: int, weights: bytes) -> float | None:
+        """max |Δ| between `weights` and the weights the run published after `step` (None: retention
+        deleted that version, and another number of ranks cannot re-derive it)."""
         from safetensors.torch import load
 
-        mine, logged = load(weights), load(self.blobs.get(self.weights.refs[step]))
+        published = self.weights.get(step)
+        if published is None:
+            return None
+        mine, logged = load(weights), load(published)
         return max(float((mine[k] - logged[k]).abs().max()) for k in logged)
 
 
@@ -258,9 +262,10 @@ def replay_step(run: Run, step: int, on_step: OnStep | None = None) -> tuple[Ste
     mismatch, weight_diff = None, None
     ranks = run.group.world.size
     if not run.same_world(step):
-        weight_diff = run.weight_diff(step, result.weights)
+        weight_diff = run.weight_diff(step, run.group.weights(state))
+        diff = "unknown (that version is no longer stored)" if weight_diff is None else f"{weight_diff:.3e}"
         mismatch = (f"re-executed on {ranks} rank(s), the run trained on {commit.world_size}: max |Δweight| "
-                    f"{weight_diff:.3e}, loss differs by {result.loss - commit.loss:+.3e} (expected: the batch "
+                    f"{diff}, loss differs by {result.loss - commit.loss:+.3e} (expected: the batch "
                     f"is split and summed differently)")
     else:
         mismatch = mismatch_reason(commit, result, run)

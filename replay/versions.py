@@ -6,7 +6,8 @@ committed steps up to it are re-executed, each checked against the weight hash i
 names, exactly as `reel replay step` rebuilds the state before a step. Re-derived versions are kept
 (the last `keep`), and so is the state the last derivation reached: asking for versions in order,
 as `replay range` and `bisect` do, re-executes each step once, not once per request. On N ranks
-nothing is re-derived (the followers hold one state): those tokens are left out of the split.
+nothing is re-derived (the followers hold one state), nor on another number of ranks than the run
+trained on (not bitwise): those tokens are left out of the split.
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ class Versions:
             return self._derived[version]
         group = self.group()
         # Followers of a multi-rank group hold one state: a second one (the cursor) is not theirs to keep.
+        # Steps trained on another number of ranks cannot be re-derived bit for bit here either.
         if version != 0 and version not in self.commits or group.world.distributed:
+            return None
+        if version != 0 and self.commits[version].world_size != group.world.size:
             return None
         data = group.weights(self._state_at(version, group))
         self._derived[version] = data

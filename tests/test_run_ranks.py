@@ -33,6 +33,7 @@ def _commits(run_dir: Path) -> list[StepCommitted]:
 def test_example_on_two_ranks_learns_replays_and_retrains(tmp_path: Path) -> None:
     text = EXAMPLE.read_text().replace("steps = 60", f"steps = {STEPS}")
     text = text.replace("checkpoint_every = 10", "checkpoint_every = 4\nranks = 2")
+    text += "\n[log]\nkeep_weights_every = 1  # every version kept: the 1-rank replay compares with step 5's\n"
     config = tmp_path / "ranks2.toml"
     config.write_text(text)
     run_dir = tmp_path / "run"
