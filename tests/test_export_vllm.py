@@ -43,7 +43,7 @@ async def test_vllm_serves_an_exported_policy(exported: Path, tmp_path: Path) ->
     with torch.no_grad():
         for _ in range(8):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    with local_vllm(config_mod.loads(SERVE), exported, tmp_path / "vllm.log") as url:
+    with local_vllm(config_mod.loads(SERVE), exported, tmp_path / "vllm.log", tmp_path / "blobs") as url:
         async with VLLMHTTPEngine(exported, url=url, blobs=BlobStore(tmp_path / "blobs"), version=-1,
                                   routed_experts=False) as engine:
             greedy, = await engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8))
