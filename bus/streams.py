@@ -34,6 +34,7 @@ from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.exceptions import ConnectionError, RedisError, ResponseError, TimeoutError
 
 from reel.bus.cluster import SlotReader, cluster_client, cluster_from_env, is_cluster
+from reel.bus.dead_letter import DEAD, dead_letter_key, queue_dead_letter
 from reel.bus.errors import ReelError
 from reel.bus.events import STREAM_OF, STREAMS, AnyEvent, Event, MalformedEvent, decode, encode, event_key
 from reel.bus.partitions import lane_key, lane_of, lanes, seq_keys, slot_key
@@ -46,7 +47,6 @@ log = logging.getLogger(__name__)
 E = TypeVar("E", bound=Event)
 _Raw = tuple[str, str, "dict | None", int]  # (stream, entry id, fields, deliveries) as read
 
-DEAD = "dead"  # dead-letter stream name, one per slot: slot_key(<the dead entry's key>, DEAD)
 _SEQ = SEQ_MARKS  # sorted set per slot, slot_key(<key>, _SEQ): producer -> highest seq it has published there
 FIELD = b"e"  # the one field of an entry: the encoded event
 READ_MARGIN_S = 10.0  # a blocking reader's socket timeout = BLOCK + this
@@ -139,11 +139,13 @@ class Publisher:
         """File an event this producer refuses to publish in the dead-letter stream beside its lane,
         with why (same fields as GroupConsumer's dead letters; entry_id "": it never reached its stream)."""
         stream = STREAM_OF[type(event)]
-        dead_key = slot_key(lane_key(self.run, lane_of(stream, self.partition)), DEAD)
-        with boundary(self.redis, f"dead-lettering {stream} event {self.producer}#{event.seq} to {dead_key}"):
-            await self.redis.xadd(dead_key, {"stream": stream, "entry_id": "", "raw": encode(event), "reason": reason,
-                                             "group": "", "consumer": self.producer})
-        log.warning("dead letter: %s from %s of run %s: %s", stream, self.producer, self.run, reason)
+        key = lane_key(self.run, lane_of(stream, self.partition))
+        pipe = self.redis.pipeline(transaction=False)
+        queue_dead_letter(pipe, key, run=self.run, stream=stream, entry_id="", raw=encode(event), reason=reason,
+                          group="", consumer=self.producer)
+        with boundary(self.redis, f"dead-lettering {stream} event {self.producer}#{event.seq} to "
+                                  f"{dead_letter_key(key)}"):
+            await pipe.execute()
 
     async def _send(self, events: list[Event], *, transaction: bool) -> list[str]:
         if not events:
@@ -489,16 +491,15 @@ class GroupConsumer:
 
     async def _dead(self, stream: str, entry_id: str, raw: bytes, reason: str) -> None:
         """Move an entry to the dead-letter stream and ack it, atomically (the lane's slot)."""
-        dead_key = slot_key(self._key[stream], DEAD)
+        key = self._key[stream]
         pipe = self._redis.pipeline(transaction=True)
-        pipe.xadd(dead_key, {"stream": stream, "entry_id": entry_id, "raw": raw, "reason": reason,
-                             "group": self.group, "consumer": self.consumer})
-        pipe.xack(self._key[stream], self.group, entry_id)
-        with boundary(self._redis, f"dead-lettering {entry_id} of {self._key[stream]} to {dead_key}"):
+        queue_dead_letter(pipe, key, run=self.run, stream=stream, entry_id=entry_id, raw=raw, reason=reason,
+                          group=self.group, consumer=self.consumer)
+        pipe.xack(key, self.group, entry_id)
+        with boundary(self._redis, f"dead-lettering {entry_id} of {key} to {dead_letter_key(key)}"):
             await pipe.execute()
         self._failures.pop(entry_id, None)
         self._handed.discard(entry_id)
-        log.warning("dead letter: %s %s of run %s: %s", stream, entry_id, self.run, reason)
 
 
 # Atomic, so no group can be created or read between looking at the groups and trimming.

@@ -9,11 +9,12 @@ import logging
 import redis.asyncio
 
 from reel.bus.cluster import SlotReader, is_cluster
-from reel.bus.events import AnyEvent, MalformedEvent, decode
+from reel.bus.dead_letter import dead_letter_key, queue_dead_letter
+from reel.bus.events import AnyEvent, MalformedEvent, decode, encode
 from reel.bus.partitions import lane_key, lanes
 from reel.bus.streams import FIELD, READ_MARGIN_S, as_str, boundary, by_stream, connect
 
-__all__ = ["Tail"]
+__all__ = ["Tail", "dead_letter_read"]
 
 log = logging.getLogger(__name__)
 
@@ -80,3 +81,18 @@ class Tail:
             lasts = await pipe.execute()
         for key, last in zip(keys, lasts):
             self._cursor[key] = as_str(last[0][0]) if last else "0-0"
+
+
+async def dead_letter_read(client: redis.asyncio.Redis, run: str, lane: str, entry_id: str, event: AnyEvent,
+                           reason: str, reader: str) -> None:
+    """Dead-letters the entry `entry_id` of `lane` (as Tail.read names it) that `reader` could not use.
+
+    A rollout worker follows the weights stream with a Tail, so a version it read but cannot load (a
+    shard missing or corrupted) is recorded here with no group: there is nothing to ack, and the entry
+    stays for the other readers."""
+    key = lane_key(run, lane)
+    pipe = client.pipeline(transaction=False)
+    queue_dead_letter(pipe, key, run=run, stream=lane, entry_id=entry_id, raw=encode(event), reason=reason,
+                      group="", consumer=reader)
+    with boundary(client, f"dead-lettering {entry_id} of {key} to {dead_letter_key(key)}"):
+        await pipe.execute()

@@ -60,8 +60,9 @@ from reel.bus.events import STREAMS, AnyEvent, BlobRef, MalformedEvent, RoutingT
 from reel.bus.log import LogError, RunLog
 from reel.bus.logindex import LogIndex
 from reel.bus.logformat import entry_order
-from reel.bus.partitions import lane_key, lanes, slot_key, stream_of
-from reel.bus.streams import DEAD, FIELD, READ_MARGIN_S, BusError, connect, safe_trim, try_stamp
+from reel.bus.partitions import lane_key, lanes, stream_of
+from reel.bus.dead_letter import dead_letter_key, queue_dead_letter
+from reel.bus.streams import FIELD, READ_MARGIN_S, BusError, connect, safe_trim, try_stamp
 from reel.bus.trust import Order, SeqMarks, wrong_producer
 
 __all__ = ["Archiver", "main", "GROUP", "CONSUMER"]
@@ -346,14 +347,13 @@ class Archiver:
         dead-letter stream next to each lane)."""
         by_slot: dict[str, list[tuple[str, str, bytes, str]]] = {}
         for item in dead:
-            by_slot.setdefault(slot_key(self._key[item[0]], DEAD), []).append(item)
+            by_slot.setdefault(dead_letter_key(self._key[item[0]]), []).append(item)
         for dead_key, items in by_slot.items():
             pipe = self.redis.pipeline(transaction=True)
             for stream, entry_id, raw, reason in items:
-                pipe.xadd(dead_key, {"stream": stream, "entry_id": entry_id, "raw": raw, "reason": reason,
-                                     "group": GROUP, "consumer": CONSUMER})
+                queue_dead_letter(pipe, self._key[stream], run=self.run_name, stream=stream, entry_id=entry_id,
+                                  raw=raw, reason=reason, group=GROUP, consumer=CONSUMER)
                 pipe.xack(self._key[stream], GROUP, entry_id)
-                log.warning("dead letter: %s %s of run %s: %s", stream, entry_id, self.run_name, reason)
             with self._bus(f"dead-lettering {len(items)} entries to {dead_key}"):
                 await pipe.execute()
 

@@ -52,14 +52,13 @@ import numpy as np
 import redis.asyncio
 
 from reel.bus.blobs import BlobBackend
-from reel.bus.dead_letter import dead_letter_read
 from reel.bus.events import (AnyEvent, BlobRef, RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished,
                              WorkerStats)
 from reel.bus.log import LogError, RunLog
 from reel.bus.partitions import worker_partition
 from reel.bus.seqs import recover_seq
 from reel.bus.streams import Publisher, connect
-from reel.bus.tail import Tail
+from reel.bus.tail import Tail, dead_letter_read
 from reel.bus.trust import SeqMarks, trusted
 from reel.bus.weight_manifest import WeightManifest
 from reel.producers.engine import Engine, EngineError, SamplingParams

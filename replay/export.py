@@ -11,6 +11,7 @@ Written to a staging directory and renamed, so an interrupted export leaves no h
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import tempfile
@@ -110,10 +111,5 @@ def _generation_config(config: Config, special: dict[str, int | None]) -> dict[s
 
 
 def _file_sha256(path: Path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
