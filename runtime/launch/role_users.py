@@ -141,6 +141,9 @@ def url_file(run_dir: Path, role: str) -> Path:
 
 
 def write_url_files(run_dir: Path, users: RoleUsers) -> None:
+    """Each role's URL file; none left from an earlier job (its users' passwords are gone)."""
+    for role in ROLES:
+        url_file(run_dir, role).unlink(missing_ok=True)
     for role, url in users.urls.items():
         fd = os.open(url_file(run_dir, role), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
