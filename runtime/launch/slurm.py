@@ -362,13 +362,17 @@ def _vllm_lines(c: Config, pools: list[Pool]) -> list[str]:
         lines.append("")
     heads = [f"http://${p.head_var}:{vllm_args.API_PORT}" for p in pools]
     if c.engine.pd_disaggregation:
+        # vllm-router sends its own `Authorization: Bearer $OPENAI_API_KEY` to the servers (not the
+        # client's), so it gets the run's key in that variable, by environment. It checks no key from its
+        # clients: it listens on loopback, for the rollout workers beside it on this node only.
         lines += ["# het group 0: the P/D router in front of the prefill and decode pools",
                   "ROUTER_PORT=$((PORT_BASE + 3))",
                   start_line("vllm-router", 0, "vllm-router.log", ["--nodes=1", "--ntasks=1"],
-                         [Expand("$VLLM_ROUTER"), "--vllm-pd-disaggregation", "--prefill", Expand(heads[0]),
-                          "--decode", Expand(heads[1]), "--host", Expand("$BUS_HOST"), "--port",
+                         ["bash", "-c", 'OPENAI_API_KEY=$VLLM_API_KEY exec "$@"', "vllm-router",
+                          Expand("$VLLM_ROUTER"), "--vllm-pd-disaggregation", "--prefill", Expand(heads[0]),
+                          "--decode", Expand(heads[1]), "--host", "127.0.0.1", "--port",
                           Expand("$ROUTER_PORT"), "--policy", "consistent_hash"]),
-                  'export REEL_VLLM_URL="http://$BUS_HOST:$ROUTER_PORT"']
+                  'export REEL_VLLM_URL="http://127.0.0.1:$ROUTER_PORT"']
     else:
         lines.append(f'export REEL_VLLM_URL="{heads[0]}"')
     lines.append(f'export REEL_VLLM_SERVERS="{",".join(heads)}"  # every API server: weight updates go to each')
