@@ -8,6 +8,7 @@ any role fails (then prints that role's last log lines and exits non-zero).
 Run directory:
     config.toml      the config as given (the run's identity; --resume checks it)
     bus_url          where the live bus is, password included (mode 0600; removed when the run stops)
+    bus_url.ROLE     a Slurm job's per-role Redis user (runtime/launch/role_users.py), read by `reel role ROLE`
     log/             the archiver's event log       blobs/   weights, checkpoints, big traces
     redis/           embedded Redis (AOF)           roles/<role>.log   each process's output
 Roles reach each other only through the bus and these files, so `reel role NAME --run DIR`
