@@ -104,7 +104,7 @@ def make(url: str, run: str, *, cluster: bool = False) -> RoleUsers:
             urls = {}
             for role in ROLES:
                 password = secrets.token_hex(32)
-                _everywhere(client, cluster, "ACL", "SETUSER", *role_setuser(run, user_name(run, role), role),
+                _everywhere(client, "ACL", "SETUSER", *role_setuser(run, user_name(run, role), role),
                             f">{password}")
                 urls[role] = _with_user(url, user_name(run, role), password)
             return RoleUsers(urls, "")
@@ -116,7 +116,7 @@ def drop(url: str, run: str, *, cluster: bool = False) -> None:
     """Delete the run's role users (a stopped run's passwords then open nothing)."""
     try:
         with _client(url, cluster) as client:
-            _everywhere(client, cluster, "ACL", "DELUSER", *(user_name(run, role) for role in ROLES))
+            _everywhere(client, "ACL", "DELUSER", *(user_name(run, role) for role in ROLES))
     except redis.RedisError as exc:
         print(f"reel: could not delete the run's Redis role users: {exc}", file=sys.stderr)
 
@@ -157,18 +157,21 @@ def _client(url: str, cluster: bool) -> redis.Redis | redis.cluster.RedisCluster
     return redis.Redis.from_url(url, socket_timeout=5)
 
 
-def _everywhere(client: redis.Redis | redis.cluster.RedisCluster, cluster: bool, *command: str) -> None:
-    if cluster:
-        client.execute_command(*command, target_nodes=redis.cluster.RedisCluster.ALL_NODES)
-    else:
-        client.execute_command(*command)
+def _nodes(client: redis.Redis | redis.cluster.RedisCluster) -> list[redis.Redis]:
+    """The servers to ask: a cluster's every node (ACLs and versions are per node), else the one."""
+    if isinstance(client, redis.cluster.RedisCluster):
+        return [node.redis_connection for node in client.get_nodes()]
+    return [client]
+
+
+def _everywhere(client: redis.Redis | redis.cluster.RedisCluster, *command: str) -> None:
+    for node in _nodes(client):
+        node.execute_command(*command)
 
 
 def _version(client: redis.Redis | redis.cluster.RedisCluster) -> tuple[int, ...]:
-    info = client.info("server")
-    if isinstance(client, redis.cluster.RedisCluster):  # {node: info}; the oldest node decides
-        return min(_parse(i["redis_version"]) for i in info.values())
-    return _parse(info["redis_version"])
+    """The oldest node's Redis version (major, minor)."""
+    return min(_parse(node.info("server")["redis_version"]) for node in _nodes(client))
 
 
 def _parse(version: str) -> tuple[int, ...]:
