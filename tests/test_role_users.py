@@ -19,7 +19,7 @@ from reel.bus.events import StepCommitted, WeightsPublished
 from reel.bus.log import RunLog
 from reel.bus.partitions import lane_key, worker_partition
 from reel.bus.server import EmbeddedRedis
-from reel.bus.streams import BusError, GroupConsumer, Publisher, connect
+from reel.bus.streams import BusError, GroupConsumer, Publisher, connect, safe_trim
 from reel.runtime.launch import role_users
 from reel.runtime.launch.bus_access import acl_setuser
 from runbuilder import e2e_config
@@ -80,6 +80,11 @@ async def test_a_forger_with_another_roles_user_cannot_squat_a_workers_seqs(user
                 break
         await consumer.ack(got)
     assert [d.event.producer for d in got] == ["rollout:1"] * 2
+    async with connect(users["archiver"]) as client:  # the trim script's XTRIM, on the archiver's user only
+        assert await safe_trim(client, run_name, "trajectories/1") == 0  # its one entry is the last delivered
+    async with connect(users["rollout"]) as client:
+        with pytest.raises(BusError, match="NoPermissionError"):
+            await safe_trim(client, run_name, "trajectories/1")
     rollout = redis.Redis.from_url(users["rollout"])
     with pytest.raises(redis.exceptions.NoPermissionError):  # it cannot ack away the trainer's pending groups
         rollout.xack(lane_key(run_name, "trajectories/1"), "trainer", "0-1")

@@ -38,7 +38,7 @@ from reel.bus.events import STREAM_OF, STREAMS, stream_key
 from reel.bus.partitions import PARTITIONED
 from reel.bus.streams import DEAD
 from reel.bus.trust import PRODUCERS, SEQ_MARKS
-from reel.runtime.launch.bus_access import read_commands
+from reel.runtime.launch.bus_access import key_patterns, read_commands
 
 __all__ = ["ROLES", "RoleUsers", "role_setuser", "make", "drop", "for_run", "url_file", "write_url_files", "MIN_VERSION"]
 
@@ -74,7 +74,7 @@ def role_setuser(run: str, user: str, role: str) -> list[str]:
     def selector(keys: list[str], commands: list[str]) -> str:
         return "(" + " ".join([*(f"~{k}" for k in keys), *(f"+{c}" for c in commands)]) + ")"
 
-    args = [user, "reset", "on", "resetchannels", "-@all", *(f"~{k}" for k in _keys(run, "*", every_slot=True)),
+    args = [user, "reset", "on", "resetchannels", "-@all", *(f"~{k}" for k in key_patterns(run)),
             *(f"+{c}" for c in read_commands())]
     streams = produced(role)
     if streams:
