@@ -130,16 +130,22 @@ def test_redis_6_2_has_no_selectors_so_every_role_shares_the_launchers_user(tmp_
     assert made.note.startswith("Redis 6.2 has no ACL selectors") and "launcher's Redis user" in made.note
 
 
-def test_a_launcher_user_without_acl_rights_shares_its_user(redis_url: str, run_name: str):
+def test_a_launcher_user_makes_role_users_only_with_the_rights_the_docs_name(redis_url: str, run_name: str):
     admin = redis.Redis.from_url(redis_url)
     user = f"launcher-{run_name}"
+    url = redis_url.replace("redis://", f"redis://{user}:pw@")
     admin.execute_command("ACL", "SETUSER", *acl_setuser(run_name, user), ">pw")
     try:
-        made = role_users.make(redis_url.replace("redis://", f"redis://{user}:pw@"), run_name)
+        made = role_users.make(url, run_name)
+        assert made.urls == {} and made.note == f"the bus user {user!r} may not make users (INFO, ACL SETUSER): " \
+                                                f"every role uses it"
+        admin.execute_command("ACL", "SETUSER", user, "+info", "+acl|setuser", "+acl|deluser")  # docs/security.md
+        made = role_users.make(url, run_name)
+        assert made.note == "" and set(made.urls) == set(role_users.ROLES)
+        role_users.drop(url, run_name)
+        assert admin.acl_getuser(role_users.user_name(run_name, "trainer")) is None
     finally:
         admin.acl_deluser(user)
-    assert made.urls == {} and made.note == f"the bus user {user!r} may not make users (INFO, ACL SETUSER): " \
-                                            f"every role uses it"
 
 
 @pytest.mark.slow
