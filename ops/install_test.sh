@@ -7,12 +7,12 @@
 # - slurm-wlm and munge: the single-host cluster of the `slurm` tests (ops/slurm/local_cluster.sh);
 # - libibverbs1: linked by Mooncake's transfer engine even over TCP (the `mooncake` extra's tests);
 # - chromium: tests/test_html_report.py renders `reel report` in a headless browser;
-# - the `test` and `mooncake` extras, `tracking` (the W&B/TensorBoard/MLflow sinks), `docs` (mkdocs
-#   build --strict) and `tasks` (reasoning-gym, verifiers, math-verify, datasets), and the verifiers
-#   example's environment package (examples/vf_reverse.toml loads it by id).
+# - the `test`, `mooncake` and `pd` (vllm-router) extras, `tracking` (the W&B/TensorBoard/MLflow
+#   sinks), `docs` (mkdocs build --strict) and `tasks` (reasoning-gym, verifiers, math-verify,
+#   datasets), and the verifiers example's environment package (examples/vf_reverse.toml loads it by id).
 # The Debian packages need root; without it, what is missing is named and the script fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ops/apt_install.sh redis-server prometheus slurm-wlm munge libibverbs1 chromium
-python3 -m pip install -q --no-compile -e '.[test,embedded,mooncake,tracking,docs,tasks]'
+python3 -m pip install -q --no-compile -e '.[test,embedded,mooncake,pd,tracking,docs,tasks]'
 python3 -m pip install -q --no-compile -e examples/vf_reverse

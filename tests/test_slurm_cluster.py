@@ -145,7 +145,8 @@ def test_reverse_text_runs_end_to_end_through_slurm(tmp_path: Path, capsys: pyte
     out = (run_dir / "slurm" / f"job-{job}.out").read_text()
     assert states == [("COMPLETED", "0:0")] * 3, out
     assert "reel: run finished" in out
-    assert not (run_dir / "bus_url").exists()
+    assert "reel: one Redis user per role" in out  # the roles ran on their own users (no URL is exported)
+    assert not (run_dir / "bus_url").exists() and not list(run_dir.glob("bus_url.*"))
     capsys.readouterr()
     assert main(["log", "verify", "--run", str(run_dir)]) == 0
     verified = capsys.readouterr().out

@@ -13,6 +13,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote
 
@@ -23,7 +25,7 @@ from reel.bus.errors import ReelError
 from reel.bus.server import service_redis_server
 from reel.runtime import config, config_engine
 from reel.runtime.config import ConfigError
-from reel.runtime.launch import slurm, vllm_args
+from reel.runtime.launch import role_users, slurm, supervisor, vllm_args
 from reel.runtime.launch.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -301,7 +303,9 @@ def test_builtin_engine_accepts_no_vllm_keys_but_vllm_keys_have_defaults() -> No
     config.loads(EXAMPLE.read_text())
 
 
-def test_production_redis_conf_is_durable_and_needs_the_password(tmp_path: Path) -> None:
+@contextmanager
+def job_redis(tmp_path: Path) -> Iterator[int]:
+    """A redis-server as start_bus runs it (ops/redis/redis.conf, a password); yields its port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -318,14 +322,50 @@ def test_production_redis_conf_is_durable_and_needs_the_password(tmp_path: Path)
             except redis.ConnectionError:
                 assert time.monotonic() < deadline, "redis-server with ops/redis/redis.conf did not start"
                 time.sleep(0.05)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_production_redis_conf_is_durable_and_needs_the_password(tmp_path: Path) -> None:
+    with job_redis(tmp_path) as port:
+        client = redis.Redis(port=port, password="s3cret")
         settings = {k: client.config_get(k)[k] for k in ("appendonly", "appendfsync", "save", "maxmemory-policy")}
         assert settings == {"appendonly": "yes", "appendfsync": "everysec", "save": "",
                             "maxmemory-policy": "noeviction"}
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port).ping()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+
+
+def test_each_role_reads_its_own_redis_user_from_a_private_file(tmp_path: Path) -> None:
+    """The job's URL (its Redis password) is not exported to the roles; once the bus answers the job
+    makes one Redis user per role and leaves each URL in RUN_DIR/bus_url.ROLE (0600), which
+    `reel role ROLE` reads; a rollout worker's user cannot XADD to `steps`."""
+    script = render('[run]\nname = "roles"\n', tmp_path)
+    bash_ok(script)
+    assert "export REEL_BUS_URL" not in script and 'rm -f "$RUN_DIR/bus_url" "$RUN_DIR"/bus_url.*' in script
+    users = next(line for line in script.splitlines() if "reel.runtime.launch.role_users" in line)
+    assert script.index('wait_until "the bus" bus_ok') < script.index(users) < script.index("start archiver")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text('[run]\nname = "roles"\n')
+    env = {k: v for k, v in os.environ.items() if k != "REEL_BUS_URL"} | {"PYTHON": sys.executable,
+                                                                        "RUN_DIR": str(run_dir)}
+    with job_redis(tmp_path) as port:
+        job = f'REEL_BUS_URL="redis://:s3cret@127.0.0.1:{port}/0"\n{users}\nbash -c \'printf "${{REEL_BUS_URL-unset}}"\''
+        done = subprocess.run(["bash", "-c", job], env=env, capture_output=True, text=True)
+        assert done.returncode == 0 and done.stdout == "unset", done.stderr  # what srun hands a role
+        assert "one Redis user per role" in done.stderr
+        for role in role_users.ROLES:
+            path = role_users.url_file(run_dir, role)
+            assert path.stat().st_mode & 0o777 == 0o600
+            assert f"//reel.roles.{role}:" in path.read_text() and "s3cret" not in path.read_text()
+        rollout = supervisor._read_bus_url(run_dir, "rollout")
+        assert rollout == role_users.url_file(run_dir, "rollout").read_text().strip()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            redis.Redis.from_url(rollout).xadd("reel:{roles}:steps", {"e": b"x"})
+        redis.Redis.from_url(rollout).xadd("reel:{roles}:trajectories", {"e": b"x"})
 
 
 def test_partitioned_run_on_a_redis_cluster_with_mooncake_blobs(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@
     supervisor.py   `reel run` / `reel role`: the run directory, one process per role, all stop when one fails
     progress.py     the supervisor's progress view
     bus_access.py   how the processes reach an external Redis (ACL user, password, TLS files)
+    role_users.py   one Redis user per role, allowed to XADD only to its role's streams
     slurm.py        `reel launch slurm|status|cancel`: a whole run as one Slurm heterogeneous job
     vllm_args.py    `vllm serve` command lines for a run
     vllm_serve.py   a local `vllm serve` for one model directory (benches, tests)

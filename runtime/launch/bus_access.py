@@ -24,7 +24,7 @@ from urllib.parse import quote, urlencode, urlsplit
 from reel.bus.events import stream_key
 from reel.runtime.config import Config, ConfigError, load
 
-__all__ = ["bus_url", "acl_setuser", "key_patterns", "REEL_COMMANDS", "PASSWORD_ENV"]
+__all__ = ["bus_url", "acl_setuser", "key_patterns", "read_commands", "REEL_COMMANDS", "WRITE_COMMANDS", "PASSWORD_ENV"]
 
 PASSWORD_ENV = "REEL_BUS_PASSWORD"
 # Every command Reel's clients send, those Lua scripts run (safe_trim) included: the seq marks
@@ -33,6 +33,8 @@ PASSWORD_ENV = "REEL_BUS_PASSWORD"
 REEL_COMMANDS = ("ping", "multi", "exec", "discard", "eval", "exists", "zadd", "zscore", "zmscore", "xadd", "xack",
                  "xautoclaim", "xlen", "xpending", "xrange", "xrevrange", "xread", "xreadgroup", "xtrim",
                  "xgroup|create", "xinfo|groups", "xinfo|stream", "cluster|slots", "command")
+# Those that change a key: a role user (runtime/launch/role_users.py) gets each only on its own keys.
+WRITE_COMMANDS = ("eval", "zadd", "xadd", "xack", "xautoclaim", "xreadgroup", "xtrim", "xgroup|create")
 
 
 def bus_url(config: Config) -> str:
@@ -64,6 +66,11 @@ def acl_setuser(run: str, user: str) -> list[str]:
     """Arguments of ACL SETUSER for a user limited to `run`'s keys and Reel's commands (add >PASSWORD)."""
     return [user, "reset", "on", *(f"~{pattern}" for pattern in key_patterns(run)), "resetchannels", "-@all",
             *(f"+{command}" for command in REEL_COMMANDS)]
+
+
+def read_commands() -> list[str]:
+    """Reel's commands that change no key (a role user's root permissions)."""
+    return [c for c in REEL_COMMANDS if c not in WRITE_COMMANDS]
 
 
 def key_patterns(run: str) -> list[str]:

@@ -208,15 +208,17 @@ def _components(c: Config, opts: JobOptions, pools: list[Pool]) -> list[Componen
 
 
 def _control_lines(c: Config) -> list[str]:
-    # With bus.cluster the bus is the Redis Cluster of bus.url; the URL every role gets adds the
+    # With bus.cluster the bus is the Redis Cluster of bus.url; the launcher's URL adds the
     # password (REEL_BUS_PASSWORD or bus.password_file) and the TLS files (runtime/launch/bus_access.py),
     # through a variable and the 0600 bus_url file, never argv.
     bus = ["BUS_HOST=$(group_addr 0 0)",
            'REEL_BUS_URL=$("$PYTHON" -m reel.runtime.launch.bus_access "$RUN_DIR/config.toml") || exit 2',
-           "export REEL_BUS_URL",
            '(umask 077; printf \'%s\\n\' "$REEL_BUS_URL" > "$RUN_DIR/bus_url")'] \
         if c.bus.cluster else ["start_bus 0"]
-    return ["# het group 0: control", *bus, 'wait_until "the bus" bus_ok',
+    # Each role's own Redis user (runtime/launch/role_users.py): its URL in RUN_DIR/bus_url.ROLE (0600),
+    # which `reel role ROLE` reads; REEL_BUS_URL is the launcher's and is not exported to the roles.
+    users = 'REEL_BUS_URL=$REEL_BUS_URL "$PYTHON" -m reel.runtime.launch.role_users "$RUN_DIR" || exit 2'
+    return ["# het group 0: control", *bus, 'wait_until "the bus" bus_ok', users,
             start_line("archiver", 0, "archiver.log", ["--nodes=1", "--ntasks=1"],
                        [Expand("$REEL"), "role", "archiver", "--run", Expand("$RUN_DIR")]),
             "METRICS_PORT=$((PORT_BASE + 1))",
@@ -360,13 +362,17 @@ def _vllm_lines(c: Config, pools: list[Pool]) -> list[str]:
         lines.append("")
     heads = [f"http://${p.head_var}:{vllm_args.API_PORT}" for p in pools]
     if c.engine.pd_disaggregation:
+        # vllm-router sends its own `Authorization: Bearer $OPENAI_API_KEY` to the servers (not the
+        # client's), so it gets the run's key in that variable, by environment. It checks no key from its
+        # clients: it listens on loopback, for the rollout workers beside it on this node only.
         lines += ["# het group 0: the P/D router in front of the prefill and decode pools",
                   "ROUTER_PORT=$((PORT_BASE + 3))",
                   start_line("vllm-router", 0, "vllm-router.log", ["--nodes=1", "--ntasks=1"],
-                         [Expand("$VLLM_ROUTER"), "--vllm-pd-disaggregation", "--prefill", Expand(heads[0]),
-                          "--decode", Expand(heads[1]), "--host", Expand("$BUS_HOST"), "--port",
+                         ["bash", "-c", 'OPENAI_API_KEY=$VLLM_API_KEY exec "$@"', "vllm-router",
+                          Expand("$VLLM_ROUTER"), "--vllm-pd-disaggregation", "--prefill", Expand(heads[0]),
+                          "--decode", Expand(heads[1]), "--host", "127.0.0.1", "--port",
                           Expand("$ROUTER_PORT"), "--policy", "consistent_hash"]),
-                  'export REEL_VLLM_URL="http://$BUS_HOST:$ROUTER_PORT"']
+                  'export REEL_VLLM_URL="http://127.0.0.1:$ROUTER_PORT"']
     else:
         lines.append(f'export REEL_VLLM_URL="{heads[0]}"')
     lines.append(f'export REEL_VLLM_SERVERS="{",".join(heads)}"  # every API server: weight updates go to each')
@@ -395,8 +401,9 @@ def _header(c: Config, run_dir: Path, components: list[Component], vllm: bool) -
             f"its config.toml.", ""]
     text += [f"Het group {i}, {comp.name} ({comp.nodes} node{'s' * (comp.nodes > 1)}): {comp.runs}."
              for i, comp in enumerate(components)]
-    text += ["", "Every role finds Redis through REEL_BUS_URL (redis://:PASSWORD@HOST:PORT/0), exported below "
-                 "and written to RUN_DIR/bus_url (mode 0600) while the job runs."]
+    text += ["", "Every role finds Redis through its own Redis user's URL, RUN_DIR/bus_url.ROLE (mode 0600, "
+                 "made once the bus answers; with Redis < 7 every role reads the job's REEL_BUS_URL "
+                 "(redis://:PASSWORD@HOST:PORT/0) from RUN_DIR/bus_url, mode 0600), while the job runs."]
     if vllm:
         text.append("Rollout workers send generate requests to REEL_VLLM_URL and weight updates to every "
                     "server in REEL_VLLM_SERVERS.")

@@ -8,6 +8,7 @@ any role fails (then prints that role's last log lines and exits non-zero).
 Run directory:
     config.toml      the config as given (the run's identity; --resume checks it)
     bus_url          where the live bus is, password included (mode 0600; removed when the run stops)
+    bus_url.ROLE     a Slurm job's per-role Redis user (runtime/launch/role_users.py), read by `reel role ROLE`
     log/             the archiver's event log       blobs/   weights, checkpoints, big traces
     redis/           embedded Redis (AOF)           roles/<role>.log   each process's output
 Roles reach each other only through the bus and these files, so `reel role NAME --run DIR`
@@ -93,11 +94,12 @@ def _run(args: argparse.Namespace) -> int:
         changed = "".join(f", {key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
         print(f"reel: resuming run {config.run.name} in {run_dir} after step {after} of {config.run.steps}{changed}",
               file=sys.stderr, flush=True)
-    with bus_for(run_dir, config) as url, mooncake_for(run_dir, config):
+    with bus_for(run_dir, config) as url, role_urls_for(url, config) as role_urls, mooncake_for(run_dir, config):
         if changes:
             resume_mod.record_changes(run_dir, url, config, text, changes, after)
         supervisor = Supervisor(run_dir, url, config, live=not args.no_live and sys.stdout.isatty(),
                                 resumed_after=after)
+        supervisor.role_urls = role_urls
         # With --set the overrides live in the run's config.toml: resuming from it keeps them.
         config_arg = run_dir / "config.toml" if args.set else args.config
         supervisor.resume_command = f"reel run {config_arg} --resume --out {run_dir}"
@@ -117,7 +119,7 @@ def main_role(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     config = load_run_config(run_dir)
     use_cluster_client(config)
-    url = args.bus or os.environ.get("REEL_BUS_URL") or _read_bus_url(run_dir)
+    url = args.bus or os.environ.get("REEL_BUS_URL") or _read_bus_url(run_dir, args.name)
     module, function = ROLE_ENTRY[args.name].split(":")
     entry = getattr(importlib.import_module(module), function)
     if args.name == "rollout":
@@ -195,6 +197,19 @@ def bus_for(run_dir: Path, config: Config) -> Iterator[str]:
         server.stop()
 
 
+@contextmanager
+def role_urls_for(url: str, config: Config) -> Iterator[dict[str, str]]:
+    """With ACLs on (bus.url), each role's own Redis user (runtime/launch/role_users.py); the embedded
+    Redis has no users: only this Unix user can reach its socket."""
+    if not config.bus.url:
+        yield {}
+        return
+    from reel.runtime.launch import role_users
+
+    with role_users.for_run(url, config.run.name, cluster=config.bus.cluster) as urls:
+        yield urls
+
+
 def _write_private(path: Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -202,9 +217,13 @@ def _write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
-def _read_bus_url(run_dir: Path) -> str:
+def _read_bus_url(run_dir: Path, role: str | None = None) -> str:
+    """The bus URL of `role` (its own Redis user's, a Slurm job's RUN_DIR/bus_url.ROLE), else the run's."""
+    from reel.runtime.launch.role_users import url_file
+
+    own = url_file(run_dir, role) if role else None
     try:
-        return (run_dir / "bus_url").read_text().strip()
+        return (own if own is not None and own.is_file() else run_dir / "bus_url").read_text().strip()
     except FileNotFoundError:
         raise RunDirError(
             f"no live bus for {run_dir} (no bus_url file); pass --bus URL or set REEL_BUS_URL"
@@ -301,6 +320,7 @@ class Supervisor:
     progress: Progress
     vllm_port: int | None  # the local `vllm serve` (engine.vllm_server = "local"), started once init/ exists
     trainer_env: dict[str, str]  # set before run(): what the trainer must record (a bus loss window)
+    role_urls: dict[str, str]  # set before run(): each role's own Redis user (empty: every role uses url)
     resume_command: str  # what continues this run, for the messages of a stopped or failed run
 
     def __init__(self, run_dir: Path, url: str, config: Config, *, live: bool, resumed_after: int = 0):
@@ -312,6 +332,7 @@ class Supervisor:
                                  work_file=run_dir / "roles" / PROGRESS_FILE)
         self.vllm_port = free_port() if serves_vllm_locally(config) else None
         self.trainer_env = {}
+        self.role_urls = {}
         self.resume_command = f"reel run CONFIG --resume --out {run_dir}"
 
     def _start(self, name: str, role: str, *extra: str, threads: int = 1, env: dict[str, str] | None = None,
@@ -319,7 +340,7 @@ class Supervisor:
         args = ["role", role, "--run", str(self.run_dir), *extra]
         python = torchrun_argv(ranks) if ranks > 1 else ["-m", "reel.runtime.launch.cli"]
         # The bus URL (maybe with a password) goes by environment: argv is public to `ps`.
-        env = {"REEL_BUS_URL": self.url, **(self.trainer_env if role == "trainer" else {}), **(env or {})}
+        env = {"REEL_BUS_URL": self.role_urls.get(role, self.url), **(self.trainer_env if role == "trainer" else {}), **(env or {})}
         self.roles[name] = RoleProcess(name, [sys.executable, *python, *args], self.run_dir / "roles" / f"{name}.log",
                                        threads, env)
 
