@@ -432,3 +432,26 @@ supervise
     assert done.returncode == 0, done.stdout + done.stderr
     assert order.read_text().split() == ["trainer", "eval", "announce"]
     assert "waiting up to 300s for eval to end" in done.stdout
+
+
+def test_a_failed_component_is_recorded_in_the_log_before_the_job_ends(tmp_path: Path) -> None:
+    """The job script run by bash with stand-ins for srun and the bus: a component that fails stops the
+    others, then RunFinished("failed: NAME exited CODE") is announced while the archiver still runs."""
+    script = render(EXAMPLE.read_text(), tmp_path)
+    order = tmp_path / "order"
+    order.touch()
+    stand_ins = f"""
+STOP_TIMEOUT_S=20
+srun() {{ while [[ $1 != bash ]]; do shift; done; "$@"; }}
+squeue() {{ :; }}
+announce_finished() {{ echo "announce $1" >> {order}; }}
+start archiver 0 {tmp_path}/archiver.log -- bash -c 'until grep -q announce {order}; do sleep 0.1; done; echo archived >> {order}'
+start trainer 2 {tmp_path}/trainer.log -- bash -c 'sleep 2; echo trainer >> {order}'
+start rollout 1 {tmp_path}/rollout.log -- bash -c 'exit 3'
+supervise
+"""
+    job = script.split("# ---- This job's components")[0] + stand_ins
+    done = subprocess.run(["bash", "-c", job], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SLURM_JOB_ID": "1"})
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert order.read_text().splitlines() == ["trainer", "announce failed: rollout exited 3", "archived"]

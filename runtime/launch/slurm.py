@@ -427,7 +427,8 @@ def _header(c: Config, run_dir: Path, components: list[Component], vllm: bool) -
              "the run has no WeightsPublished yet, so this script only starts roles.",
              "End: when the trainer exits 0 (and the eval role, if any, has scored the last version), "
              "RunFinished is announced, the archiver drains and exits, and the rest stop (Redis last): exit 0. "
-             "When a component ends before that, its name and exit code go to "
+             "When a component ends before that (or the job is signalled), the log records how the run "
+             "ended (RunFinished \"failed: NAME exited CODE\" or \"stopped: SIGNAL\"), its name and exit code go to "
              "stderr, the others stop, and the job exits with that code.",
              "Paths below were resolved where the job was submitted: every node must see them."]
     out: list[str] = []
