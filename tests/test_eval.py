@@ -218,7 +218,10 @@ batch_groups = 4
 max_off_policy_steps = 2
 """)
     run_dir = tmp_path / "run"
-    assert main(["run", str(config), "--out", str(run_dir), "--no-live"]) == 0
+    monkeypatch.setenv("REEL_CRASH_AT", "2:committed")  # stopped mid-run and resumed: the draws go on
+    assert main(["run", str(config), "--out", str(run_dir), "--no-live"]) == 1
+    monkeypatch.delenv("REEL_CRASH_AT")
+    assert main(["run", str(config), "--out", str(run_dir), "--no-live", "--resume"]) == 0
     with RunLog(run_dir, readonly=True) as log:
         commits = [e for _, e in log.events("steps") if isinstance(e, StepCommitted)]
         finished = [e for _, e in log.events("control") if isinstance(e, RunFinished)]
@@ -232,8 +235,8 @@ max_off_policy_steps = 2
     assert math.isfinite(commits[-1].loss)
     assert started[0].dataset_sha256 == hashlib.sha256(b"words.jsonl\0" + data.read_bytes()).hexdigest()
 
-    # Training draws walk the 8 rows in epochs: draw n is row order(run.seed, n // 8)[n % 8], once each,
-    # and a restarted worker finds in the log the draws it made.
+    # Training draws walk the 8 rows in epochs: draw n is row order(run.seed, n // 8)[n % 8], once each
+    # across the resume (the restarted worker found its draws and went on), and the log has them.
     env, seed = make_env(loads(config.read_text()).env, 16), loads(config.read_text()).run.seed
     draws = [t.meta["draw"] for t in logged]
     assert len(set(draws)) == len(draws) and max(t.meta["epoch"] for t in logged) >= 1
