@@ -82,7 +82,8 @@ def _log_finished(run_dir: Path) -> bool:
     if not (run_dir / "log" / "control").is_dir():
         return False
     with RunLog(run_dir, readonly=True) as log:
-        ends = [isinstance(e, RunFinished) for _, e in log.events("control") if isinstance(e, (RunFinished, ConfigChanged))]
+        ends = [isinstance(e, RunFinished) for _, e in log.events("control")
+                if isinstance(e, (RunFinished, ConfigChanged))]
     return bool(ends) and ends[-1]
 
 

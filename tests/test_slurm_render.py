@@ -445,7 +445,8 @@ STOP_TIMEOUT_S=20
 srun() {{ while [[ $1 != bash ]]; do shift; done; "$@"; }}
 squeue() {{ :; }}
 announce_finished() {{ echo "announce $1" >> {order}; }}
-start archiver 0 {tmp_path}/archiver.log -- bash -c 'until grep -q announce {order}; do sleep 0.1; done; echo archived >> {order}'
+start archiver 0 {tmp_path}/archiver.log -- \\
+    bash -c 'until grep -q announce {order}; do sleep 0.1; done; echo archived >> {order}'
 start trainer 2 {tmp_path}/trainer.log -- bash -c 'sleep 2; echo trainer >> {order}'
 start rollout 1 {tmp_path}/rollout.log -- bash -c 'exit 3'
 supervise

@@ -359,8 +359,8 @@ class Supervisor:
             return self._finish()
         except KeyboardInterrupt as interrupt:
             self.progress.refresh()  # the steps committed since the last refresh: they happened
-            print(f"reel: stopping every role (up to {STOP_TIMEOUT_S:.0f} s; a warm-start in progress is "
-                  f"discarded)...", file=sys.stderr, flush=True)
+            print(f"reel: stopping every role (up to {2 * STOP_TIMEOUT_S:.0f} s: the others, then the archiver; "
+                  f"a warm-start in progress is discarded)...", file=sys.stderr, flush=True)
             signame = interrupt.name if isinstance(interrupt, StopRequested) else "SIGINT"
             self._record_end(f"{STOPPED}: {signame}")
             self._stop_all()
