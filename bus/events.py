@@ -243,7 +243,8 @@ class EvalResult(Event, tag="eval_result"):
 
 
 class ConfigChanged(Event, tag="config_changed"):
-    """Launcher -> everyone: `--resume` changed keys that are safe to change, after step `after_step`."""
+    """Launcher -> everyone: `--resume` continued the run after step `after_step`, with the keys it changed
+    (safe ones; none when only resumed). After a RunFinished it means the run went on."""
 
     config_toml: str  # the whole config as it now runs
     changed: dict[str, list[Any]]  # key -> [old, new]
@@ -251,9 +252,9 @@ class ConfigChanged(Event, tag="config_changed"):
 
 
 class RunFinished(Event, tag="run_finished"):
-    """Launcher -> everyone: the run is over."""
+    """Launcher -> everyone: the run is over, or (not "completed") ended before its last step."""
 
-    reason: str
+    reason: str  # "completed" | "failed: <role> exited <code>" | "stopped: <SIGNAL>" (a --resume may follow)
     dead_letters: int = 0  # entries ever dead-lettered, so a finished run's log knows them (metrics)
 
 

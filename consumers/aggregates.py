@@ -31,11 +31,12 @@ import msgspec
 import numpy as np
 
 from reel.bus.events import (
-    AnyEvent, EvalResult, RunFinished, StepCommitted, StepTiming, Trajectory, WeightsPublished,
+    AnyEvent, ConfigChanged, EvalResult, RunFinished, StepCommitted, StepTiming, Trajectory, WeightsPublished,
     WorkerStats, event_key,
 )
 
-__all__ = ["DROP_REASONS", "MISMATCH_KEYS", "drop_reason_code", "RunAggregates", "Snapshot", "StepRow", "WorkerView", "idle_share", "step_row"]
+__all__ = ["DROP_REASONS", "MISMATCH_KEYS", "drop_reason_code", "end_of", "RunAggregates", "Snapshot", "StepRow",
+           "WorkerView", "idle_share", "step_row"]
 
 # Reason codes of dropped groups: the trainer writes "CODE: details" (consumers/trainer.py); the
 # code is the metrics label (a small fixed set), an unknown code counts as "other".
@@ -84,7 +85,7 @@ class WorkerView(msgspec.Struct, frozen=True):
 
 class Snapshot(msgspec.Struct, frozen=True):
     run: str
-    finished: str | None  # RunFinished.reason once the run is over
+    finished: str | None  # RunFinished.reason once the run is over or has ended early (none again after a resume)
     step: int | None  # latest committed trainer step
     policy_version: int | None  # latest published weights version
     groups_seen: int  # Trajectory events (distinct): groups published by all workers
@@ -108,8 +109,18 @@ class Snapshot(msgspec.Struct, frozen=True):
     bus_lost_events: int = 0  # logged events Redis lost, as commits after a resume recorded them
     latest_eval: EvalResult | None = None  # the eval role's result for the newest version it scored
     eval_skipped: int = 0  # versions the eval role passed over (it runs behind), summed
+    dataset_epoch: int | None = None  # newest epoch of a dataset env's prompts (Trajectory.meta["epoch"])
     reward_by_task: dict[str, float] = {}  # mean group reward per task (Trajectory.meta task), last K groups each
     reward_parts: dict[str, float] = {}  # mean of each Sample.scores part (a verifiers rubric's functions), last K groups
+
+
+def end_of(reason: str | None) -> str | None:
+    """How a run ended, from its RunFinished.reason: "failed" (a role exited), "stopped" (a signal
+    reached the launcher), "finished" (any other reason: it ran its last step); None while it runs."""
+    if reason is None:
+        return None
+    kind = reason.partition(":")[0]
+    return kind if kind in ("failed", "stopped") else "finished"
 
 
 def idle_share(timing: StepTiming) -> float | None:
@@ -181,6 +192,7 @@ class RunAggregates:
         self._eval: EvalResult | None = None
         self._eval_skipped = 0
         self._task_rewards: dict[str, deque[float]] = {}
+        self._dataset_epoch: int | None = None
         self._reward_parts: dict[str, deque[float]] = {}
 
     def apply(self, event: AnyEvent) -> StepRow | None:
@@ -198,7 +210,9 @@ class RunAggregates:
                     self._group_rewards.append(reward)
                     self._reward_of_group.put(event.group_id, reward)
                 self._published[event.worker] += 1
-                task = event.meta.get("task")
+                task, epoch = event.meta.get("task"), event.meta.get("epoch")
+                if isinstance(epoch, int):
+                    self._dataset_epoch = max(epoch, self._dataset_epoch or 0)
                 if reward is not None and isinstance(task, str):
                     self._task_rewards.setdefault(task, deque(maxlen=self.window_groups)).append(reward)
                 for part in {name for sample in event.samples for name in sample.scores}:
@@ -223,6 +237,8 @@ class RunAggregates:
             case RunFinished():
                 self._finished = event.reason
                 self.set_dead_letters(event.dead_letters)
+            case ConfigChanged():  # a --resume: the run goes on after the end its log recorded
+                self._finished = None
         return None
 
     def set_dead_letters(self, count: int) -> None:
@@ -260,6 +276,7 @@ class RunAggregates:
             dead_letters=self._dead_letters, workers=workers,
             tokens_per_s=sum(w.tokens_per_s for w in workers), recent_steps=steps,
             bus_lost_events=self._bus_lost_events, latest_eval=self._eval, eval_skipped=self._eval_skipped,
+            dataset_epoch=self._dataset_epoch,
             reward_by_task={t: float(np.mean(r)) for t, r in sorted(self._task_rewards.items()) if r},
             reward_parts={p: float(np.mean(r)) for p, r in sorted(self._reward_parts.items()) if r},
         )

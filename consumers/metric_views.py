@@ -19,7 +19,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from reel.consumers.aggregates import MISMATCH_KEYS, Snapshot
+from reel.consumers.aggregates import MISMATCH_KEYS, Snapshot, end_of
 
 __all__ = ["SnapshotCollector", "render"]
 
@@ -27,7 +27,11 @@ __all__ = ["SnapshotCollector", "render"]
 _GAUGES: list[tuple[str, str, Callable[[Snapshot], float | None]]] = [
     ("reel_trainer_step", "Latest committed trainer step.", lambda s: s.step),
     ("reel_policy_version", "Latest published policy version.", lambda s: s.policy_version),
-    ("reel_run_finished", "1 once the run has finished.", lambda s: float(s.finished is not None)),
+    ("reel_run_finished", "1 once the run has run its last step.", lambda s: float(end_of(s.finished) == "finished")),
+    ("reel_run_failed", "1 when a role failed and the run was stopped (until a resume).",
+     lambda s: float(end_of(s.finished) == "failed")),
+    ("reel_run_stopped", "1 when a signal stopped the run before its last step (until a resume).",
+     lambda s: float(end_of(s.finished) == "stopped")),
     ("reel_reward_mean", "Mean group reward over the last K groups.", lambda s: s.reward_mean),
     ("reel_reward_p50", "Median group reward over the last K groups.", lambda s: s.reward_p50),
     ("reel_reward_p90", "90th percentile group reward over the last K groups.", lambda s: s.reward_p90),
@@ -36,6 +40,7 @@ _GAUGES: list[tuple[str, str, Callable[[Snapshot], float | None]]] = [
     ("reel_trainer_grad_norm", "Gradient norm of the latest step.", lambda s: s.grad_norm),
     ("reel_trainer_idle_ratio", "Trainer wait / (wait + compute + publish) over recent steps.",
      lambda s: s.idle_ratio),
+    ("reel_dataset_epoch", "Newest epoch (from 0) of a dataset env's training prompts.", lambda s: s.dataset_epoch),
     ("reel_staleness_mean_versions", "Token-weighted mean staleness of the latest step, in versions.",
      lambda s: s.recent_steps[-1].staleness_mean if s.recent_steps else None),
 ]
@@ -156,15 +161,24 @@ def _pairs(title: str, rows: list[tuple[str, ...]]) -> Table:
     return table
 
 
+def _status(s: Snapshot, live: bool) -> Text:
+    """finished, failed (the role and its exit code), stopped (the signal), running; a run read from
+    its log without a RunFinished (or resumed since) ended with no record: killed, or a lost node."""
+    end, after = end_of(s.finished), f"after step {_fmt(s.step)}"
+    if end == "finished":
+        return Text(f"finished: {s.finished}", "yellow")
+    if end == "failed":
+        return Text(f"failed {after}: {s.finished.partition(':')[2].strip()}", "bold red")
+    if end == "stopped":
+        return Text(f"stopped {after} by {s.finished.partition(':')[2].strip()}, not finished", "red")
+    if live:
+        return Text("running", "green")
+    return Text(f"stopped {after}, not finished (no end recorded: killed?)", "red")
+
+
 def render(s: Snapshot, where: str, *, live: bool = True) -> RenderableType:
-    """`live`: the figures come from a reachable bus; a run read from its log without a RunFinished
-    stopped (Ctrl-C, a failed role, a lost node) before its last step."""
-    if s.finished:
-        status = Text(f"finished: {s.finished}", "yellow")
-    elif live:
-        status = Text("running", "green")
-    else:
-        status = Text(f"stopped after step {_fmt(s.step)}, not finished", "red")
+    """`live`: the figures come from a reachable bus."""
+    status = _status(s, live)
     head = Text.assemble((f"reel top  {s.run}", "bold"), f"   {where}   ", status)
     training = _pairs("training", [
         ("step", _fmt(s.step)), ("policy version", _fmt(s.policy_version)), ("loss", _fmt(s.loss)),
@@ -174,6 +188,7 @@ def render(s: Snapshot, where: str, *, live: bool = True) -> RenderableType:
         ("trainer idle", _fmt(s.idle_ratio, pct=True)),
         ("groups published / trained", f"{s.groups_seen} / {s.groups_trained}"),
         ("dead letters", _fmt(s.dead_letters)),
+        *([("dataset epoch", str(s.dataset_epoch))] if s.dataset_epoch is not None else []),
     ])
     mismatch = _pairs("mismatch", [(k, _fmt(s.mismatch.get(k))) for k in MISMATCH_KEYS])
     tokens = sum(s.staleness.values())

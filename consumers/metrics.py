@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.live import Live
 
 from reel.bus.errors import ReelError
-from reel.bus.events import AnyEvent, RunFinished
+from reel.bus.events import AnyEvent, ConfigChanged, RunFinished
 from reel.bus.jsonout import json_line
 from reel.bus.log import RunLog
 from reel.bus.streams import BusError, connect, dead_letters_added
@@ -78,10 +78,13 @@ async def _reachable(url: str) -> bool:
 
 
 def _log_finished(run_dir: Path) -> bool:
+    """The log ends with the run's end: a RunFinished that no resume (ConfigChanged) came after."""
     if not (run_dir / "log" / "control").is_dir():
         return False
     with RunLog(run_dir, readonly=True) as log:
-        return any(isinstance(e, RunFinished) for _, e in log.events("control"))
+        ends = [isinstance(e, RunFinished) for _, e in log.events("control")
+                if isinstance(e, (RunFinished, ConfigChanged))]
+    return bool(ends) and ends[-1]
 
 
 async def locate(run_dir: str | None, bus: str | None, name: str | None) -> RunSource:

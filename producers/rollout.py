@@ -61,6 +61,7 @@ from reel.bus.streams import Publisher, connect
 from reel.bus.tail import Tail, dead_letter_read
 from reel.bus.trust import SeqMarks, trusted
 from reel.bus.weight_manifest import WeightManifest
+from reel.producers.draws import Draws, recover_draws
 from reel.producers.engine import Engine, EngineError, SamplingParams
 from reel.producers.envs import Env, env_for
 from reel.producers.episode import Episode, non_finite, run_group
@@ -101,6 +102,7 @@ class RolloutWorker:
     first_round: int  # c0 of the async gate: c when this process started its first group
     queued: int  # q of the async gate: groups an earlier process published, not yet trained
     started: int  # groups started by this process
+    draws: Draws  # the run's draw index of each group's prompt (a dataset's epochs; producers/draws.py)
     published: int  # groups published by this process
     dead_lettered: int  # groups dead-lettered (a reward that failed or is not finite, a non-finite logprob); each replaced
     in_flight: dict[str, asyncio.Task[None]]
@@ -125,6 +127,7 @@ class RolloutWorker:
         self.first_round = 0
         self.queued = 0
         self.started = 0
+        self.draws = Draws(index, r.workers)
         self.published = 0
         self.dead_lettered = 0
         self.in_flight = {}
@@ -144,6 +147,10 @@ class RolloutWorker:
         redis = self.redis = connect(self.url)
         try:
             self.seq_base = await self._recover_seq(redis)
+            if self.env.counts_draws:  # this worker's draws so far, so a dataset's epochs go on where they were
+                made = await recover_draws(redis, self.run_dir, self.run_name, self.name,
+                                           worker_partition(self.index, self.config.bus.partitions))
+                self.draws = Draws(self.index, self.config.rollout.workers, made)
             # Redis may have lost the newest commits (its last second) while the log kept them: a
             # gate on the bus alone would wait for versions the trainer will never commit again.
             self.committed = await asyncio.to_thread(newest_logged_commit, self.run_dir)
@@ -226,7 +233,7 @@ class RolloutWorker:
         if not self.in_flight and self._idle_since is not None:
             self._idle_s += time.monotonic() - self._idle_since
             self._idle_since = None
-        task = asyncio.create_task(self._group(group_id, seed), name=f"group-{group_id}")
+        task = asyncio.create_task(self._group(group_id, seed, self.draws.next()), name=f"group-{group_id}")
         self.in_flight[group_id] = task
         task.add_done_callback(lambda t: self._group_done(group_id, t))
 
@@ -239,9 +246,9 @@ class RolloutWorker:
             self._failures.append(task.exception())
         self._changed.set()
 
-    async def _group(self, group_id: str, seed: int) -> None:
+    async def _group(self, group_id: str, seed: int, draw: int) -> None:
         r = self.config.rollout
-        prompt = self.env.sample(random.Random(seed))
+        prompt = self.env.draw(random.Random(seed), draw, self.config.run.seed)
         params = SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
                                 stop_token_ids=self.env.tokenizer.stop_ids, seed=seed)
         started = time.monotonic()

@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 
 from reel.bus.errors import ReelError
-from reel.bus.events import EvalResult, RunFinished, RunStarted, StepCommitted, WorkerStats
+from reel.bus.events import ConfigChanged, EvalResult, RunFinished, RunStarted, StepCommitted, WorkerStats
 from reel.bus.log import RunLog
 from reel.replay.svg_charts import bar_chart, line_chart
 
@@ -66,6 +66,8 @@ def read_facts(run_dir: Path) -> RunFacts:
                     facts.rollout_idle.append((seconds, sum(w.idle_share for w in latest.values()) / len(latest)))
                 case RunFinished():
                     facts.finished = event.reason
+                case ConfigChanged():  # resumed: that end was not the last
+                    facts.finished = None
     if facts.rollout_tokens_per_s:
         t0 = facts.rollout_tokens_per_s[0][0]
         facts.rollout_tokens_per_s = [(t - t0, v) for t, v in facts.rollout_tokens_per_s]
@@ -107,7 +109,7 @@ def _section(title: str, *parts: str) -> str:
 def _summary(facts: RunFacts) -> str:
     last = facts.steps[-1] if facts.steps else None
     rows = [["run", facts.run], ["steps committed", len(facts.steps)],
-            ["finished", facts.finished or "no (the log ends mid-run)"], ["code version", facts.code_version or None],
+            ["ended", facts.finished or "no end recorded (running, or killed)"], ["code version", facts.code_version or None],
             ["warm-start reward", facts.init_reward], ["last step reward", last.metrics.get("reward_mean") if last else None],
             ["groups trained", sum(len(s.groups) for s in facts.steps)],
             ["groups dropped", sum(len(s.dropped) for s in facts.steps)]]

@@ -4,6 +4,7 @@ role; a dataset whose reward function raises on some rows, which are dead-letter
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import math
@@ -16,7 +17,10 @@ from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import EvalResult, RunFinished, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished
 from reel.bus.log import RunLog
 from reel.consumers.aggregates import RunAggregates
+from reel.bus.streams import connect
 from reel.consumers.metric_views import SnapshotCollector, render
+from reel.producers.draws import recover_draws
+from reel.producers.envs import make_env
 from reel.producers.evaluator import due, pass_at_k
 from reel.runtime.config import ConfigError, loads
 from reel.runtime.launch.cli import main
@@ -187,7 +191,7 @@ def test_reasoning_gym_run_with_the_eval_role(tmp_path: Path, capsys: pytest.Cap
 
 @pytest.mark.slow
 def test_a_reward_function_that_raises_dead_letters_its_group_and_the_run_goes_on_and_rescoring(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_url: str) -> None:
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the roles import task_fixtures
     words = ["abc", "dog", "sun", "cat", "pen", "map", "owl", "fig"]
     rows = [{"prompt": f"reverse:{w}=", "answer": w[::-1], "extra_info": {"explode": i % 4 == 0}}
@@ -214,7 +218,10 @@ batch_groups = 4
 max_off_policy_steps = 2
 """)
     run_dir = tmp_path / "run"
-    assert main(["run", str(config), "--out", str(run_dir), "--no-live"]) == 0
+    monkeypatch.setenv("REEL_CRASH_AT", "2:committed")  # stopped mid-run and resumed: the draws go on
+    assert main(["run", str(config), "--out", str(run_dir), "--no-live"]) == 1
+    monkeypatch.delenv("REEL_CRASH_AT")
+    assert main(["run", str(config), "--out", str(run_dir), "--no-live", "--resume"]) == 0
     with RunLog(run_dir, readonly=True) as log:
         commits = [e for _, e in log.events("steps") if isinstance(e, StepCommitted)]
         finished = [e for _, e in log.events("control") if isinstance(e, RunFinished)]
@@ -227,6 +234,23 @@ max_off_policy_steps = 2
     assert "reward function 'task_fixtures:flaky_score' raised KeyError" in rollout_log
     assert math.isfinite(commits[-1].loss)
     assert started[0].dataset_sha256 == hashlib.sha256(b"words.jsonl\0" + data.read_bytes()).hexdigest()
+
+    # Training draws walk the 8 rows in epochs: draw n is row order(run.seed, n // 8)[n % 8], once each
+    # across the resume (the restarted worker found its draws and went on), and the log has them.
+    env, seed = make_env(loads(config.read_text()).env, 16), loads(config.read_text()).run.seed
+    draws = [t.meta["draw"] for t in logged]
+    assert len(set(draws)) == len(draws) and max(t.meta["epoch"] for t in logged) >= 1
+    assert all(t.meta["epoch"] == t.meta["draw"] // len(words)
+               and t.meta["index"] == env.order(seed, t.meta["epoch"])[t.meta["draw"] % len(words)] for t in logged)
+
+    async def recovered() -> set[int]:
+        client = connect(redis_url)  # not the run's bus (gone): only the log has its draws
+        try:
+            return await recover_draws(client, run_dir, "ds", "rollout:0", None)
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(recovered()) == set(draws)
 
     # The log keeps what the reward needs: the run re-scored offline with another reward function.
     override = tmp_path / "rescore.toml"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from reel.bus.events import ConfigChanged, StepCommitted
+from reel.bus.events import ConfigChanged, RunFinished, StepCommitted
 from reel.bus.log import RunLog
 from runbuilder import e2e_config
 
@@ -70,5 +70,9 @@ def test_resume_continues_extends_and_names_what_it_refuses(tmp_path: Path) -> N
     assert "after step 4 of 6, run.steps 4 -> 6" in extended.stderr
     steps, changes = _log(run_dir)
     assert steps == [1, 2, 3, 4, 5, 6]
-    assert [(c.changed, c.after_step) for c in changes] == [({"run.steps": [4, 6]}, 4)]
+    # Each resume is logged (a ConfigChanged, with the keys it changed): the crash's, then the extension.
+    assert [(c.changed, c.after_step) for c in changes] == [({}, before), ({"run.steps": [4, 6]}, 4)]
+    with RunLog(run_dir, readonly=True) as log:
+        ends = [e.reason for _, e in log.events("control") if isinstance(e, RunFinished)]
+    assert ends == ["failed: trainer exited -9", "completed", "completed"]
     assert "steps = 6" in (run_dir / "config.toml").read_text()

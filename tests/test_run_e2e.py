@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from reel.bus.events import StepCommitted, Trajectory, WeightsPublished
+from reel.bus.events import RunFinished, StepCommitted, Trajectory, WeightsPublished
 from reel.bus.log import RunLog
 from runbuilder import e2e_config
 from reel.runtime.launch.cli import main
@@ -48,7 +48,19 @@ def test_short_run_commits_every_step_and_replays_bitwise(tmp_path: Path, capsys
     assert not (run_dir / "bus_url").exists()  # the embedded Redis was stopped
 
 
-def test_killed_role_stops_the_run_and_resume_completes_it(tmp_path: Path) -> None:
+def _top(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    capsys.readouterr()
+    assert main(["top", "--run", str(run_dir), "--once"]) == 0
+    return " ".join(capsys.readouterr().out.split("training")[0].split())  # the title, however it wraps
+
+
+def _ends(run_dir: Path) -> list[str]:
+    with RunLog(run_dir, readonly=True) as log:
+        return [e.reason for _, e in log.events("control") if isinstance(e, RunFinished)]
+
+
+def test_killed_role_stops_the_run_and_resume_completes_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The log records the failure (the role, its exit code), so `reel top` says failed, not running."""
     run_dir = tmp_path / "run"
     config = _config(tmp_path, "kill", 30)
     argv = [sys.executable, "-m", "reel.runtime.launch.cli", "run", str(config), "--out", str(run_dir), "--no-live"]
@@ -67,11 +79,16 @@ def test_killed_role_stops_the_run_and_resume_completes_it(tmp_path: Path) -> No
     assert "role rollout-0 stopped" in err and "--resume" not in err.splitlines()[0]
     stopped_at = len(_commits(run_dir))
     assert stopped_at < 30
+    assert _ends(run_dir) == ["failed: rollout-0 exited -9"]
+    head = _top(run_dir, capsys)
+    assert f"failed after step {stopped_at}: rollout-0 exited -9" in head and "running" not in head, head
 
     resumed = subprocess.run(argv + ["--resume"], capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     commits = _commits(run_dir)
-    assert [c.step for c in commits] == list(range(1, 31))
+    assert [c.step for c in commits] == list(range(1, 31))  # the failure's record did not end the resumed run
+    assert _ends(run_dir) == ["failed: rollout-0 exited -9", "completed"]
+    assert "finished: completed" in _top(run_dir, capsys)
     trained = [g for c in commits for g in c.groups]
     assert len(trained) == len(set(trained)), "a group was trained twice"
     with RunLog(run_dir, readonly=True) as log:

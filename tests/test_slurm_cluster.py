@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from reel.bus.events import EvalResult
+from reel.bus.log import RunLog
 from reel.runtime.launch import slurm
 from reel.runtime.launch.cli import main
 
@@ -133,9 +135,11 @@ def test_cancel_stops_every_component_with_sigterm(tmp_path: Path, capsys: pytes
 
 @pytest.mark.slow
 def test_reverse_text_runs_end_to_end_through_slurm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With [eval]: the eval role runs as a step of its own and scores the last version before the end."""
     text = (ROOT / "examples" / "reverse_text.toml").read_text()
     text = re.sub(r"(?m)^steps = \d+", "steps = 2", text)
     text = re.sub(r"(?m)^warmup_steps = \d+", "warmup_steps = 5", text)
+    text += "\n[eval]\nevery = 2\nprompts = 4\nsamples_per_prompt = 2\n"
     path = tmp_path / "reverse_text.toml"
     path.write_text(text)
     run_dir = tmp_path / "run"
@@ -146,7 +150,11 @@ def test_reverse_text_runs_end_to_end_through_slurm(tmp_path: Path, capsys: pyte
     assert states == [("COMPLETED", "0:0")] * 3, out
     assert "reel: run finished" in out
     assert "reel: one Redis user per role" in out  # the roles ran on their own users (no URL is exported)
+    assert "reel: started eval (het group 1)" in out
     assert not (run_dir / "bus_url").exists() and not list(run_dir.glob("bus_url.*"))
+    with RunLog(run_dir, readonly=True) as log:
+        evaluated = [e.version for _, e in log.events("control") if isinstance(e, EvalResult)]
+    assert evaluated and evaluated[-1] == 2, (run_dir / "roles" / "eval.log").read_text()
     capsys.readouterr()
     assert main(["log", "verify", "--run", str(run_dir)]) == 0
     verified = capsys.readouterr().out

@@ -421,3 +421,78 @@ def test_vllm_servers_bind_their_node_and_get_the_runs_key_by_environment(tmp_pa
     key_line = 'VLLM_API_KEY=$("$PYTHON" -m reel.runtime.launch.vllm_key "$RUN_DIR") || exit 2'
     assert script.index(key_line) < script.index("start vllm-rollout-0") < script.index("start rollout")
     assert "REEL_BLOBS_DIR=$RUN_DIR/blobs" in " ".join(server)
+
+
+def test_eval_role_gets_a_step_and_an_engine_of_its_own(tmp_path: Path) -> None:
+    """[eval]: the eval role is started like the other roles; the job waits for it to score the last
+    version before RunFinished, and its exit 0 is no failure. Built-in: on the first rollout node;
+    vLLM: its own het group, in-process vLLM (the rollout's server URL is removed from its environment)."""
+    plain = render(EXAMPLE.read_text(), tmp_path)
+    assert not commands(plain, "eval") and "export ENDS_ITSELF=''" in plain
+    script = render(EXAMPLE.read_text() + "\n[eval]\nevery = 5\n", tmp_path)
+    bash_ok(script)
+    evaluator, = commands(script, "eval")
+    assert evaluator[:3] == ["start", "eval", "1"] and "--ntasks=1" in evaluator
+    assert evaluator[-5:] == ["$REEL", "role", "eval", "--run", "$RUN_DIR"]
+    assert "export ENDS_ITSELF=eval" in script
+    assert "#SBATCH hetjob" in script and script.count("#SBATCH hetjob") == 2  # no group of its own
+    vllm = WIDE_EP_PD.replace("[trainer]", "[eval]\nevery = 10\n[trainer]").replace(
+        "[engine]\n", "[engine]\nvllm_server = \"inprocess\"\n")
+    script = render(vllm, tmp_path, gpus_per_node=8)
+    bash_ok(script)
+    sbatch = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    groups = [line.rsplit("# ", 1)[1] for line in sbatch if "  # " in line]
+    assert groups == ["0: control", "1: prefill", "2: decode", "3: eval", "4: trainer"]
+    assert "--gpus-per-node=8" in next(line for line in sbatch if line.endswith("# 3: eval"))
+    evaluator, = commands(script, "eval")
+    assert evaluator[:3] == ["start", "eval", "3"]
+    assert evaluator[evaluator.index("--") + 1:][:5] == ["env", "-u", "REEL_VLLM_URL", "-u", "REEL_VLLM_SERVERS"]
+    trainer, = commands(script, "trainer")
+    assert trainer[:3] == ["start", "trainer", "4"]
+
+
+def test_a_component_that_ends_itself_is_awaited_before_run_finished(tmp_path: Path) -> None:
+    """The job script's own supervision, run by bash with stand-ins for srun and the bus: the eval
+    role's exit 0 is no failure, and `finish` waits for it before announcing RunFinished."""
+    script = render(EXAMPLE.read_text() + "\n[eval]\nevery = 5\n", tmp_path)
+    order = tmp_path / "order"
+    order.touch()
+    stand_ins = f"""
+srun() {{ while [[ $1 != bash ]]; do shift; done; "$@"; }}
+squeue() {{ :; }}
+announce_finished() {{ echo announce >> {order}; }}
+start archiver 0 {tmp_path}/archiver.log -- bash -c 'until grep -q announce {order}; do sleep 0.1; done'
+start eval 1 {tmp_path}/eval.log -- bash -c 'sleep 2; echo eval >> {order}'
+start trainer 2 {tmp_path}/trainer.log -- bash -c 'echo trainer >> {order}'
+supervise
+"""
+    job = script.split("# ---- This job's components")[0] + stand_ins
+    done = subprocess.run(["bash", "-c", job], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SLURM_JOB_ID": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert order.read_text().split() == ["trainer", "eval", "announce"]
+    assert "waiting up to 300s for eval to end" in done.stdout
+
+
+def test_a_failed_component_is_recorded_in_the_log_before_the_job_ends(tmp_path: Path) -> None:
+    """The job script run by bash with stand-ins for srun and the bus: a component that fails stops the
+    others, then RunFinished("failed: NAME exited CODE") is announced while the archiver still runs."""
+    script = render(EXAMPLE.read_text(), tmp_path)
+    order = tmp_path / "order"
+    order.touch()
+    stand_ins = f"""
+STOP_TIMEOUT_S=20
+srun() {{ while [[ $1 != bash ]]; do shift; done; "$@"; }}
+squeue() {{ :; }}
+announce_finished() {{ echo "announce $1" >> {order}; }}
+start archiver 0 {tmp_path}/archiver.log -- \\
+    bash -c 'until grep -q announce {order}; do sleep 0.1; done; echo archived >> {order}'
+start trainer 2 {tmp_path}/trainer.log -- bash -c 'sleep 2; echo trainer >> {order}'
+start rollout 1 {tmp_path}/rollout.log -- bash -c 'exit 3'
+supervise
+"""
+    job = script.split("# ---- This job's components")[0] + stand_ins
+    done = subprocess.run(["bash", "-c", job], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SLURM_JOB_ID": "1"})
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert order.read_text().splitlines() == ["trainer", "announce failed: rollout exited 3", "archived"]

@@ -1,6 +1,7 @@
 """SIGTERM and SIGHUP stop `reel run` as Ctrl-C does: under `timeout` (which passes on the signals
 it gets, as Slurm and systemd send them), every role and the embedded Redis stop, and the run
-resumes to its last step."""
+resumes to its last step. How the run ended is in its log, so `reel top` tells a stopped run from a
+finished one (a failed one: tests/test_run_e2e.py), and a resume of it runs to the end."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from reel.bus.events import StepCommitted
+from reel.bus.events import ConfigChanged, RunFinished, StepCommitted
 from reel.bus.log import LogError, RunLog
+from reel.runtime.launch.cli import main
 from runbuilder import e2e_config
 
 pytestmark = pytest.mark.slow
@@ -31,6 +33,27 @@ def _commits(run_dir: Path) -> list[int]:
         return []
 
 
+def _ends(run_dir: Path) -> list[str]:
+    """The log's record of the run's ends and resumes, in order."""
+    with RunLog(run_dir, readonly=True) as log:
+        return [e.reason if isinstance(e, RunFinished) else "resumed" for _, e in log.events("control")
+                if isinstance(e, (RunFinished, ConfigChanged))]
+
+
+def _top(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    capsys.readouterr()
+    assert main(["top", "--run", str(run_dir), "--once"]) == 0
+    return " ".join(capsys.readouterr().out.split("training")[0].split())  # the title, however it wraps
+
+
+def _wait_for_a_commit(run_dir: Path, launcher: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 240
+    while not _commits(run_dir):
+        assert launcher.poll() is None, launcher.communicate()
+        assert time.monotonic() < deadline, "no commit within 240 s"
+        time.sleep(0.1)
+
+
 def _alive(pid: int) -> bool:
     """Running, not a zombie waiting for a parent that is gone (PID 1 of a container may never reap it)."""
     try:
@@ -40,19 +63,16 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
-def test_stop_signal_stops_every_process_and_the_run_resumes(tmp_path: Path, sig: signal.Signals) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=["SIGTERM", "SIGHUP", "SIGINT"])
+def test_stop_signal_stops_every_process_and_the_run_resumes(tmp_path: Path, sig: signal.Signals,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
     config = e2e_config(tmp_path / "c.toml", f"signal-{sig.name.lower()}", STEPS)
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "reel.runtime.launch.cli", "run", str(config), "--out", str(run_dir), "--no-live"]
     launcher = subprocess.Popen(["timeout", "-s", "TERM", "600", *argv], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while not _commits(run_dir):
-            assert launcher.poll() is None, launcher.communicate()
-            assert time.monotonic() < deadline, "no commit within 240 s"
-            time.sleep(0.1)
+        _wait_for_a_commit(run_dir, launcher)
         pids = {p.stem: int(p.read_text()) for p in (run_dir / "roles").glob("*.pid")}
         pids["redis"] = int((run_dir / "redis" / "redis.pid").read_text())
         assert {"archiver", "trainer", "rollout-0", "redis"} <= set(pids)
@@ -68,7 +88,12 @@ def test_stop_signal_stops_every_process_and_the_run_resumes(tmp_path: Path, sig
     assert not (run_dir / "bus_url").exists()
     stopped_at = len(_commits(run_dir))
     assert 1 <= stopped_at < STEPS
+    assert _ends(run_dir) == [f"stopped: {sig.name}"]
+    assert f"stopped after step {stopped_at} by {sig.name}, not finished" in _top(run_dir, capsys)
 
     resumed = subprocess.run(["timeout", "-s", "TERM", "300", *argv, "--resume"], capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
-    assert _commits(run_dir) == list(range(1, STEPS + 1))
+    assert _commits(run_dir) == list(range(1, STEPS + 1))  # the old end did not stop the resumed archiver
+    assert _ends(run_dir) == [f"stopped: {sig.name}", "resumed", "completed"]
+    assert "finished: completed" in _top(run_dir, capsys)
+

@@ -14,7 +14,7 @@ import tomllib
 
 import msgspec
 
-from reel.bus.events import AnyEvent, EvalResult, RunFinished, RunStarted, StepCommitted
+from reel.bus.events import AnyEvent, ConfigChanged, EvalResult, RunFinished, RunStarted, StepCommitted
 from reel.bus.streams import BusError
 from reel.bus.tail import Tail
 from reel.consumers.metrics import RunSource, log_events
@@ -60,6 +60,8 @@ class Feed:
                     self.sink.write_eval(event.step, points)
             case RunFinished():
                 self.finished = True
+            case ConfigChanged():  # a --resume after that end: the run goes on
+                self.finished = False
 
     def _new(self, step: int, points: dict[str, float]) -> dict[str, float]:
         fresh = {name: value for name, value in points.items() if step > self.written.get(name, -1)}
@@ -83,12 +85,13 @@ class Feed:
         has nothing new. A bus that goes away ends the feed with one more pass over the log."""
         tail = Tail(self.source.bus_url, self.source.run, FEED_STREAMS, "0", partitions=self.source.partitions)
         try:
-            while not (stop.is_set() or self.finished):
+            while not stop.is_set():
                 batch = await tail.read(count=500, block_ms=500 if until_finished else 0)
                 for _stream, _entry_id, event in batch:
                     self.apply(event)
                 self.sink.flush()
-                if not batch and not until_finished:
+                # Read on past a RunFinished while more comes: a resume of a stopped run follows it.
+                if not batch and (self.finished or not until_finished):
                     return
         except BusError as exc:
             log.warning("sink %s lost the bus of run %s (%s); reading the rest from the log",

@@ -53,9 +53,15 @@ class Env(ABC):
     name: ClassVar[str]
     tokenizer: Tokenizer
     max_turns: int = 1  # model turns an episode may take; `respond` must Finish at the last one
+    counts_draws: ClassVar[bool] = False  # `draw` depends on its index (a dataset's epochs): workers recover it
 
     @abstractmethod
     def sample(self, rng: random.Random) -> Prompt: ...
+
+    def draw(self, rng: random.Random, index: int, seed: int) -> Prompt:
+        """The run's `index`-th training prompt (from 0, over every worker; run.seed = `seed`). An env
+        that walks a finite set in epochs (counts_draws) picks by the index; others draw with `rng`."""
+        return self.sample(rng)
 
     @abstractmethod
     def reward(self, prompt: Prompt, completion_ids: list[int]) -> float:

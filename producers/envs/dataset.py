@@ -17,9 +17,16 @@ message's content. With the character tokenizer the prompt is folded into its al
 The reward: "exact" and "math_verify" score the extracted answer (producers/envs/answers.py); a
 function gets the whole model turn as verl's `solution_str`, since verl functions extract their own.
 A function that raises or returns a non-number makes that group dead-lettered with the reason
-(producers/envs/rewards.py). Each prompt draws a row with the group's seeded rng; the file's sha256
-is recorded in RunStarted (runtime/data_files.py) and each Trajectory's meta holds the row's
-data_source, ground truth, extra_info and row index, so the log can be re-scored offline.
+(producers/envs/rewards.py). The file's sha256 is recorded in RunStarted (runtime/data_files.py)
+and each Trajectory's meta holds the row's data_source, ground truth, extra_info and row index, so
+the log can be re-scored offline.
+
+Epochs: training draws walk the rows in epochs. Draw n (counted over the run and its workers,
+producers/draws.py) is row order(e)[n mod N] of epoch e = n // N, where order(e) is a permutation of
+the N rows seeded by (run.seed, e): every row once per epoch, each epoch in its own order, and the
+same rows at the same draws after a resume. The epoch is in the Trajectory's meta (`epoch`, `draw`)
+and `reel top` / Prometheus show the newest (reel_dataset_epoch). Eval and warm-start prompts draw
+rows at random with their own rng (`sample`).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ OPTIONS = {"path", "reward", "eval_path"}
 
 class Dataset(Env):
     name = "dataset"
+    counts_draws = True
 
     tokenizer: Tokenizer
     path: str
@@ -51,6 +59,7 @@ class Dataset(Env):
     eval_path: str
     rows: list[dict[str, Any]]  # {"text", "truth", "data_source", "extra_info"}
     sha256: str
+    _orders: dict[tuple[int, int], list[int]]  # (seed, epoch) -> that epoch's row order
 
     def __init__(self, tokenizer: Tokenizer, *, path: str, reward: str = "exact", eval_path: str = "") -> None:
         self.tokenizer, self.path, self.reward_name, self.eval_path = tokenizer, path, reward, eval_path
@@ -60,6 +69,7 @@ class Dataset(Env):
         if not self.rows:
             raise ConfigError(f"{KEY}.path = {path!r} has no rows")
         self.sha256 = files_sha256(files)
+        self._orders = {}
 
     @classmethod
     def from_section(cls, section: EnvSection, tokenizer: Tokenizer, max_tokens: int) -> Dataset:
@@ -71,13 +81,31 @@ class Dataset(Env):
         return Dataset(self.tokenizer, path=self.eval_path, reward=self.reward_name)
 
     def sample(self, rng: random.Random) -> Prompt:
-        index = rng.randrange(len(self.rows))
+        return self._prompt(rng.randrange(len(self.rows)), {})
+
+    def draw(self, rng: random.Random, index: int, seed: int) -> Prompt:
+        epoch, position = divmod(index, len(self.rows))
+        return self._prompt(self.order(seed, epoch)[position], {"epoch": epoch, "draw": index})
+
+    def order(self, seed: int, epoch: int) -> list[int]:
+        """Epoch `epoch`'s permutation of the rows, seeded by (run seed, epoch) alone."""
+        key = (seed, epoch)
+        if key not in self._orders:
+            if len(self._orders) > 2:  # draws move forward: keep the newest few epochs
+                self._orders.pop(min(self._orders, key=lambda k: k[1]))
+            order = list(range(len(self.rows)))
+            random.Random(f"reel-dataset-epoch:{seed}:{epoch}").shuffle(order)
+            self._orders[key] = order
+        return self._orders[key]
+
+    def _prompt(self, index: int, extra: dict[str, int]) -> Prompt:
         row = self.rows[index]
         text = fold(row["text"]) if isinstance(self.tokenizer, CharTokenizer) else row["text"]
         ids = self.tokenizer.prompt_ids(text)
         return Prompt(text=self.tokenizer.decode(ids), ids=ids, answer=row["truth"],
                       meta={"env": self.name, "index": index, "data_source": row["data_source"],
-                            "answer": row["truth"], "info": row["extra_info"], "dataset_sha256": self.sha256})
+                            "answer": row["truth"], "info": row["extra_info"], "dataset_sha256": self.sha256,
+                            **extra})
 
     def reward(self, prompt: Prompt, completion_ids: list[int]) -> float:
         text, _ = self.completion_text(completion_ids)

@@ -21,7 +21,7 @@ from reel.bus.log import LogError, RunLog
 from reel.runtime.config import Config
 
 __all__ = ["SAFE_TO_CHANGE", "ResumeError", "config_changes", "check_changes", "safe_keys", "last_committed_step",
-           "record_changes"]
+           "record_resume"]
 
 # Keys (or sections, ending in ".") whose change keeps every committed step valid.
 SAFE_TO_CHANGE = ("run.steps", "log.", "sinks.", "eval.")
@@ -71,9 +71,11 @@ def last_committed_step(run_dir: Path) -> int:
         return 0  # no log yet: nothing was committed
 
 
-def record_changes(run_dir: Path, url: str, config: Config, config_text: str, changes: dict[str, list[Any]],
-                   after_step: int) -> None:
-    """Log the change (ConfigChanged on the control stream), then make `config_text` the run's config.toml.
+def record_resume(run_dir: Path, url: str, config: Config, config_text: str, changes: dict[str, list[Any]],
+                  after_step: int) -> None:
+    """Log the resume and its changes (ConfigChanged on the control stream, `changes` maybe empty), then
+    make `config_text` the run's config.toml when it changed a key. A ConfigChanged after a RunFinished
+    means the run went on: screens read the run as running again, not as it last ended.
 
     Before any role starts: every role reads config.toml when it starts."""
     from reel.bus.events import ConfigChanged
@@ -92,6 +94,8 @@ def record_changes(run_dir: Path, url: str, config: Config, config_text: str, ch
             await redis.aclose()
 
     asyncio.run(publish())
+    if not changes:
+        return
     staging = run_dir / ".config.toml.new"
     staging.write_text(config_text)
     os.replace(staging, run_dir / "config.toml")

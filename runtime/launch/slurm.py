@@ -6,6 +6,8 @@ submits it (with --dry-run it prints the script and touches nothing). One het gr
                  the rollout workers (HTTP clients), the P/D router and the Mooncake master
     1.. rollout  built-in engine: the rollout workers; vLLM: one pool (`rollout`) or two
                  (`prefill`, `decode`) of `vllm serve` nodes (runtime/launch/vllm_args.py)
+    eval         with [eval] and vLLM: the eval role and its own in-process vLLM on one node (with the
+                 built-in engine the eval role runs on the first rollout node instead)
     last trainer one torchrun over its nodes = ONE logical trainer (`reel role trainer`): rank 0
                  alone talks to the bus (one producer id, one consumer), the other ranks follow
                  it (runtime/trainer_group.py); ranks = nodes x (GPUs per node, or
@@ -164,8 +166,9 @@ def render(c: Config, run_dir: Path, opts: JobOptions) -> str:
         lines += ["# het group 1: rollout workers (built-in engine); worker index = task rank",
                   start_line("rollout", 1, "rollout-%t.log",
                              [f"--nodes={opts.rollout_nodes}", f"--ntasks={c.rollout.workers}"], worker)]
+    lines += _eval_lines(c, vllm, len(components) - 2)
     settings = {"RUN_DIR": str(run_dir), "RUN_NAME": c.run.name, **_binaries(c),
-                "FINISHER": "trainer", "DRAINER": "archiver"}
+                "FINISHER": "trainer", "DRAINER": "archiver", "ENDS_ITSELF": "eval" if c.eval.every else ""}
     if c.bus.cluster:  # every role's bus client follows the cluster's MOVED replies
         settings |= {"REEL_BUS_CLUSTER": "1"}
     return job_script(header=_header(c, run_dir, components, vllm), components=components, opts=opts,
@@ -198,6 +201,9 @@ def _components(c: Config, opts: JobOptions, pools: list[Pool]) -> list[Componen
                                     [f"--nodes={opts.rollout_nodes}", f"--ntasks={c.rollout.workers}", *gpus],
                                     f"{c.rollout.workers} rollout worker(s) on the built-in engine "
                                     f"(`reel role rollout --worker K`, K = task rank)"))
+    if vllm and c.eval.every:
+        components.append(Component("eval", 1, ["--nodes=1", "--ntasks=1", *gpus],
+                                    "the eval role (`reel role eval`) on its own in-process vLLM"))
     components.append(Component("trainer", opts.trainer_nodes,
                                 [f"--nodes={opts.trainer_nodes}", "--ntasks-per-node=1",
                                  f"--cpus-per-task={c.trainer.threads or 1}", *gpus],
@@ -205,6 +211,23 @@ def _components(c: Config, opts: JobOptions, pools: list[Pool]) -> list[Componen
                                 f"{opts.trainer_nodes * trainer_procs_per_node(c, opts)} rank(s) "
                                 f"(torchrun, {trainer_procs_per_node(c, opts)} per node)"))
     return components
+
+
+def _eval_lines(c: Config, vllm: bool, group: int) -> list[str]:
+    """[eval] every > 0: the eval role as a step of its own, with an engine of its own (never the
+    rollout's `vllm serve`, which holds the rollout's version): built-in, on the first rollout node;
+    vLLM, in-process on the eval het group's node (engine.vllm_server = "inprocess" is required)."""
+    if not c.eval.every:
+        return []
+    role = [Expand("$REEL"), "role", "eval", "--run", Expand("$RUN_DIR")]
+    if not vllm:
+        return ["# het group 1: the eval role (its own built-in engine) on the first rollout node",
+                start_line("eval", 1, "eval.log", ["--nodes=1", "--ntasks=1"],
+                           ["env", f"OMP_NUM_THREADS={c.engine.threads}", f"REEL_TORCH_THREADS={c.engine.threads}",
+                            *role]), ""]
+    return [f"# het group {group}: the eval role, its own vLLM in-process (not the rollout's servers)",
+            start_line("eval", group, "eval.log", ["--nodes=1", "--ntasks=1"],
+                       ["env", "-u", "REEL_VLLM_URL", "-u", "REEL_VLLM_SERVERS", *role]), ""]
 
 
 def _control_lines(c: Config) -> list[str]:
@@ -409,8 +432,10 @@ def _header(c: Config, run_dir: Path, components: list[Component], vllm: bool) -
                     "server in REEL_VLLM_SERVERS.")
     text += ["Setup: none here. The trainer role publishes RunStarted and the version-0 weights itself when "
              "the run has no WeightsPublished yet, so this script only starts roles.",
-             "End: when the trainer exits 0, RunFinished is announced, the archiver drains and exits, and the "
-             "rest stop (Redis last): exit 0. When a component ends before that, its name and exit code go to "
+             "End: when the trainer exits 0 (and the eval role, if any, has scored the last version), "
+             "RunFinished is announced, the archiver drains and exits, and the rest stop (Redis last): exit 0. "
+             "When a component ends before that (or the job is signalled), the log records how the run "
+             "ended (RunFinished \"failed: NAME exited CODE\" or \"stopped: SIGNAL\"), its name and exit code go to "
              "stderr, the others stop, and the job exits with that code.",
              "Paths below were resolved where the job was submitted: every node must see them."]
     out: list[str] = []

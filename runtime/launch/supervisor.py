@@ -60,6 +60,8 @@ ROLE_ENTRY = {
 SINK_CHECK = "reel.consumers.sinks.cli:check_available"  # the trackers' libraries, before anything starts
 SINK_DRAIN_S = 60.0  # how long a finished run waits for its sinks to write the last steps
 STOP_TIMEOUT_S = 20.0
+# RunFinished.reason of a run that did not complete: "failed: <role> exited <code>", "stopped: <SIGNAL>".
+FAILED, STOPPED = "failed", "stopped"
 EVAL_FINISH_TIMEOUT_S = 300.0  # after the last commit, how long the eval role may take to score the last version
 LOG_TAIL_LINES = 25
 
@@ -95,8 +97,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"reel: resuming run {config.run.name} in {run_dir} after step {after} of {config.run.steps}{changed}",
               file=sys.stderr, flush=True)
     with bus_for(run_dir, config) as url, role_urls_for(url, config) as role_urls, mooncake_for(run_dir, config):
-        if changes:
-            resume_mod.record_changes(run_dir, url, config, text, changes, after)
+        if args.resume:  # also ends the log's record of a stopped or failed end (RunFinished): the run goes on
+            resume_mod.record_resume(run_dir, url, config, text, changes, after)
         supervisor = Supervisor(run_dir, url, config, live=not args.no_live and sys.stdout.isatty(),
                                 resumed_after=after)
         supervisor.role_urls = role_urls
@@ -378,8 +380,10 @@ class Supervisor:
             return self._finish()
         except KeyboardInterrupt as interrupt:
             self.progress.refresh()  # the steps committed since the last refresh: they happened
-            print(f"reel: stopping every role (up to {STOP_TIMEOUT_S:.0f} s; a warm-start in progress is "
-                  f"discarded)...", file=sys.stderr, flush=True)
+            print(f"reel: stopping every role (up to {2 * STOP_TIMEOUT_S:.0f} s: the others, then the archiver; "
+                  f"a warm-start in progress is discarded)...", file=sys.stderr, flush=True)
+            signame = interrupt.name if isinstance(interrupt, StopRequested) else "SIGINT"
+            self._record_end(f"{STOPPED}: {signame}")
             self._stop_all()
             why = f"stopped by {interrupt.name}" if isinstance(interrupt, StopRequested) else "interrupted"
             print(f"reel: {why}; every role stopped; `{self.resume_command}` continues this run", file=sys.stderr)
@@ -429,6 +433,7 @@ class Supervisor:
 
     def _fail(self, name: str) -> int:
         role = self.roles[name]
+        self._record_end(f"{FAILED}: {name} exited {role.poll()}")
         self._stop_all()
         print(f"reel: role {name} stopped with exit code {role.poll()}, so the run was stopped; "
               f"last lines of {role.log_path}:", file=sys.stderr)
@@ -437,9 +442,29 @@ class Supervisor:
               f"{resume_mod.safe_keys()}; another fix needs a new run: another --out)", file=sys.stderr)
         return 1
 
-    def _stop_all(self) -> None:
-        for role in self.roles.values():
+    def _record_end(self, reason: str) -> None:
+        """How a run that did not complete ended, in its log (RunFinished(reason), so `reel top` can say
+        failed or stopped): every role but the archiver stops, then the archiver logs the end and drains.
+        Best effort: with the archiver or the bus gone the log just ends (top: "stopped, no end recorded")."""
+        archiver = self.roles.get("archiver")
+        self._stop_all([role for name, role in self.roles.items() if name != "archiver"])
+        if archiver is None or archiver.poll() is not None:
+            print("reel: the archiver is not running, so the log does not record how the run ended",
+                  file=sys.stderr, flush=True)
+            return
+        try:
+            announce_finished(self.url, self.config.run.name, reason, self.config.bus.partitions, self.run_dir)
+        except (ReelError, OSError) as exc:
+            print(f"reel: could not record the run's end ({reason}) on the bus: {exc}", file=sys.stderr, flush=True)
+            return
+        if archiver.wait(timeout=STOP_TIMEOUT_S) != 0:
+            print(f"reel: the archiver did not log the run's end ({reason}); see {archiver.log_path}",
+                  file=sys.stderr, flush=True)
+
+    def _stop_all(self, roles: list[RoleProcess] | None = None) -> None:
+        roles = list(self.roles.values()) if roles is None else roles
+        for role in roles:
             role.terminate()
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        for role in self.roles.values():
+        for role in roles:
             role.wait(timeout=max(0.1, deadline - time.monotonic()))
