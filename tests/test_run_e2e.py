@@ -30,7 +30,12 @@ def _commits(run_dir: Path) -> list[StepCommitted]:
 
 def test_short_run_commits_every_step_and_replays_bitwise(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
-    assert main(["run", str(_config(tmp_path, "e2e", 4)), "--out", str(run_dir), "--no-live"]) == 0
+    # Two workers reporting every 0.2 s keep the bus busier than the archiver's 0.5 s block: the run
+    # still ends (the workers stop before RunFinished, so the archiver finds the bus drained).
+    config = e2e_config(tmp_path / "e2e.toml", "e2e", 4, {"rollout": {"workers": 2, "stats_every_s": 0.2}})
+    started = time.monotonic()
+    assert main(["run", str(config), "--out", str(run_dir), "--no-live"]) == 0
+    assert time.monotonic() - started < 100, "the archiver waited out its drain timeout"
     assert "warm-start policy (version 0): mean sampled reward" in capsys.readouterr().out
     commits = _commits(run_dir)
     assert [c.step for c in commits] == [1, 2, 3, 4]

@@ -342,7 +342,8 @@ class Supervisor:
         args = ["role", role, "--run", str(self.run_dir), *extra]
         python = torchrun_argv(ranks) if ranks > 1 else ["-m", "reel.runtime.launch.cli"]
         # The bus URL (maybe with a password) goes by environment: argv is public to `ps`.
-        env = {"REEL_BUS_URL": self.role_urls.get(role, self.url), **(self.trainer_env if role == "trainer" else {}), **(env or {})}
+        env = {"REEL_BUS_URL": self.role_urls.get(role, self.url), **(self.trainer_env if role == "trainer" else {}),
+               **(env or {})}
         self.roles[name] = RoleProcess(name, [sys.executable, *python, *args], self.run_dir / "roles" / f"{name}.log",
                                        threads, env)
 
@@ -422,6 +423,10 @@ class Supervisor:
             if code != 0:  # training is complete; only the last EvalResult is missing
                 print(f"reel: the eval role stopped with exit code {code} before scoring the last version; "
                       f"see {self.roles['eval'].log_path}", file=sys.stderr, flush=True)
+        # The workers publish until stopped (WorkerStats): stopped first, so that the archiver finds the
+        # bus drained after RunFinished. The sinks stop at RunFinished, having read the last step.
+        self._stop_all([role for name, role in self.roles.items()
+                        if name != "archiver" and not name.startswith("sink-")])
         announce_finished(self.url, self.config.run.name, "completed", self.config.bus.partitions, self.run_dir)
         code = self.roles["archiver"].wait(timeout=120.0)
         for name in [n for n in self.roles if n.startswith("sink-")]:  # they stop at RunFinished
