@@ -1,10 +1,12 @@
-"""At-rest encoding of a log record's event bytes: zstd on the streams where it pays (routing traces).
+"""At-rest encoding of routing traces: zstd-packed log records and trace blobs.
 
-A record's event bytes are stored either as they came off the bus, or as PACKED followed by a zstd
+A log record's event bytes are stored either as they came off the bus, or as PACKED followed by a zstd
 frame of them. 0xC1 is the one byte msgpack never uses, so no event starts with it: readers tell the
 two apart by the first byte, a log written before this encoding (raw records only) reads unchanged,
 and one stream may mix both. Unpacking gives back the exact bytes the bus delivered, so everything
 downstream (CRC-checked reads, the index, decoding, a newer producer's extra fields) is unaffected.
+A RoutingTrace's blob (a group too big to travel inline) is packed the same way by the rollout worker,
+and read either way (runtime/batch.py decode_routing).
 
 Measured on the example's routing traces (docs/storage.md, "Routing traces at rest"): zstd-3 of a
 whole RoutingTrace event is 7x smaller at ~280 MB/s to encode and ~470 MB/s to decode; a group's 16
@@ -17,11 +19,12 @@ import zstandard
 
 from reel.bus.logformat import BadRecord
 
-__all__ = ["PACKED", "PACKED_STREAMS", "LEVEL", "pack", "unpack"]
+__all__ = ["PACKED", "PACKED_STREAMS", "LEVEL", "HEAD_BYTES", "pack", "unpack", "unpacked_size"]
 
 PACKED = b"\xc1\x01"  # marker (a byte msgpack never uses) + encoding version 1: one zstd frame
 PACKED_STREAMS = frozenset({"routing"})  # streams whose records are packed when written
 LEVEL = 3  # zstd-9 is 8% smaller on the example's traces but encodes 5x slower
+HEAD_BYTES = len(PACKED) + 18  # marker + the longest zstd frame header: enough for unpacked_size
 
 
 def pack(data: bytes) -> bytes:
@@ -31,7 +34,7 @@ def pack(data: bytes) -> bytes:
 
 
 def unpack(stored: bytes) -> bytes:
-    """The event bytes of a stored record, packed or raw; BadRecord if a packed one does not unpack."""
+    """The bytes `stored` holds, packed or raw; BadRecord if packed bytes do not unpack."""
     if stored[:1] != PACKED[:1]:
         return stored
     if stored[:2] != PACKED:
@@ -39,4 +42,14 @@ def unpack(stored: bytes) -> bytes:
     try:
         return zstandard.decompress(stored[2:])
     except zstandard.ZstdError as exc:
-        raise BadRecord(f"a packed record that does not unpack ({exc})") from None
+        raise BadRecord(f"packed bytes that do not unpack ({exc})") from None
+
+
+def unpacked_size(head: bytes, size: int) -> int:
+    """Bytes that `size` stored bytes unpack to, from their first HEAD_BYTES (a zstd frame records it)."""
+    if head[:2] != PACKED:
+        return size
+    try:
+        return zstandard.frame_content_size(head[2:])
+    except zstandard.ZstdError:
+        return size

@@ -5,8 +5,8 @@ Kinds: weight versions and checkpoints (blobs the WeightsPublished / StepCommitt
 trajectories and routing traces (their log streams, plus trace blobs), other events (every other
 stream), other blobs (named by no event: e.g. weights of a step that crashed before its commit) and
 the Redis append-only file of an embedded server (run_dir/redis). `routing_at_rest_ratio` is the
-routing events' bytes as they were on the bus over their log segments' bytes on disk (bus/logcodec.py
-packs them; a log written before that measures about 1).
+routing traces' bytes as they were produced (events as on the bus, trace blobs unpacked) over their
+bytes on disk (bus/logcodec.py packs both; a run written before that measures about 1).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import BlobRef, RunStarted, StepCommitted, WeightsPublished
 from reel.bus.jsonout import print_json
 from reel.bus.log import RunLog
+from reel.bus.logcodec import HEAD_BYTES, unpacked_size
 from reel.bus.weight_manifest import blob_refs, decode_manifest
 from reel.replay.extrapolate import SHAPES, Extrapolated, extrapolate, shape_of
 from reel.runtime.config import Config
@@ -49,7 +50,7 @@ class Usage(msgspec.Struct, kw_only=True):
     weight_versions_published: int
     weight_versions_stored: int
     checkpoints: int
-    routing_at_rest_ratio: float  # routing events' bytes on the bus / their log segments' bytes (0: none logged)
+    routing_at_rest_ratio: float  # routing traces' bytes as produced / their bytes on disk (0: none logged)
     extrapolation: list[Extrapolated]
 
 
@@ -74,15 +75,19 @@ def measure(run_dir: Path, config: Config, steps: int, tokens_per_step: int) -> 
             model = next((MoEConfig.from_hf_dict(e.model_config) for _, e in run_log.events("control")
                           if isinstance(e, RunStarted)), None)
         if "routing" in run_log.names():
-            on_bus, trace_blobs = 0, set()
+            produced, trace_blobs = 0, {}
             for record in run_log.stream("routing").records():
-                on_bus += len(record.data)
+                produced += len(record.data)
                 if (ref := _trace_blob.decode(record.data).blob) is not None:
-                    trace_blobs.add(ref.sha256)
+                    trace_blobs[ref.sha256] = ref
             on_disk = sum(p.stat().st_size for p in (run_log.root / "routing").glob("*.seg"))
-            routing_ratio = on_bus / on_disk if on_disk else 0.0
-            packed_away = max(on_bus - on_disk, 0)
-            sizes["routing_traces"] += _claim(trace_blobs, stored, named)
+            for sha in trace_blobs.keys() & stored.keys():
+                with open(store.path(trace_blobs[sha]), "rb") as f:
+                    produced += unpacked_size(f.read(HEAD_BYTES), stored[sha])
+                on_disk += stored[sha]
+            routing_ratio = produced / on_disk if on_disk else 0.0
+            packed_away = max(produced - on_disk, 0)
+            sizes["routing_traces"] += _claim(set(trace_blobs), stored, named)
     weight_shas = {ref.sha256 for event in versions for ref in _version_refs(event, store)}
     stored_versions = sum(1 for event in versions if event.weights.sha256 in stored)
     sizes["checkpoints"] = _claim({c.checkpoint.sha256 for c in commits if c.checkpoint}, stored, named)

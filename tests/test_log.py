@@ -6,14 +6,16 @@ import logging
 import os
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import orjson
 import pytest
 
-from reel.bus.events import RoutingTrace, Sample, Tensor, Trajectory, WorkerStats, encode
+from reel.bus.events import BlobRef, RoutingTrace, Sample, Tensor, Trajectory, WorkerStats, encode
 from reel.bus.log import INDEX_EVERY, LogCorrupted, LogError, RunLog, StreamLog
-from reel.bus.logcodec import PACKED
+from reel.bus.logcodec import HEAD_BYTES, PACKED, pack, unpacked_size
 from reel.bus.logformat import Appender, check
+from reel.runtime.batch import decode_routing
 from reel.runtime.launch import cli
 
 
@@ -170,10 +172,23 @@ def test_packed_records_read_back_exactly_and_an_old_logs_raw_records_still_read
     assert _stored(tmp_path / "run" / "log" / "control") == [d for _, d in records[:2]]
 
 
+def test_a_trace_blob_reads_packed_or_raw_and_a_bad_one_is_named():
+    ids = [np.tile(np.arange(8, dtype=np.uint8).reshape(1, 4, 2), (30, 1, 1)) for _ in range(4)]
+    raw = msgspec.msgpack.encode([Tensor.from_numpy(a) for a in ids])  # a blob as the rollout worker wrote it before
+    packed = pack(raw)
+    assert packed.startswith(PACKED) and len(packed) < len(raw) / 4
+    assert unpacked_size(packed[:HEAD_BYTES], len(packed)) == len(raw) and unpacked_size(raw[:HEAD_BYTES], 9) == 9
+    trace = RoutingTrace(run="r", producer="rollout:0", seq=0, group_id="g0", blob=BlobRef("blob:x", "ab12", len(raw)))
+    for blob in (raw, packed):
+        assert [a.tolist() for a in decode_routing(trace, blob)] == [a.tolist() for a in ids]
+    with pytest.raises(ValueError, match="routing blob ab12 of group g0 holds packed bytes that do not unpack"):
+        decode_routing(trace, PACKED + b"junk")
+
+
 def test_a_packed_record_that_does_not_unpack_is_named(tmp_path: Path):
     with StreamLog(tmp_path / "s") as log:  # CRC-valid, but not a zstd frame
         log.append_batch(_records(3) + [("1800000000000-0", PACKED + b"not zstd")])
-        with pytest.raises(LogCorrupted, match="does not unpack.* at byte .* of segment"):
+        with pytest.raises(LogCorrupted, match="packed bytes that do not unpack .* at byte .* of segment"):
             list(log.records())
 
 
