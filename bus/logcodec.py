@@ -24,12 +24,20 @@ __all__ = ["PACKED", "PACKED_STREAMS", "LEVEL", "HEAD_BYTES", "pack", "unpack", 
 PACKED = b"\xc1\x01"  # marker (a byte msgpack never uses) + encoding version 1: one zstd frame
 PACKED_STREAMS = frozenset({"routing"})  # streams whose records are packed when written
 LEVEL = 3  # zstd-9 is 8% smaller on the example's traces but encodes 5x slower
+# Bigger inputs (a real-shape group's trace blob): a 128 MB window and long-distance matching, so a
+# sample's prompt routing is found again in the next sample however long the samples are (level 3's own
+# window is 2 MB, ~5k tokens at 48 layers x top-8). Readers need no setting: 128 MB is zstd's default limit.
+_LONG_FROM = 1 << 21
+_LONG = zstandard.ZstdCompressionParameters.from_level(LEVEL, window_log=27, enable_ldm=True)
 HEAD_BYTES = len(PACKED) + 18  # marker + the longest zstd frame header: enough for unpacked_size
 
 
 def pack(data: bytes) -> bytes:
     """The at-rest form of event bytes; the raw bytes when packing would not make them smaller."""
-    packed = PACKED + zstandard.compress(data, LEVEL)
+    if len(data) > _LONG_FROM:
+        packed = PACKED + zstandard.ZstdCompressor(compression_params=_LONG).compress(data)
+    else:
+        packed = PACKED + zstandard.compress(data, LEVEL)
     return packed if len(packed) < len(data) else data
 
 
