@@ -162,7 +162,8 @@ class RoutingTrace(Event, tag="routing_trace"):
 
     Per sample a uint8/uint16 Tensor [P + C - 1, moe_layers, top_k]: every token that went through a
     forward pass (the last sampled token never does). Inline when small; otherwise `blob` holds the
-    msgpack of the same list[Tensor] and `experts` is empty.
+    msgpack of the same list[Tensor], zstd-packed (bus/logcodec.py; raw in older runs), and `experts`
+    is empty.
     """
 
     group_id: str

@@ -3,7 +3,9 @@
     run_dir/log/<stream>/<first record index, 20 digits>.seg    records
                          <same>.idx                             sparse index of a sealed segment
 
-Records are `[len u32][crc32c u32][msgpack [entry id, event bytes]]` (bus/logformat.py).
+Records are `[len u32][crc32c u32][msgpack [entry id, event bytes]]` (bus/logformat.py). A stream
+opened with `packed=True` (RunLog: the routing traces) stores each event's bytes zstd-packed
+(bus/logcodec.py); every read gives back the bytes as they were appended, whichever way they are stored.
 
 Durability: `append_batch` writes a whole batch and fdatasyncs once (group commit); a segment is
 fdatasync'd before the next one is created, and the directory is fsync'd when a segment is created.
@@ -40,6 +42,7 @@ import msgspec
 
 from reel.bus.errors import ReelError
 from reel.bus.events import AnyEvent, MalformedEvent, decode
+from reel.bus.logcodec import PACKED_STREAMS, pack, unpack
 from reel.bus.logformat import HEADER, Appender, BadRecord, check, entry_order, frame, fsync_dir, good_record_after
 
 __all__ = ["LogError", "LogCorrupted", "LogRecord", "StreamLog", "RunLog", "INDEX_EVERY"]
@@ -78,34 +81,27 @@ class _Segment(msgspec.Struct):
     marks: list[tuple[int, str, int]] = []  # (record index, entry id, byte offset)
 
 
-class _EventKey(msgspec.Struct):
-    """The idempotency key of an event, decoded without touching the rest of it."""
-
-    producer: str
-    seq: int
-
-
 _sidecar_decoder = msgspec.msgpack.Decoder(_Segment)
-_key_decoder = msgspec.msgpack.Decoder(_EventKey)
 
 
 class StreamLog:
     """The log of one stream. One writer at a time (an flock on the directory); any number of
-    read-only openers (`readonly=True` never repairs or creates anything)."""
+    read-only openers (`readonly=True` never repairs or creates anything). `packed`: appends store
+    the event bytes zstd-packed (reads unpack any record, whatever this says)."""
 
     def __init__(self, directory: Path, segment_bytes: int = 64 << 20, *, readonly: bool = False,
-                 valid_prefix: bool = False):
+                 valid_prefix: bool = False, packed: bool = False):
         self.directory = Path(directory)
         self.name = self.directory.name
         self.segment_bytes = segment_bytes
         self.readonly = readonly
+        self.packed = packed
         self.valid_prefix = valid_prefix and readonly  # stop at the first damaged record instead of raising
         self.torn_bytes = 0  # read-only opens: bytes of torn tail left for the writer to repair
         self.damage: LogCorrupted | None = None  # valid_prefix: the first damaged record (records end before it)
         self._segments: list[_Segment] = []
         self._dir_fd: int | None = None  # writer: holds the flock, fsync'd on segment creation
         self._tail: Appender | None = None  # writer: appends to the last segment
-        self._keys: dict[tuple[str, int], tuple[Path, int]] | None = None  # built on first lookup
         if readonly:
             if not self.directory.is_dir():
                 raise LogError(f"no log of stream {self.name!r} at {self.directory}")
@@ -233,31 +229,29 @@ class StreamLog:
             last = entry_id
         seg = self._segments[-1]
         buffers: list[bytes] = []
-        staged: list[tuple[str, bytes, int]] = []  # (entry id, data, offset), noted once durable
+        staged: list[tuple[str, int]] = []  # (entry id, offset), noted once durable
         end = seg.size
-        for entry_id, data in records:
+        for entry_id, event in records:
+            data = pack(event) if self.packed else event
             head = frame(entry_id, data)
             if (seg.count or staged) and end + len(head) + len(data) > self.segment_bytes:
                 self._commit(seg, buffers, staged, end)
                 seg = self._roll(seg)
                 buffers, staged, end = [], [], 0
-            staged.append((entry_id, data, end))
+            staged.append((entry_id, end))
             buffers += (head, data)
             end += len(head) + len(data)
         self._commit(seg, buffers, staged, end)
 
-    def _commit(self, seg: _Segment, buffers: list[bytes], staged: list[tuple[str, bytes, int]],
-                end: int) -> None:
+    def _commit(self, seg: _Segment, buffers: list[bytes], staged: list[tuple[str, int]], end: int) -> None:
         path = self._path(seg)
         try:
             self._appender(seg).append(buffers)
         except OSError as exc:
             self._close_tail()  # reopening truncates back to the last durable byte
             raise LogError(f"cannot append to log segment {path}: {exc}") from exc
-        for entry_id, data, offset in staged:
+        for entry_id, offset in staged:
             self._note(seg, entry_id, offset)
-            if self._keys is not None:
-                self._add_key(data, entry_id, path, offset)
         seg.size = end
 
     def _appender(self, seg: _Segment) -> Appender:
@@ -332,10 +326,13 @@ class StreamLog:
             while off < len(buf):
                 try:
                     entry_id, data, end = check(buf, off)
+                    wanted = index >= start and (after is None or entry_order(entry_id) > after)
+                    if wanted:
+                        data = unpack(data)
                 except BadRecord as bad:
                     self._stop(self._corrupted(path, offset + off, str(bad)))
                     return
-                if index >= start and (after is None or entry_order(entry_id) > after):
+                if wanted:
                     yield LogRecord(entry_id, data, path, offset + off)
                 off, index = end, index + 1
             seg_no, offset = seg_no + 1, 0
@@ -364,25 +361,10 @@ class StreamLog:
             buf = memoryview(head + f.read(length))
         try:
             entry_id, data, _ = check(buf, 0)
+            data = unpack(data)
         except BadRecord as bad:
             raise self._corrupted(segment, offset, str(bad)) from None
         return LogRecord(entry_id, data, segment, offset)
-
-    def lookup(self, producer: str, seq: int) -> LogRecord | None:
-        """The first record of the event with idempotency key (producer, seq), if logged."""
-        if self._keys is None:
-            self._keys = {}
-            for record in self.records():
-                self._add_key(record.data, record.entry_id, record.segment, record.offset)
-        where = self._keys.get((producer, seq))
-        return None if where is None else self.read_at(*where)
-
-    def _add_key(self, data: bytes, entry_id: str, segment: Path, offset: int) -> None:
-        try:
-            key = _key_decoder.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise MalformedEvent(f"record {entry_id} of log stream {self.name!r} is not an event: {exc}") from exc
-        self._keys.setdefault((key.producer, key.seq), (segment, offset))
 
     def _path(self, seg: _Segment) -> Path:
         return self.directory / f"{seg.first:020d}.seg"
@@ -419,7 +401,7 @@ class RunLog:
                 raise LogError(f"stream {name!r} has no log in {self.root} "
                                f"(logged streams: {', '.join(self.names()) or 'none'})")
             self._streams[name] = StreamLog(self.root / name, self.segment_bytes, readonly=self.readonly,
-                                            valid_prefix=self.valid_prefix)
+                                            valid_prefix=self.valid_prefix, packed=name in PACKED_STREAMS)
         return self._streams[name]
 
     def damage(self) -> dict[str, LogCorrupted]:
@@ -435,14 +417,6 @@ class RunLog:
                 raise MalformedEvent(f"record {record.entry_id} at byte {record.offset} of "
                                      f"{record.segment} is not an event: {exc}") from exc
             yield record.entry_id, event
-
-    def lookup(self, producer: str, seq: int) -> tuple[str, LogRecord] | None:
-        """(stream, record) of the event with idempotency key (producer, seq), if logged."""
-        for name in self.names():
-            record = self.stream(name).lookup(producer, seq)
-            if record is not None:
-                return name, record
-        return None
 
     def verify(self) -> dict[str, int]:
         """Check every record of every stream; stream -> record count. Raises LogCorrupted."""

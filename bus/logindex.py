@@ -21,6 +21,7 @@ from pathlib import Path
 import msgspec
 
 from reel.bus.log import LogCorrupted, LogError, LogRecord, RunLog
+from reel.bus.logcodec import unpack
 from reel.bus.logformat import HEADER, BadRecord, check, good_record_after
 
 __all__ = ["LogIndex", "INDEX_FILE"]
@@ -111,8 +112,8 @@ class LogIndex:
     @staticmethod
     def _note(stream: str, data: bytes, where: tuple[int, int], rows: dict[str, list[tuple]]) -> None:
         try:
-            fields = _fields.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError):  # not an event: readers of it say so
+            fields = _fields.decode(unpack(data))
+        except (BadRecord, msgspec.DecodeError, msgspec.ValidationError):  # not an event: readers of it say so
             return
         rows["keys"].append((fields.producer, fields.seq, stream, *where))
         if stream in _GROUP_STREAMS and fields.group_id:
@@ -165,6 +166,7 @@ class LogIndex:
                 length = HEADER.unpack(head)[0] if len(head) == HEADER.size else 0
                 buf = memoryview(head + f.read(length))
             entry_id, data, _ = check(buf, 0)
+            data = unpack(data)
         except BadRecord as bad:
             raise LogCorrupted(f"log stream {stream!r} is corrupted: {bad} at byte {offset} of segment "
                                f"{path}") from None

@@ -26,7 +26,8 @@ split stream's lanes into the one log stream of their event stream, in order of 
 Log entry ids must increase within a log stream, and two partitions' ids interleave, so a record
 keeps its Redis id unless that is not after the log's last one, in which case it gets the next id
 after it. The log therefore cannot say by id whether a re-delivered entry of a split stream is
-logged; its (producer, seq) index can, and is built once, when a restart finds such entries pending.
+logged; the log index's (producer, seq) table can (bus/logindex.py, on disk: its memory does not grow
+with the log). It is synced up to the last durable record before each such lookup.
 
 Why not GroupConsumer: it dedupes on (producer, seq) and acks the repeat, so an event published
 twice (a retried XADD) would be twice in the stream but once in the log; and it hands out decoded
@@ -184,17 +185,17 @@ class Archiver:
                         raise
 
     async def _index_split_logs(self) -> None:
-        """Build the (producer, seq) index of a split stream's log when a predecessor left entries
-        of it pending: only that index tells whether they were logged (module docstring). Before
-        any append, so the disk thread is idle."""
+        """Bring the log index up to date when a predecessor left entries of a split stream pending:
+        only its (producer, seq) table tells whether they were logged (module docstring). Before any
+        append, so the disk thread is idle; a failure ends the archiver (dedupe must be exact)."""
         pending = [lane for lane in self.streams if stream_of(lane) in self._split]
         pipe = self.redis.pipeline(transaction=False)
         for lane in pending:
             pipe.xpending(self._key[lane], GROUP)
         with self._bus(f"XPENDING on {', '.join(self._key[lane] for lane in pending)}"):
             summaries = await pipe.execute() if pending else []
-        for stream in {stream_of(lane) for lane, summary in zip(pending, summaries) if summary["pending"]}:
-            self.log.stream(stream).lookup("", -1)  # builds the index; kept current by later appends
+        if any(summary["pending"] for summary in summaries):
+            await asyncio.to_thread(self.index.sync)  # a first sync of an old run's log reads all of it
 
     async def _read(self, block: bool) -> list[Entry]:
         """Our pending entries (left by a predecessor) until there are none, then new ones.
@@ -225,6 +226,8 @@ class Archiver:
         round_ = _Round(entries)
         repeats = 0
         redelivered = self._history is not None  # this read came from our pending list
+        if redelivered and self._split:
+            self.index.sync()  # the last round's sync may have failed; the disk thread is idle (run())
         for lane, entry_id, fields in entries:
             stream = stream_of(lane)
             if stream not in self._split and self.log.stream(stream).covers(entry_id):
@@ -241,7 +244,7 @@ class Archiver:
             except MalformedEvent as exc:
                 round_.dead.append((lane, entry_id, data or msgspec.msgpack.encode(fields), f"undecodable: {exc}"))
                 continue
-            if redelivered and stream in self._split and self.log.stream(stream).lookup(event.producer, event.seq):
+            if redelivered and stream in self._split and self._logged(stream, event):
                 repeats += 1
                 continue
             untrusted = wrong_producer(event, self.run_name) or self._marks.problem(event) or self._order.admit(event)
@@ -260,6 +263,11 @@ class Archiver:
             log.info("%d re-delivered entries were already logged; acking them", repeats)
             self.repeats += repeats
         return round_
+
+    def _logged(self, stream: str, event: AnyEvent) -> bool:
+        """Whether the log holds `event` in `stream`, by its (producer, seq): unique per producer."""
+        hit = self.index.key(event.producer, event.seq)
+        return hit is not None and hit[0] == stream
 
     async def _refresh_marks(self, entries: list[Entry]) -> None:
         stamps = [stamp for _, _, fields in entries if fields and (stamp := try_stamp(fields)) is not None]

@@ -4,8 +4,9 @@
 log and, by default, gives step s of B the groups of A's step s, from A's initial weights, with
 the logged inference logprobs as the behaviour policy. B is written as a normal run (config.toml,
 init/, blobs/, a log with the groups it used, WeightsPublished and StepCommitted), so `reel replay`
-works on it. With no override B's weights equal A's bit for bit at every step: the same
-`train_step` on the same inputs. `--rescore` first scores every logged sample again with B's env
+works on it. B's blob store keeps what `reel run`'s would (bus/retention.py, the policy of B's config):
+the checkpoints and the window of newest weight versions; replay re-derives the rest. With no override
+B's weights equal A's bit for bit at every step: the same `train_step` on the same inputs. `--rescore` first scores every logged sample again with B's env
 reward (say another env.options.reward in --config; producers/envs/rescore.py, single-turn samples),
 and B's log holds the groups with their new rewards. `--ranks N` trains B on N ranks (this command starts itself again
 under torchrun; rank 0 writes B, the others follow); B's commits record that world size.
@@ -29,6 +30,7 @@ from reel.bus.blob_backends.file import BlobStore
 from reel.bus.errors import ReelError
 from reel.bus.events import AnyEvent, RunStarted, StepCommitted, StepTiming, WeightsPublished, encode
 from reel.bus.log import RunLog
+from reel.bus.retention import Retention, RetentionPolicy
 from reel.runtime import config as config_mod
 from reel.runtime import distributed
 from reel.runtime.batch import build_batch
@@ -168,6 +170,8 @@ class _RunWriter:
         self.group = group
         self.run = config.run.name
         self.blobs = BlobStore(run_dir / "blobs")
+        self.retention = Retention(RetentionPolicy.of(config.rollout.async_level, config.trainer.max_off_policy_steps,
+                                                      config.log.keep_weights_every), self.blobs)
         self.log = RunLog(run_dir)
         self.seq = 0
         self.entry = 0
@@ -190,8 +194,9 @@ class _RunWriter:
         self._append("control", [self._stamp(
             RunStarted, config_toml=config_text, seed=self.config.run.seed, code_version=code_version(),
             model_config=state.model.config.to_hf_dict(), config_hash=config_mod.config_hash(self.config))])
-        ref = self.blobs.put(self.group.weights(state))
-        self._append("weights", [self._stamp(WeightsPublished, version=0, step=0, weights=ref)])
+        published = self._stamp(WeightsPublished, version=0, step=0, weights=self.blobs.put(self.group.weights(state)))
+        self._append("weights", [published])
+        self.retention.add([published])
 
     def copy_groups(self, group_ids: list[str], lookup: GroupLookup) -> None:
         """B's log holds the groups it trained on (original events, routing blobs re-stored in B)."""
@@ -214,13 +219,17 @@ class _RunWriter:
         ckpt = None
         if state.step % self.config.trainer.checkpoint_every == 0 or last:
             ckpt = self.blobs.put(self.group.checkpoint(state))
-        self._append("weights", [self._stamp(WeightsPublished, version=state.step, step=state.step, weights=ref)])
-        self._append("steps", [self._stamp(
+        published = self._stamp(WeightsPublished, version=state.step, step=state.step, weights=ref)
+        self._append("weights", [published])
+        commit = self._stamp(
             StepCommitted, step=state.step, version=state.step, groups=group_ids, dropped=[], loss=result.loss,
             grad_norm=result.grad_norm, weights_sha256=result.weights_sha256,
             timing=StepTiming(wait=0.0, compute=compute, publish=0.0), metrics=result.metrics,
             staleness=result.staleness, checkpoint=ckpt, config_hash=config_mod.config_hash(self.config),
-            code_version=code_version(), world_size=self.group.world.size)])
+            code_version=code_version(), world_size=self.group.world.size)
+        self._append("steps", [commit])
+        self.retention.add([published, commit])
+        self.retention.collect()  # as the trainer does after each commit
         return state
 
     def close(self) -> None:

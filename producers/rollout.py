@@ -55,6 +55,7 @@ from reel.bus.blobs import BlobBackend
 from reel.bus.events import (AnyEvent, BlobRef, RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished,
                              WorkerStats)
 from reel.bus.log import LogError, RunLog
+from reel.bus.logcodec import pack
 from reel.bus.partitions import worker_partition
 from reel.bus.seqs import recover_seq
 from reel.bus.streams import Publisher, connect
@@ -264,7 +265,7 @@ class RolloutWorker:
         experts = [Tensor.from_numpy(e.routing) for e in episodes]
         blob = None
         if sum(len(t.data) for t in experts) > ROUTING_INLINE_BYTES:
-            blob = await asyncio.to_thread(self.blobs.put, msgspec.msgpack.encode(experts))
+            blob = await asyncio.to_thread(lambda: self.blobs.put(pack(msgspec.msgpack.encode(experts))))
         trajectory = self.publisher.stamp(
             Trajectory, group_id=group_id, env=self.env.name,
             prompt=Tensor.from_numpy(np.asarray(prompt.ids, np.int32)), samples=[_sample(e) for e in episodes], worker=self.name, meta=prompt.meta,

@@ -4,7 +4,9 @@ they would come to at real model sizes (replay/extrapolate.py; labelled as a cal
 Kinds: weight versions and checkpoints (blobs the WeightsPublished / StepCommitted events name),
 trajectories and routing traces (their log streams, plus trace blobs), other events (every other
 stream), other blobs (named by no event: e.g. weights of a step that crashed before its commit) and
-the Redis append-only file of an embedded server (run_dir/redis).
+the Redis append-only file of an embedded server (run_dir/redis). `routing_at_rest_ratio` is the
+routing traces' bytes as they were produced (events as on the bus, trace blobs unpacked) over their
+bytes on disk (bus/logcodec.py packs both; a run written before that measures about 1).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import BlobRef, RunStarted, StepCommitted, WeightsPublished
 from reel.bus.jsonout import print_json
 from reel.bus.log import RunLog
+from reel.bus.logcodec import HEAD_BYTES, unpacked_size
 from reel.bus.weight_manifest import blob_refs, decode_manifest
 from reel.replay.extrapolate import SHAPES, Extrapolated, extrapolate, shape_of
 from reel.runtime.config import Config
@@ -47,6 +50,7 @@ class Usage(msgspec.Struct, kw_only=True):
     weight_versions_published: int
     weight_versions_stored: int
     checkpoints: int
+    routing_at_rest_ratio: float  # routing traces' bytes as produced / their bytes on disk (0: none logged)
     extrapolation: list[Extrapolated]
 
 
@@ -58,6 +62,7 @@ def measure(run_dir: Path, config: Config, steps: int, tokens_per_step: int) -> 
     commits: list[StepCommitted] = []
     versions: list[WeightsPublished] = []
     model: MoEConfig | None = None
+    routing_ratio, packed_away = 0.0, 0  # packed_away: bytes the routing log saves by packing
     with RunLog(run_dir, readonly=True) as run_log:
         for stream in run_log.names():
             kind = {"trajectories": "trajectories", "routing": "routing_traces"}.get(stream, "other_events")
@@ -70,8 +75,19 @@ def measure(run_dir: Path, config: Config, steps: int, tokens_per_step: int) -> 
             model = next((MoEConfig.from_hf_dict(e.model_config) for _, e in run_log.events("control")
                           if isinstance(e, RunStarted)), None)
         if "routing" in run_log.names():
-            traces = [_trace_blob.decode(r.data).blob for r in run_log.stream("routing").records()]
-            sizes["routing_traces"] += _claim({r.sha256 for r in traces if r is not None}, stored, named)
+            produced, trace_blobs = 0, {}
+            for record in run_log.stream("routing").records():
+                produced += len(record.data)
+                if (ref := _trace_blob.decode(record.data).blob) is not None:
+                    trace_blobs[ref.sha256] = ref
+            on_disk = sum(p.stat().st_size for p in (run_log.root / "routing").glob("*.seg"))
+            for sha in trace_blobs.keys() & stored.keys():
+                with open(store.path(trace_blobs[sha]), "rb") as f:
+                    produced += unpacked_size(f.read(HEAD_BYTES), stored[sha])
+                on_disk += stored[sha]
+            routing_ratio = produced / on_disk if on_disk else 0.0
+            packed_away = max(produced - on_disk, 0)
+            sizes["routing_traces"] += _claim(set(trace_blobs), stored, named)
     weight_shas = {ref.sha256 for event in versions for ref in _version_refs(event, store)}
     stored_versions = sum(1 for event in versions if event.weights.sha256 in stored)
     sizes["checkpoints"] = _claim({c.checkpoint.sha256 for c in commits if c.checkpoint}, stored, named)
@@ -86,8 +102,9 @@ def measure(run_dir: Path, config: Config, steps: int, tokens_per_step: int) -> 
         per_step={k: v / len(commits) for k, v in sizes.items()} if commits else {},
         per_token={k: v / tokens for k, v in sizes.items()} if tokens else {},
         weight_versions_published=len(versions), weight_versions_stored=stored_versions,
-        checkpoints=sum(1 for c in commits if c.checkpoint),
-        extrapolation=_extrapolations(sizes, tokens, model, config, steps, tokens_per_step),
+        checkpoints=sum(1 for c in commits if c.checkpoint), routing_at_rest_ratio=round(routing_ratio, 2),
+        extrapolation=_extrapolations({**sizes, "routing_traces": sizes["routing_traces"] + packed_away}, tokens, model,
+                                      config, steps, tokens_per_step),
     )
 
 
@@ -110,7 +127,9 @@ def _model_of(config: Config) -> MoEConfig | None:
 
 def _extrapolations(sizes: dict[str, int], tokens: int, model: MoEConfig | None, config: Config,
                     steps: int, tokens_per_step: int) -> list[Extrapolated]:
-    """The named shapes and this run's own (model.path's, else the logged model config)."""
+    """The named shapes and this run's own (model.path's, else the logged model config). Routing counts
+    unpacked: at real shapes expert ids are near uniform and a group's prompt is a small part of its
+    tokens, so the example's packing ratio would not carry over."""
     if not tokens or model is None:
         return []
     own = shape_of(f"model.path ({config.model.path})" if config.model.path else "this run's model", model)
@@ -137,6 +156,8 @@ def du(args: argparse.Namespace) -> int:
         print(f"{kind:<16}{usage.bytes[kind]:>14,}{usage.per_step.get(kind, 0):>14,.0f}"
               f"{usage.per_token.get(kind, 0):>12,.1f}")
     print(f"{'total':<16}{sum(usage.bytes.values()):>14,}")
+    if usage.routing_at_rest_ratio:
+        print(f"routing traces at rest: {usage.routing_at_rest_ratio:.2f}x smaller in the log than on the bus")
     if usage.extrapolation:
         first = usage.extrapolation[0]
         print(f"\nextrapolation ({first.basis}), {first.steps} steps of {first.tokens_per_step:,} tokens:")

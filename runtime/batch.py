@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 from reel.bus.events import RoutingTrace, Tensor, Trajectory
+from reel.bus.logcodec import unpack
+from reel.bus.logformat import BadRecord
 from reel.runtime.loss import grpo_advantages
 
 
@@ -52,7 +54,11 @@ def decode_routing(trace: RoutingTrace, blob_bytes: bytes | None) -> list[np.nda
         return [t.numpy() for t in trace.experts]
     if blob_bytes is None:
         raise ValueError(f"routing trace of group {trace.group_id} is in a blob that was not fetched")
-    return [t.numpy() for t in msgspec.msgpack.decode(blob_bytes, type=list[Tensor])]
+    try:
+        data = unpack(blob_bytes)  # zstd-packed (bus/logcodec.py), or raw msgpack (a run from before packing)
+    except BadRecord as exc:
+        raise ValueError(f"the routing blob {trace.blob.sha256} of group {trace.group_id} holds {exc}") from None
+    return [t.numpy() for t in msgspec.msgpack.decode(data, type=list[Tensor])]
 
 
 def routing_problem(group: Group, moe_layers: int, top_k: int, num_experts: int) -> str | None:

@@ -6,13 +6,16 @@ import logging
 import os
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import orjson
 import pytest
 
-from reel.bus.events import Sample, Tensor, Trajectory, WorkerStats, encode
+from reel.bus.events import BlobRef, RoutingTrace, Sample, Tensor, Trajectory, WorkerStats, encode
 from reel.bus.log import INDEX_EVERY, LogCorrupted, LogError, RunLog, StreamLog
-from reel.bus.logformat import Appender
+from reel.bus.logcodec import HEAD_BYTES, PACKED, pack, unpacked_size
+from reel.bus.logformat import Appender, check
+from reel.runtime.batch import decode_routing
 from reel.runtime.launch import cli
 
 
@@ -124,14 +127,69 @@ def test_iteration_from_entry_id_and_index(tmp_path: Path):
         assert next(log.records(after_entry_id="1700000000005-99")).entry_id == records[6][0]
 
 
-def test_lookup_by_event_key(tmp_path: Path):
-    _write(tmp_path / "s", 40)
-    with StreamLog(tmp_path / "s") as log:
-        found = log.lookup("rollout:0", 17)
-        assert found.data == _event(17) and log.read_at(found.segment, found.offset) == found
-        assert log.lookup("rollout:0", 99) is None
-        log.append_batch([("1800000000000-0", _event(99))])  # keys of appends are indexed too
-        assert log.lookup("rollout:0", 99).entry_id == "1800000000000-0"
+def _trace(seq: int) -> bytes:
+    """A RoutingTrace like a group's: 4 samples that share their prompt's routing."""
+    rng = np.random.default_rng(seq)
+    prompt = rng.integers(0, 8, (12, 4, 2), dtype=np.uint8)
+    experts = [Tensor.from_numpy(np.concatenate([prompt, rng.integers(0, 8, (9, 4, 2), dtype=np.uint8)]))
+               for _ in range(4)]
+    return encode(RoutingTrace(run="r", producer="rollout:0", seq=seq, group_id=f"g{seq}", experts=experts))
+
+
+def _stored(directory: Path) -> list[bytes]:
+    """The event bytes of each record as they are on disk (packed or not)."""
+    return [check(memoryview(seg.read_bytes()), off)[1] for seg in _segments(directory)
+            for off in _offsets(seg)]
+
+
+def _offsets(seg: Path) -> list[int]:
+    buf, offsets, off = memoryview(seg.read_bytes()), [], 0
+    while off < len(buf):
+        offsets.append(off)
+        off = check(buf, off)[2]
+    return offsets
+
+
+def test_packed_records_read_back_exactly_and_an_old_logs_raw_records_still_read(tmp_path: Path):
+    records = [(f"{i + 1}-0", _trace(i)) for i in range(30)]
+    with StreamLog(tmp_path / "s") as log:  # a log written before packing: raw records
+        log.append_batch(records[:10])
+    with StreamLog(tmp_path / "s", packed=True, segment_bytes=4000) as log:  # then packed, across segments
+        log.append_batch(records[10:])
+    stored = _stored(tmp_path / "s")
+    assert stored[:10] == [data for _, data in records[:10]]
+    assert all(s.startswith(PACKED) and len(s) < len(d) / 2 for s, (_, d) in zip(stored[10:], records[10:]))
+    with StreamLog(tmp_path / "s", readonly=True) as log:
+        read = list(log.records())
+        assert [(r.entry_id, r.data) for r in read] == records
+        assert [log.read_at(r.segment, r.offset).data for r in read[8:12]] == [d for _, d in records[8:12]]
+        assert [r.entry_id for r in log.records(start=25)] == [i for i, _ in records[25:]]
+    with RunLog(tmp_path / "run") as run_log:  # a run's routing stream is packed, other streams are not
+        run_log.stream("routing").append_batch(records[:2])
+        run_log.stream("control").append_batch(records[:2])
+        assert [e.group_id for _, e in run_log.events("routing")] == ["g0", "g1"]
+    assert all(s.startswith(PACKED) for s in _stored(tmp_path / "run" / "log" / "routing"))
+    assert _stored(tmp_path / "run" / "log" / "control") == [d for _, d in records[:2]]
+
+
+def test_a_trace_blob_reads_packed_or_raw_and_a_bad_one_is_named():
+    ids = [np.tile(np.arange(8, dtype=np.uint8).reshape(1, 4, 2), (30, 1, 1)) for _ in range(4)]
+    raw = msgspec.msgpack.encode([Tensor.from_numpy(a) for a in ids])  # a blob as the rollout worker wrote it before
+    packed = pack(raw)
+    assert packed.startswith(PACKED) and len(packed) < len(raw) / 4
+    assert unpacked_size(packed[:HEAD_BYTES], len(packed)) == len(raw) and unpacked_size(raw[:HEAD_BYTES], 9) == 9
+    trace = RoutingTrace(run="r", producer="rollout:0", seq=0, group_id="g0", blob=BlobRef("blob:x", "ab12", len(raw)))
+    for blob in (raw, packed):
+        assert [a.tolist() for a in decode_routing(trace, blob)] == [a.tolist() for a in ids]
+    with pytest.raises(ValueError, match="routing blob ab12 of group g0 holds packed bytes that do not unpack"):
+        decode_routing(trace, PACKED + b"junk")
+
+
+def test_a_packed_record_that_does_not_unpack_is_named(tmp_path: Path):
+    with StreamLog(tmp_path / "s") as log:  # CRC-valid, but not a zstd frame
+        log.append_batch(_records(3) + [("1800000000000-0", PACKED + b"not zstd")])
+        with pytest.raises(LogCorrupted, match="packed bytes that do not unpack .* at byte .* of segment"):
+            list(log.records())
 
 
 @pytest.mark.parametrize("shape", ["partial header", "partial payload", "zero fill", "whole torn batch"])
@@ -223,7 +281,6 @@ def test_run_log_and_cli_verify_cat(tmp_path: Path, capsys: pytest.CaptureFixtur
         run_log.stream("trajectories").append_batch([(f"{i + 1}-0", encode(_trajectory(i))) for i in range(3)])
         run_log.stream("control").append_batch(_records(4))
         assert [e.seq for _, e in run_log.events("trajectories")] == [0, 1, 2]
-        assert run_log.lookup("rollout:1", 2)[0] == "trajectories"
         with pytest.raises(LogError, match="not a stream name"):
             run_log.stream("../x")
     assert cli.main(["log", "verify", "--run", str(tmp_path)]) == 0

@@ -153,9 +153,11 @@ def test_du_sees_the_versions_go(built, tmp_path, capsys):
     assert kept["bytes"]["weight_versions"] * 7 == full["bytes"]["weight_versions"] * 2
     assert kept["bytes"]["checkpoints"] == full["bytes"]["checkpoints"] > 0
     assert kept["bytes"]["trajectories"] > 0 and kept["bytes"]["routing_traces"] > 0 and kept["trained_tokens"] > 0
+    assert kept["routing_at_rest_ratio"] > 2  # zstd-packed in the log (bus/logcodec.py)
     qwen = kept["extrapolation"][0]
     assert qwen["shape"]["name"] == "Qwen3-30B-A3B" and qwen["basis"].startswith("calculation")
     assert qwen["weight_version_bytes"] == 61_000_000_000 and qwen["checkpoint_bytes"] == 366_000_000_000
     assert qwen["after_bytes"] < qwen["before_bytes"]
     assert reel(["log", "du", "--run", str(run_dir)]) == 0
-    assert "extrapolation (calculation" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "extrapolation (calculation" in out and "routing traces at rest: " in out

@@ -10,6 +10,8 @@ import pytest
 
 from reel.bus.events import StepCommitted
 from reel.bus.log import RunLog
+from reel.bus.retention import RetentionPolicy
+from reel.runtime.config import load
 from reel.runtime.launch.cli import main
 from runbuilder import build_run
 
@@ -38,6 +40,24 @@ def test_retrain_without_override_reproduces_every_weight_hash(source: Path, tmp
     # B is a normal run: its log verifies and replay works on it.
     assert main(["log", "verify", "--run", str(out)]) == 0
     assert main(["replay", "step", "3", "--run", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["bitwise"] is True
+
+
+def test_retrain_keeps_what_reel_run_would_and_replays_after_retention(source: Path, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "B"
+    assert main(["retrain", "--from", str(source), "--out", str(out), "--epochs", "3"]) == 0
+    config = load(out / "config.toml")
+    window = RetentionPolicy.of(config.rollout.async_level, config.trainer.max_off_policy_steps).window
+    steps = 3 * len(_commits(source))
+    assert config.log.keep_weights_every == 0 and steps > window + 1
+    capsys.readouterr()
+    assert main(["log", "du", "--run", str(out), "--json"]) == 0
+    du = json.loads(capsys.readouterr().out)
+    assert (du["weight_versions_published"], du["weight_versions_stored"]) == (steps + 1, window)
+    assert du["checkpoints"] == steps // config.trainer.checkpoint_every and du["bytes"]["other_blobs"] == 0
+    # Step 4 starts from version 3: deleted, re-derived from the checkpoint of step 2.
+    assert main(["replay", "step", "4", "--run", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["bitwise"] is True
 
 
