@@ -22,8 +22,10 @@
                     modelled as compute scaling with a stated efficiency, not simulated collective by
                     collective.
     shared cores    unless `dedicated`, a decode step that starts while the trainer computes, and a
-                    trainer step that starts while workers decode, are slowed by the factors fitted
-                    on the log (replay/workload.py): what a machine shared by both roles costs.
+                    trainer's compute while workers decode (re-timed whenever how many decode
+                    changes), are slowed by what a machine shared by both roles costs: the processor-sharing model of the log's CPU times
+                    for the scenario's worker count (replay/simulate_cores.py), else the factors
+                    fitted on the log's overlap (replay/workload.py).
 
 Figures are those of `reel bench async`: wall time and idle shares over steps 2..N.
 """
@@ -132,6 +134,8 @@ class _Simulation:
     scenario: Scenario
     pipeline: Pipeline
     round_size: int  # R of the async gate
+    decode_slowdown: float  # extra share of a decode step while the trainer computes
+    trainer_slowdown: float  # extra share of the trainer's compute while every worker decodes
     rng: np.random.Generator
     # The clock and the pending events: (time, order of scheduling, kind, worker index, payload).
     now: float
@@ -142,6 +146,10 @@ class _Simulation:
     queue: collections.deque[_Group]  # arrived, not yet offered
     batch: list[_Group]
     computing: bool  # computing or publishing
+    compute_left: float | None  # unslowed compute seconds still to do as of compute_since; None: publishing
+    compute_since: float
+    compute_factor: float  # the slowdown the pending "computed" event was timed with
+    compute_timer: int  # the pending "computed" event's payload; an older one is stale
     step_started: float
     commits: list[tuple[float, float]]  # (time of the commit, seconds its step waited)
     staleness: dict[int, int]
@@ -157,6 +165,9 @@ class _Simulation:
         self.pipeline = p = scenario.pipeline
         self.round_size = min(p.concurrency, -(-p.batch_groups // p.rollout_workers))
         self.rng = np.random.default_rng(scenario.seed)
+        cores, workers = workload.cores, p.rollout_workers
+        self.decode_slowdown = cores.decode_slowdown(workers) if cores else workload.decode.shared_slowdown
+        self.trainer_slowdown = cores.trainer_slowdown(workers) if cores else workload.trainer.shared_slowdown
         self.now = 0.0
         self.events = []
         self._order = itertools.count()
@@ -165,6 +176,9 @@ class _Simulation:
         self.queue = collections.deque()
         self.batch = []
         self.computing = False
+        self.compute_left = None
+        self.compute_since = self.compute_factor = 0.0
+        self.compute_timer = 0
         self.step_started = 0.0
         self.commits = []
         self.staleness = {}
@@ -189,10 +203,12 @@ class _Simulation:
                 case "arrive":
                     self.queue.append(payload)
                     self._collect()
-                case "computed":
+                case "computed" if payload == self.compute_timer:
+                    self.compute_left = None
                     self._at(self.workload.trainer.publish_s, "commit")
                 case "commit":
                     self._commit()
+            self._retime_compute()
         return self._result()
 
     def _at(self, delay: float, kind: str, index: int = 0, payload: object = None) -> None:
@@ -237,7 +253,7 @@ class _Simulation:
         seconds = (d.base_s + d.per_seq_s * len(worker.running) + d.per_prefill_token_s * prefill)
         seconds /= self.scenario.speedup_rollout
         if self.computing and not self.scenario.dedicated:
-            seconds *= 1.0 + d.shared_slowdown
+            seconds *= 1.0 + self.decode_slowdown
         worker.busy = True
         self._at(seconds, "step", worker.index)
 
@@ -296,10 +312,22 @@ class _Simulation:
         seconds = (t.base_s + t.per_token_s * tokens) / self.scenario.speedup_trainer
         # The fit is of the logged ranks' compute: rescale from those to the scenario's, not from one.
         seconds *= self._rank_speed(t.ranks) / self._rank_speed(self.pipeline.trainer_ranks)
-        if not self.scenario.dedicated:
-            decoding = sum(1 for w in self.workers if w.running) / len(self.workers)
-            seconds *= 1.0 + t.shared_slowdown * decoding
-        self._at(seconds, "computed")
+        self.compute_left, self.compute_since, self.compute_factor = seconds, self.now, 0.0
+        self._retime_compute()
+
+    def _retime_compute(self) -> None:
+        """While the trainer computes, its pace follows how many workers decode beside it."""
+        if self.compute_left is None:
+            return
+        decoding = sum(1 for w in self.workers if w.running) / len(self.workers)
+        factor = 1.0 if self.scenario.dedicated else 1.0 + self.trainer_slowdown * decoding
+        if factor == self.compute_factor:
+            return
+        if self.compute_factor:
+            self.compute_left -= (self.now - self.compute_since) / self.compute_factor
+        self.compute_since, self.compute_factor = self.now, factor
+        self.compute_timer += 1
+        self._at(self.compute_left * factor, "computed", payload=self.compute_timer)
 
     def _rank_speed(self, ranks: int) -> float:
         """Trainer throughput of `ranks` ranks relative to one process."""

@@ -57,7 +57,7 @@ def main(args: argparse.Namespace) -> int:
         rows = [_row(workload, base, "as logged" if logged else "scenario", target if logged else None)]
     if args.json:
         print_json({"run": workload.run_dir, "decode": workload.decode, "trainer": workload.trainer,
-                    "swap_s": workload.swap_s, "rank_efficiency": base.rank_efficiency,
+                    "swap_s": workload.swap_s, "cores": workload.cores, "rank_efficiency": base.rank_efficiency,
                     "rank_efficiency_source": base.rank_efficiency_source, "caveats": caveats(workload, base),
                     "rows": rows})
     else:
