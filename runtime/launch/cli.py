@@ -213,8 +213,9 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--rank-efficiency", type=float, default=None,
                      help="trainer throughput of N ranks = N x this (default: from --rank-efficiency-from, else 0.9, "
                           "assumed)")
-    sim.add_argument("--rank-efficiency-from", default=None, metavar="BENCH.json",
-                     help="fit the rank efficiency from a `reel bench fsdp` JSON line (1-process vs 2-rank s/step; "
+    sim.add_argument("--rank-efficiency-from", default=None, nargs="+", metavar="PATH",
+                     help="fit the rank efficiency from a `reel bench fsdp` JSON line (1-process vs 2-rank s/step), "
+                          "or from two run directories of the same config on 1 rank and on N (compute s/token; "
                           "default: none)")
     sim.add_argument("--async-level", type=int, default=None, help="rollout.async_level (default: the run's)")
     sim.add_argument("--max-off-policy", type=int, default=None,
