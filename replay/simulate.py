@@ -25,7 +25,9 @@
                     trainer's compute while workers decode (re-timed whenever how many decode
                     changes), are slowed by what a machine shared by both roles costs: the processor-sharing model of the log's CPU times
                     for the scenario's worker count (replay/simulate_cores.py), else the factors
-                    fitted on the log's overlap (replay/workload.py).
+                    fitted on the log's overlap (replay/workload.py). With that model, each role's
+                    measured speed is also rescaled from the logged machine to the scenario's: its
+                    worker count, and `background` (other runnable threads) when given.
 
 Figures are those of `reel bench async`: wall time and idle shares over steps 2..N.
 """
@@ -60,6 +62,7 @@ class Scenario(msgspec.Struct, kw_only=True):
     rank_efficiency_source: str = ""  # where rank_efficiency came from (replay/rank_efficiency.py)
     redis_s_per_event: float = 0.0  # Redis CPU seconds per event (`reel bench bus`)
     dedicated: bool = False  # rollout and trainer on their own hardware: no shared-core slowdown
+    background: float | None = None  # other runnable threads on the machine (a log with CPU times); None: as logged
     seed: int = 0  # of the group resampling
 
 
@@ -136,6 +139,8 @@ class _Simulation:
     round_size: int  # R of the async gate
     decode_slowdown: float  # extra share of a decode step while the trainer computes
     trainer_slowdown: float  # extra share of the trainer's compute while every worker decodes
+    decode_scale: float  # a decode step's seconds on the scenario's machine / on the logged one
+    trainer_scale: float  # the trainer's compute and publish seconds, likewise
     rng: np.random.Generator
     # The clock and the pending events: (time, order of scheduling, kind, worker index, payload).
     now: float
@@ -165,9 +170,18 @@ class _Simulation:
         self.pipeline = p = scenario.pipeline
         self.round_size = min(p.concurrency, -(-p.batch_groups // p.rollout_workers))
         self.rng = np.random.default_rng(scenario.seed)
-        cores, workers = workload.cores, p.rollout_workers
-        self.decode_slowdown = cores.decode_slowdown(workers) if cores else workload.decode.shared_slowdown
-        self.trainer_slowdown = cores.trainer_slowdown(workers) if cores else workload.trainer.shared_slowdown
+        logged, workers = workload.cores, p.rollout_workers
+        self.decode_slowdown = self.trainer_slowdown = 0.0
+        self.decode_scale = self.trainer_scale = 1.0
+        if logged is None:
+            self.decode_slowdown, self.trainer_slowdown = workload.decode.shared_slowdown, workload.trainer.shared_slowdown
+        else:
+            cores = logged if scenario.background is None else msgspec.structs.replace(
+                logged, background=scenario.background)
+            self.decode_slowdown, self.trainer_slowdown = cores.decode_slowdown(workers), cores.trainer_slowdown(workers)
+            # Each role alone, as logged and as the scenario has it: more workers, or less other load.
+            self.decode_scale = logged.share(0, workload.pipeline.rollout_workers) / cores.share(0, workers)
+            self.trainer_scale = logged.share(1, 0) / cores.share(1, 0)
         self.now = 0.0
         self.events = []
         self._order = itertools.count()
@@ -205,7 +219,7 @@ class _Simulation:
                     self._collect()
                 case "computed" if payload == self.compute_timer:
                     self.compute_left = None
-                    self._at(self.workload.trainer.publish_s, "commit")
+                    self._at(self.workload.trainer.publish_s * self.trainer_scale, "commit")
                 case "commit":
                     self._commit()
             self._retime_compute()
@@ -251,7 +265,7 @@ class _Simulation:
             return
         d = self.workload.decode
         seconds = (d.base_s + d.per_seq_s * len(worker.running) + d.per_prefill_token_s * prefill)
-        seconds /= self.scenario.speedup_rollout
+        seconds *= self.decode_scale / self.scenario.speedup_rollout
         if self.computing and not self.scenario.dedicated:
             seconds *= 1.0 + self.decode_slowdown
         worker.busy = True
@@ -309,7 +323,7 @@ class _Simulation:
         self.commits.append((0.0, self.now - self.step_started))  # the commit time is set by _commit
         t = self.workload.trainer
         tokens = sum(sum(g.tokens.values()) for g in self.batch)
-        seconds = (t.base_s + t.per_token_s * tokens) / self.scenario.speedup_trainer
+        seconds = (t.base_s + t.per_token_s * tokens) * self.trainer_scale / self.scenario.speedup_trainer
         # The fit is of the logged ranks' compute: rescale from those to the scenario's, not from one.
         seconds *= self._rank_speed(t.ranks) / self._rank_speed(self.pipeline.trainer_ranks)
         self.compute_left, self.compute_since, self.compute_factor = seconds, self.now, 0.0
@@ -392,6 +406,10 @@ def simulate(workload: Workload, scenario: Scenario) -> SimResult:
         raise SimulationError("async level and max off-policy steps must be 0 or more")
     if not 0 < scenario.rank_efficiency <= 1:
         raise SimulationError(f"--rank-efficiency = {scenario.rank_efficiency} must be in (0, 1]")
+    if scenario.background is not None and (scenario.background < 0 or workload.cores is None):
+        raise SimulationError(f"--background = {scenario.background}: needs a value of 0 or more and a log with CPU "
+                              f"times (recorded since 2026-12-03); {workload.run_dir} has "
+                              f"{'them' if workload.cores else 'none'}")
     return _Simulation(workload, scenario).run()
 
 

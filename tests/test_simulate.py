@@ -146,6 +146,26 @@ def test_calibration_fits_the_shared_cores_from_cpu_times(tmp_path: Path) -> Non
     assert extract(_write_run(tmp_path / "old", async_level=0)).cores is None
 
 
+def test_background_rescales_each_role_from_the_logged_machine_to_the_scenarios(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    truth = Cores(cores=2, background=3.0, trainer_threads=1, worker_threads=1.5, trainer_rate=0, worker_rate=0)
+    run = _write_run(tmp_path / "run", async_level=0, cores=truth)
+    w = extract(run)
+    walls = {bg: simulate(w, Scenario(pipeline=w.pipeline, dedicated=True, background=bg)).wall_s
+             for bg in (None, 3.0, 0.0)}
+    assert walls[3.0] == pytest.approx(walls[None], rel=1e-9)  # the logged machine
+    # Alone on 2 cores the trainer's one thread and the worker's 1.5 each run at full speed: the
+    # trainer 2/4 -> 1 (2x faster), the worker 2/4.5 -> 1 (2.25x); sync wall = sum of both sides.
+    step = _rollout_s() / 2.25 + (C0 + C1 * G * N * L + PUBLISH) / 2 + SWAP
+    assert walls[0.0] == pytest.approx(11 * step, rel=0.02)  # steps 2..12
+    assert reel(["simulate", "--run", str(run), "--json", "--sweep", "background=0,3"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows[0]["result"]["wall_s"] < rows[1]["result"]["wall_s"]
+    old = _write_run(tmp_path / "old", async_level=0)
+    assert reel(["simulate", "--run", str(old), "--background", "0"]) != 0
+    assert "needs a value of 0 or more and a log with CPU times" in capsys.readouterr().err
+
+
 def _rollout_s(speedup: float = 1.0) -> float:
     return (L * (A + B * G * N) + X * G * N * (P - 1)) / speedup  # the round's prompts join in its first step
 
