@@ -43,6 +43,7 @@ import msgspec
 import numpy as np
 
 from reel.bus.errors import ReelError
+from reel.replay.simulate_cores import Factors, factors
 from reel.replay.workload import Pipeline, Workload
 
 __all__ = ["Scenario", "SimResult", "SimulationError", "simulate", "GROUP_EVENTS"]
@@ -137,10 +138,7 @@ class _Simulation:
     scenario: Scenario
     pipeline: Pipeline
     round_size: int  # R of the async gate
-    decode_slowdown: float  # extra share of a decode step while the trainer computes
-    trainer_slowdown: float  # extra share of the trainer's compute while every worker decodes
-    decode_scale: float  # a decode step's seconds on the scenario's machine / on the logged one
-    trainer_scale: float  # the trainer's compute and publish seconds, likewise
+    factors: Factors  # what the scenario's machine does to the logged times
     rng: np.random.Generator
     # The clock and the pending events: (time, order of scheduling, kind, worker index, payload).
     now: float
@@ -170,18 +168,9 @@ class _Simulation:
         self.pipeline = p = scenario.pipeline
         self.round_size = min(p.concurrency, -(-p.batch_groups // p.rollout_workers))
         self.rng = np.random.default_rng(scenario.seed)
-        logged, workers = workload.cores, p.rollout_workers
-        self.decode_slowdown = self.trainer_slowdown = 0.0
-        self.decode_scale = self.trainer_scale = 1.0
-        if logged is None:
-            self.decode_slowdown, self.trainer_slowdown = workload.decode.shared_slowdown, workload.trainer.shared_slowdown
-        else:
-            cores = logged if scenario.background is None else msgspec.structs.replace(
-                logged, background=scenario.background)
-            self.decode_slowdown, self.trainer_slowdown = cores.decode_slowdown(workers), cores.trainer_slowdown(workers)
-            # Each role alone, as logged and as the scenario has it: more workers, or less other load.
-            self.decode_scale = logged.share(0, workload.pipeline.rollout_workers) / cores.share(0, workers)
-            self.trainer_scale = logged.share(1, 0) / cores.share(1, 0)
+        self.factors = Factors(workload.decode.shared_slowdown, workload.trainer.shared_slowdown) \
+            if workload.cores is None else \
+            factors(workload.cores, workload.pipeline.rollout_workers, p.rollout_workers, scenario.background)
         self.now = 0.0
         self.events = []
         self._order = itertools.count()
@@ -219,7 +208,7 @@ class _Simulation:
                     self._collect()
                 case "computed" if payload == self.compute_timer:
                     self.compute_left = None
-                    self._at(self.workload.trainer.publish_s * self.trainer_scale, "commit")
+                    self._at(self.workload.trainer.publish_s * self.factors.trainer_scale, "commit")
                 case "commit":
                     self._commit()
             self._retime_compute()
@@ -265,9 +254,9 @@ class _Simulation:
             return
         d = self.workload.decode
         seconds = (d.base_s + d.per_seq_s * len(worker.running) + d.per_prefill_token_s * prefill)
-        seconds *= self.decode_scale / self.scenario.speedup_rollout
+        seconds *= self.factors.decode_scale / self.scenario.speedup_rollout
         if self.computing and not self.scenario.dedicated:
-            seconds *= 1.0 + self.decode_slowdown
+            seconds *= 1.0 + self.factors.decode_slowdown
         worker.busy = True
         self._at(seconds, "step", worker.index)
 
@@ -323,7 +312,7 @@ class _Simulation:
         self.commits.append((0.0, self.now - self.step_started))  # the commit time is set by _commit
         t = self.workload.trainer
         tokens = sum(sum(g.tokens.values()) for g in self.batch)
-        seconds = (t.base_s + t.per_token_s * tokens) * self.trainer_scale / self.scenario.speedup_trainer
+        seconds = (t.base_s + t.per_token_s * tokens) * self.factors.trainer_scale / self.scenario.speedup_trainer
         # The fit is of the logged ranks' compute: rescale from those to the scenario's, not from one.
         seconds *= self._rank_speed(t.ranks) / self._rank_speed(self.pipeline.trainer_ranks)
         self.compute_left, self.compute_since, self.compute_factor = seconds, self.now, 0.0
@@ -334,7 +323,7 @@ class _Simulation:
         if self.compute_left is None:
             return
         decoding = sum(1 for w in self.workers if w.running) / len(self.workers)
-        factor = 1.0 if self.scenario.dedicated else 1.0 + self.trainer_slowdown * decoding
+        factor = 1.0 if self.scenario.dedicated else 1.0 + self.factors.trainer_slowdown * decoding
         if factor == self.compute_factor:
             return
         if self.compute_factor:

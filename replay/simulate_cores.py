@@ -23,7 +23,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-__all__ = ["Cores", "CpuRate", "fit_cores"]
+__all__ = ["Cores", "CpuRate", "Factors", "fit_cores", "factors"]
 
 _BACKGROUND = np.linspace(0.0, 24.0, 481)  # runnable threads besides the run's roles
 _WORKER_THREADS = np.linspace(0.05, 4.0, 80)
@@ -49,6 +49,24 @@ class Cores(msgspec.Struct, kw_only=True):
     def decode_slowdown(self, workers: int) -> float:
         """Extra share of a decode step while the trainer computes beside `workers` decoding."""
         return self.share(0, workers) / self.share(1, workers) - 1.0
+
+
+class Factors(msgspec.Struct, frozen=True):
+    """How a scenario's machine changes each role's logged times."""
+
+    decode_slowdown: float  # extra share of a decode step while the trainer computes
+    trainer_slowdown: float  # extra share of the trainer's compute while every worker decodes
+    decode_scale: float = 1.0  # a decode step's seconds on the scenario's machine / on the logged one
+    trainer_scale: float = 1.0  # the trainer's compute and publish seconds, likewise
+
+
+def factors(logged: Cores, logged_workers: int, workers: int, background: float | None) -> Factors:
+    """Slowdowns for the scenario's workers and background, and each role alone rescaled from its
+    logged share of the cores to the scenario's (more workers, or less other load)."""
+    cores = logged if background is None else msgspec.structs.replace(logged, background=background)
+    return Factors(decode_slowdown=cores.decode_slowdown(workers), trainer_slowdown=cores.trainer_slowdown(workers),
+                   decode_scale=logged.share(0, logged_workers) / cores.share(0, workers),
+                   trainer_scale=logged.share(1, 0) / cores.share(1, 0))
 
 
 class CpuRate(msgspec.Struct, array_like=True):
