@@ -395,7 +395,8 @@ def test_a_synchronous_log_says_it_cannot_tell_what_sharing_costs(tmp_path: Path
                         ("as logged", [])):
         assert reel(["simulate", "--run", str(run), "--json", *extra]) == 0
         notes[name] = json.loads(capsys.readouterr().out)["caveats"]
-    assert len(notes["async"]) == 1 and "what sharing cores costs is unknown" in notes["async"][0]
-    assert notes["dedicated"] == [] and notes["as logged"] == []
+    assert len(notes["async"]) == 2 and "what sharing cores costs is unknown" in notes["async"][1]
+    assert "mismatch split" in notes["async"][0] and notes["dedicated"] == notes["async"][:1]
+    assert notes["as logged"] == []
     assert reel(["simulate", "--run", str(run), "--async-level", "1"]) == 0
     assert "note: calibrated on a synchronous log" in capsys.readouterr().out
