@@ -203,6 +203,9 @@ class StepCommitted(Event, tag="step_committed"):
     world_size: int = 1  # trainer ranks that computed the step (replay re-executes on as many)
     layout: dict[str, int] = {}  # as RunStarted.layout, for this step
     libraries: dict[str, str] = {}  # as RunStarted.libraries, of the trainer that computed it
+    # CPU seconds of the trainer process (all its threads) over timing.compute: with the wall
+    # seconds, the cores the trainer demands (the simulator's shared-hardware model). 0 = not recorded.
+    cpu_s: float = 0.0
 
 
 class WorkerStats(Event, tag="worker_stats"):
@@ -225,6 +228,9 @@ class WorkerStats(Event, tag="worker_stats"):
     # Samples since the worker started whose version spans were assumed (the engine, vLLM, sent no
     # weight_versions): each is labelled with the version it started under.
     version_spans_assumed: int = 0
+    # CPU seconds of the worker process (all its threads) since it started: deltas over active wall
+    # time give the cores the rollout side demands (the simulator's shared-hardware model). 0 = not recorded.
+    cpu_s: float = 0.0
 
 
 class EvalResult(Event, tag="eval_result"):

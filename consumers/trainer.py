@@ -145,9 +145,11 @@ class Trainer:
         if stop.is_set():
             return
         waited = time.perf_counter() - started
+        cpu_started = time.process_time()
         batch = build_batch([part.resolved for _, part in collected.groups])
         self.state, result = await asyncio.to_thread(self.group.step, self.state, batch, self.weights.get)
         computed = time.perf_counter()
+        cpu_s = time.process_time() - cpu_started
         step = self.state.step
         self._crash_point(step, "computed")
         weights, fmt = await asyncio.to_thread(self.group.publish, self.state, self.blobs)
@@ -165,7 +167,7 @@ class Trainer:
             timing=StepTiming(wait=waited, compute=computed - started - waited, publish=time.perf_counter() - computed),
             metrics={**result.metrics, **self.bus_loss}, staleness=result.staleness, checkpoint=ckpt,
             config_hash=config_hash(self.config), code_version=code_version(), world_size=self.group.world.size,
-            layout=environment.layout(self.config), libraries=environment.library_versions(),
+            layout=environment.layout(self.config), libraries=environment.library_versions(), cpu_s=cpu_s,
         )
         published = self.publisher.stamp(WeightsPublished, version=step, step=step, weights=weights, format=fmt)
         await self.publisher.publish_atomic([published, commit])

@@ -22,8 +22,12 @@
                     modelled as compute scaling with a stated efficiency, not simulated collective by
                     collective.
     shared cores    unless `dedicated`, a decode step that starts while the trainer computes, and a
-                    trainer step that starts while workers decode, are slowed by the factors fitted
-                    on the log (replay/workload.py): what a machine shared by both roles costs.
+                    trainer's compute while workers decode (re-timed whenever how many decode
+                    changes), are slowed by what a machine shared by both roles costs: the processor-sharing model of the log's CPU times
+                    for the scenario's worker count (replay/simulate_cores.py), else the factors
+                    fitted on the log's overlap (replay/workload.py). With that model, each role's
+                    measured speed is also rescaled from the logged machine to the scenario's: its
+                    worker count, and `background` (other runnable threads) when given.
 
 Figures are those of `reel bench async`: wall time and idle shares over steps 2..N.
 """
@@ -39,6 +43,7 @@ import msgspec
 import numpy as np
 
 from reel.bus.errors import ReelError
+from reel.replay.simulate_cores import Factors, factors
 from reel.replay.workload import Pipeline, Workload
 
 __all__ = ["Scenario", "SimResult", "SimulationError", "simulate", "GROUP_EVENTS"]
@@ -58,6 +63,7 @@ class Scenario(msgspec.Struct, kw_only=True):
     rank_efficiency_source: str = ""  # where rank_efficiency came from (replay/rank_efficiency.py)
     redis_s_per_event: float = 0.0  # Redis CPU seconds per event (`reel bench bus`)
     dedicated: bool = False  # rollout and trainer on their own hardware: no shared-core slowdown
+    background: float | None = None  # other runnable threads on the machine (a log with CPU times); None: as logged
     seed: int = 0  # of the group resampling
 
 
@@ -132,6 +138,7 @@ class _Simulation:
     scenario: Scenario
     pipeline: Pipeline
     round_size: int  # R of the async gate
+    factors: Factors  # what the scenario's machine does to the logged times
     rng: np.random.Generator
     # The clock and the pending events: (time, order of scheduling, kind, worker index, payload).
     now: float
@@ -142,6 +149,10 @@ class _Simulation:
     queue: collections.deque[_Group]  # arrived, not yet offered
     batch: list[_Group]
     computing: bool  # computing or publishing
+    compute_left: float | None  # unslowed compute seconds still to do as of compute_since; None: publishing
+    compute_since: float
+    compute_factor: float  # the slowdown the pending "computed" event was timed with
+    compute_timer: int  # the pending "computed" event's payload; an older one is stale
     step_started: float
     commits: list[tuple[float, float]]  # (time of the commit, seconds its step waited)
     staleness: dict[int, int]
@@ -157,6 +168,9 @@ class _Simulation:
         self.pipeline = p = scenario.pipeline
         self.round_size = min(p.concurrency, -(-p.batch_groups // p.rollout_workers))
         self.rng = np.random.default_rng(scenario.seed)
+        self.factors = Factors(workload.decode.shared_slowdown, workload.trainer.shared_slowdown) \
+            if workload.cores is None else \
+            factors(workload.cores, workload.pipeline.rollout_workers, p.rollout_workers, scenario.background)
         self.now = 0.0
         self.events = []
         self._order = itertools.count()
@@ -165,6 +179,9 @@ class _Simulation:
         self.queue = collections.deque()
         self.batch = []
         self.computing = False
+        self.compute_left = None
+        self.compute_since = self.compute_factor = 0.0
+        self.compute_timer = 0
         self.step_started = 0.0
         self.commits = []
         self.staleness = {}
@@ -189,10 +206,12 @@ class _Simulation:
                 case "arrive":
                     self.queue.append(payload)
                     self._collect()
-                case "computed":
-                    self._at(self.workload.trainer.publish_s, "commit")
+                case "computed" if payload == self.compute_timer:
+                    self.compute_left = None
+                    self._at(self.workload.trainer.publish_s * self.factors.trainer_scale, "commit")
                 case "commit":
                     self._commit()
+            self._retime_compute()
         return self._result()
 
     def _at(self, delay: float, kind: str, index: int = 0, payload: object = None) -> None:
@@ -235,9 +254,9 @@ class _Simulation:
             return
         d = self.workload.decode
         seconds = (d.base_s + d.per_seq_s * len(worker.running) + d.per_prefill_token_s * prefill)
-        seconds /= self.scenario.speedup_rollout
+        seconds *= self.factors.decode_scale / self.scenario.speedup_rollout
         if self.computing and not self.scenario.dedicated:
-            seconds *= 1.0 + d.shared_slowdown
+            seconds *= 1.0 + self.factors.decode_slowdown
         worker.busy = True
         self._at(seconds, "step", worker.index)
 
@@ -293,13 +312,25 @@ class _Simulation:
         self.commits.append((0.0, self.now - self.step_started))  # the commit time is set by _commit
         t = self.workload.trainer
         tokens = sum(sum(g.tokens.values()) for g in self.batch)
-        seconds = (t.base_s + t.per_token_s * tokens) / self.scenario.speedup_trainer
+        seconds = (t.base_s + t.per_token_s * tokens) * self.factors.trainer_scale / self.scenario.speedup_trainer
         # The fit is of the logged ranks' compute: rescale from those to the scenario's, not from one.
         seconds *= self._rank_speed(t.ranks) / self._rank_speed(self.pipeline.trainer_ranks)
-        if not self.scenario.dedicated:
-            decoding = sum(1 for w in self.workers if w.running) / len(self.workers)
-            seconds *= 1.0 + t.shared_slowdown * decoding
-        self._at(seconds, "computed")
+        self.compute_left, self.compute_since, self.compute_factor = seconds, self.now, 0.0
+        self._retime_compute()
+
+    def _retime_compute(self) -> None:
+        """While the trainer computes, its pace follows how many workers decode beside it."""
+        if self.compute_left is None:
+            return
+        decoding = sum(1 for w in self.workers if w.running) / len(self.workers)
+        factor = 1.0 if self.scenario.dedicated else 1.0 + self.factors.trainer_slowdown * decoding
+        if factor == self.compute_factor:
+            return
+        if self.compute_factor:
+            self.compute_left -= (self.now - self.compute_since) / self.compute_factor
+        self.compute_since, self.compute_factor = self.now, factor
+        self.compute_timer += 1
+        self._at(self.compute_left * factor, "computed", payload=self.compute_timer)
 
     def _rank_speed(self, ranks: int) -> float:
         """Trainer throughput of `ranks` ranks relative to one process."""
@@ -364,6 +395,10 @@ def simulate(workload: Workload, scenario: Scenario) -> SimResult:
         raise SimulationError("async level and max off-policy steps must be 0 or more")
     if not 0 < scenario.rank_efficiency <= 1:
         raise SimulationError(f"--rank-efficiency = {scenario.rank_efficiency} must be in (0, 1]")
+    if scenario.background is not None and (scenario.background < 0 or workload.cores is None):
+        raise SimulationError(f"--background = {scenario.background}: needs a value of 0 or more and a log with CPU "
+                              f"times (recorded since 2026-12-03); {workload.run_dir} has "
+                              f"{'them' if workload.cores else 'none'}")
     return _Simulation(workload, scenario).run()
 
 

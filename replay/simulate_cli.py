@@ -32,6 +32,7 @@ SWEEPABLE = {
     "max-off-policy": ("max_off_policy", int),
     "speedup-rollout": ("speedup_rollout", float),
     "speedup-trainer": ("speedup_trainer", float),
+    "background": ("background", float),
 }
 
 
@@ -57,7 +58,7 @@ def main(args: argparse.Namespace) -> int:
         rows = [_row(workload, base, "as logged" if logged else "scenario", target if logged else None)]
     if args.json:
         print_json({"run": workload.run_dir, "decode": workload.decode, "trainer": workload.trainer,
-                    "swap_s": workload.swap_s, "rank_efficiency": base.rank_efficiency,
+                    "swap_s": workload.swap_s, "cores": workload.cores, "rank_efficiency": base.rank_efficiency,
                     "rank_efficiency_source": base.rank_efficiency_source, "caveats": caveats(workload, base),
                     "rows": rows})
     else:
@@ -103,7 +104,8 @@ def _scenario(args: argparse.Namespace, pipeline: Pipeline) -> Scenario:
     return Scenario(pipeline=msgspec.structs.replace(pipeline, **overrides), speedup_rollout=args.speedup_rollout,
                     speedup_trainer=args.speedup_trainer, rank_efficiency=efficiency.value,
                     rank_efficiency_source=efficiency.source,
-                    redis_s_per_event=args.redis_us_per_event * 1e-6, dedicated=args.dedicated, seed=args.seed)
+                    redis_s_per_event=args.redis_us_per_event * 1e-6, dedicated=args.dedicated, seed=args.seed,
+                    background=args.background)
 
 
 def _with(base: Scenario, key: str, value: int | float) -> Scenario:
@@ -114,7 +116,8 @@ def _with(base: Scenario, key: str, value: int | float) -> Scenario:
 
 
 def _unchanged(s: Scenario) -> bool:
-    return s.speedup_rollout == 1.0 and s.speedup_trainer == 1.0 and not s.dedicated and not s.redis_s_per_event
+    return s.speedup_rollout == 1.0 and s.speedup_trainer == 1.0 and not s.dedicated and not s.redis_s_per_event \
+        and s.background is None
 
 
 def _row(workload: Workload, scenario: Scenario, label: str, measured_run: Workload | None) -> Row:

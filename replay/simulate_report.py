@@ -63,12 +63,18 @@ def _shares(hist: dict[int, int]) -> str:
 def caveats(workload: Workload, scenario: Scenario) -> list[str]:
     """What the calibration log cannot tell about this scenario, said instead of guessed."""
     found = []
+    if workload.pipeline.async_level == 0 and scenario.pipeline.async_level > 0:
+        found.append("calibrated on a synchronous log, where no token is of an older version: the trainer's "
+                     "mismatch split (one more scoring pass over the batch per older version among its tokens; "
+                     "+35% to +94% trainer CPU per token measured) never ran, so the simulated trainer is too "
+                     "fast in this asynchronous scenario")
     overlaps = workload.decode.shared_slowdown or workload.trainer.shared_slowdown
     if workload.pipeline.async_level == 0 and scenario.pipeline.async_level > 0 and not scenario.dedicated \
-            and not overlaps:
-        found.append("calibrated on a synchronous log, which never overlaps rollout and trainer: what sharing "
-                     "cores costs is unknown and simulated as free, so the wall time is a lower bound; "
-                     "calibrate on an asynchronous run of this machine")
+            and not overlaps and workload.cores is None:
+        found.append("calibrated on a synchronous log without CPU times (written before Reel recorded them), "
+                     "which never overlaps rollout and trainer: what sharing cores costs is unknown and "
+                     "simulated as free, so the wall time is a lower bound; re-run the config with this Reel, "
+                     "or calibrate on an asynchronous run of this machine")
     return found
 
 
@@ -83,6 +89,10 @@ def view(workload: Workload, rows: list[Row]) -> Group:
     d, t = workload.decode, workload.trainer
     shared = "" if not (d.shared_slowdown or t.shared_slowdown) else (
         f"; while sharing cores: decode x{1 + d.shared_slowdown:.2f}, trainer x{1 + t.shared_slowdown:.2f}")
+    if (c := workload.cores) is not None:
+        shared += (f" (from CPU times: {c.cores} cores, {c.background:.1f} other runnable threads; the trainer used "
+                   f"{c.trainer_rate:.2f} cores computing, a worker {c.worker_rate:.2f} with a group in flight, "
+                   f"{c.worker_threads:.2f} threads' worth)")
     calibration = (f"calibrated on {workload.run_dir}: decode step {1e3 * d.base_s:.2f} ms + "
                    f"{1e3 * d.per_seq_s:.3f} ms x sequences + {1e6 * d.per_prefill_token_s:.1f} µs x prefill "
                    f"tokens ({d.intervals} intervals); trainer compute "

@@ -12,9 +12,12 @@ From the log alone (entry ids carry the Redis server's millisecond clock, so eve
   Δdecode_tokens) / Δdecode_steps the mean prefill X (prompt tokens beyond the one sampled from);
   least squares gives step_s = base_s + per_seq_s · B + per_prefill_token_s · X;
 - shared cores: a worker is active from a group's start to its publication (Trajectory.generate_s
-  and the entry's time), the trainer computes over the span its StepCommitted timing gives; the
-  share of each interval where both ran gives the slowdown of either while they share cores, fitted
-  with the speeds above (0 when they never overlapped, as in a synchronous run);
+  and the entry's time), the trainer computes over the span its StepCommitted timing gives. With
+  CPU times in the log (StepCommitted.cpu_s, WorkerStats.cpu_s, RunStarted.cpu_count) the roles'
+  measured CPU rates fit a processor-sharing model of the cores (replay/simulate_cores.py), which
+  gives the slowdown of either while both run, even from a synchronous log that never overlapped.
+  Without them, the share of each interval where both ran gives the slowdowns, fitted with the
+  speeds above: 0 when they never overlapped, a log that cannot tell (`Workload.cores` is None);
 - trainer speed: compute_s = base_s + per_token_s · tokens over the StepCommitted timings of steps
   2..N; publish_s is the mean publish time;
 - weight swaps: the mean of WorkerStats.swap_s;
@@ -34,8 +37,9 @@ import msgspec
 import numpy as np
 
 from reel.bus.errors import ReelError
-from reel.bus.events import Sample, StepCommitted, Trajectory, WorkerStats
+from reel.bus.events import RunStarted, Sample, StepCommitted, Trajectory, WorkerStats
 from reel.bus.log import LogError, RunLog
+from reel.replay.simulate_cores import Cores, CpuRate, fit_cores
 from reel.runtime.config import Config, ConfigError, load
 
 __all__ = ["WorkloadError", "Pipeline", "GroupShape", "StepModel", "TrainerModel", "Measured", "Workload", "extract",
@@ -112,6 +116,7 @@ class Workload(msgspec.Struct, kw_only=True):
     trainer: TrainerModel
     swap_s: float  # mean seconds from a worker reading WeightsPublished to the weights being live
     measured: Measured
+    cores: Cores | None = None  # the shared-cores model; None: the log has no CPU times to fit it
 
 
 def extract(run_dir: Path) -> Workload:
@@ -123,6 +128,7 @@ def extract(run_dir: Path) -> Workload:
             commits = _timed(run_log, "steps", StepCommitted)
             stats = _timed(run_log, "control", WorkerStats)
             trajectories = _timed(run_log, "trajectories", Trajectory)
+            cpu_count = max([e.cpu_count for _, e in _timed(run_log, "control", RunStarted)] or [0])
     except LogError as exc:
         raise WorkloadError(f"cannot read the log of {run_dir}: {exc}") from exc
     if len(commits) < 3:
@@ -136,9 +142,15 @@ def extract(run_dir: Path) -> Workload:
     # Calibrate on the steady state, as the measured figures do: before the first commit the
     # engine also compiles kernels and warms caches.
     stats = [(ms, e) for ms, e in stats if commits[0][0] < ms <= commits[-1][0]]
-    return Workload(run_dir=str(run_dir), pipeline=pipeline_of(config), groups=groups,
-                    decode=_fit_decode(run_dir, stats, computing, active), trainer=_fit_trainer(commits, active),
-                    swap_s=_mean([s for _, e in stats for s in e.swap_s]), measured=measured_of(commits, stats))
+    pipeline = pipeline_of(config)
+    intervals = _decode_intervals(run_dir, stats, computing, active)
+    steps = _trainer_steps(commits, active)
+    cores = _fit_cores(cpu_count, config.trainer.threads or 1, pipeline.rollout_workers, intervals, steps)
+    return Workload(run_dir=str(run_dir), pipeline=pipeline, groups=groups,
+                    decode=_fit_decode(intervals, cores and cores.decode_slowdown(pipeline.rollout_workers)),
+                    trainer=_fit_trainer(commits, steps, cores and cores.trainer_slowdown(pipeline.rollout_workers)),
+                    swap_s=_mean([s for _, e in stats for s in e.swap_s]), measured=measured_of(commits, stats),
+                    cores=cores)
 
 
 def pipeline_of(config: Config) -> Pipeline:
@@ -177,10 +189,22 @@ def _turns(sample: Sample) -> list[int]:
 
 # ---- fitting ------------------------------------------------------------------------------------
 
-def _fit_decode(run_dir: Path, stats: list[tuple[int, WorkerStats]], computing: np.ndarray,
-                active: dict[str, np.ndarray]) -> StepModel:
-    """Least squares of the mean step time on mean batch and prefill over WorkerStats intervals."""
-    rows = []  # (steps, mean batch, mean prefill, mean step seconds, share of active time the trainer computed)
+class _Interval(msgspec.Struct, array_like=True):
+    """One worker's WorkerStats interval: decode steps, their mean batch, prefill and seconds; its
+    active seconds, the share of them the trainer computed, and its CPU seconds (0: not recorded)."""
+
+    steps: int
+    batch: float
+    prefill: float
+    step_s: float
+    active_s: float
+    overlap: float
+    cpu_s: float
+
+
+def _decode_intervals(run_dir: Path, stats: list[tuple[int, WorkerStats]], computing: np.ndarray,
+                      active: dict[str, np.ndarray]) -> list[_Interval]:
+    rows = []
     last: dict[str, tuple[int, WorkerStats]] = {}
     for ms, e in stats:
         prev = last.get(e.worker)
@@ -192,42 +216,70 @@ def _fit_decode(run_dir: Path, stats: list[tuple[int, WorkerStats]], computing: 
         tokens = e.decode_tokens - p.decode_tokens
         mine = _clip(active.get(e.worker, _NONE), prev[0], ms)
         busy = _length(mine)
-        rows.append((steps, tokens / steps, (e.forward_tokens - p.forward_tokens - tokens) / steps,
-                     (e.busy_s - p.busy_s) / steps, _intersection(mine, computing) / busy if busy else 0.0))
+        rows.append(_Interval(steps, tokens / steps, (e.forward_tokens - p.forward_tokens - tokens) / steps,
+                              (e.busy_s - p.busy_s) / steps, busy / 1000,
+                              _intersection(mine, computing) / busy if busy else 0.0,
+                              e.cpu_s - p.cpu_s if p.cpu_s else 0.0))
     if len(rows) < 3:
         raise WorkloadError(f"the log of {run_dir} has {len(rows)} WorkerStats intervals with decode timings after "
                             "step 1; it needs at least 3 (logs written before Reel recorded "
                             "WorkerStats.decode_steps cannot calibrate a simulation: re-run the config)")
-    w, b, x, s, o = (np.array(c, dtype=float) for c in zip(*rows))
-    (base, per_seq, per_prefill), shared = _fit_with_slowdown(w, np.stack([np.ones_like(b), b, x], axis=1), s, o)
-    return StepModel(base_s=base, per_seq_s=per_seq, per_prefill_token_s=per_prefill, shared_slowdown=shared,
-                     intervals=len(rows))
+    return rows
 
 
-def _fit_trainer(commits: list[tuple[int, StepCommitted]], active: dict[str, np.ndarray]) -> TrainerModel:
-    """Least squares of compute seconds on batch tokens; steps 2..N (step 1 pays one-off warm-ups)."""
+def _trainer_steps(commits: list[tuple[int, StepCommitted]], active: dict[str, np.ndarray]) -> list[CpuRate]:
+    """Steps 2..N: CPU and compute seconds, the mean share of the compute each worker was active."""
     rows = []
     for ms, e in commits[1:]:
         end = ms - 1000 * e.timing.publish
         span = np.array([[end - 1000 * e.timing.compute, end]])
         decoding = [_intersection(a, span) / max(1.0, 1000 * e.timing.compute) for a in active.values()]
-        rows.append((e.metrics.get("tokens", 0.0), e.timing.compute, _mean(decoding)))
-    tokens, seconds, shared = (np.array(c, dtype=float) for c in zip(*rows))
-    (base, per_token), slowdown = _fit_with_slowdown(np.ones_like(tokens), np.stack([np.ones_like(tokens), tokens],
-                                                                                      axis=1), seconds, shared)
-    return TrainerModel(base_s=base, per_token_s=per_token, shared_slowdown=slowdown,
+        rows.append(CpuRate(e.cpu_s, e.timing.compute, _mean(decoding)))
+    return rows
+
+
+def _fit_cores(cpu_count: int, trainer_threads: int, workers: int, intervals: list[_Interval],
+               steps: list[CpuRate]) -> Cores | None:
+    """The shared-cores model, when the log has the core count and both roles' CPU times."""
+    rollout = [CpuRate(i.cpu_s, i.active_s, i.overlap) for i in intervals if i.cpu_s > 0 and i.active_s > 0]
+    trainer = [s for s in steps if s.cpu_s > 0 and s.wall_s > 0]
+    if cpu_count < 1 or len(rollout) < 3 or len(trainer) < 3:
+        return None
+    return fit_cores(cpu_count, trainer_threads, workers, trainer, rollout)
+
+
+def _fit_decode(rows: list[_Interval], slowdown: float | None) -> StepModel:
+    """Least squares of the mean step time on mean batch and prefill over WorkerStats intervals."""
+    w, b, x, s, o = (np.array([getattr(r, f) for r in rows], dtype=float)
+                     for f in ("steps", "batch", "prefill", "step_s", "overlap"))
+    (base, per_seq, per_prefill), shared = _fit_with_slowdown(w, np.stack([np.ones_like(b), b, x], axis=1), s, o,
+                                                              slowdown)
+    return StepModel(base_s=base, per_seq_s=per_seq, per_prefill_token_s=per_prefill, shared_slowdown=shared,
+                     intervals=len(rows))
+
+
+def _fit_trainer(commits: list[tuple[int, StepCommitted]], steps: list[CpuRate],
+                 slowdown: float | None) -> TrainerModel:
+    """Least squares of compute seconds on batch tokens; steps 2..N (step 1 pays one-off warm-ups)."""
+    tokens = np.array([e.metrics.get("tokens", 0.0) for _, e in commits[1:]], dtype=float)
+    seconds = np.array([s.wall_s for s in steps], dtype=float)
+    shared = np.array([s.overlap for s in steps], dtype=float)
+    (base, per_token), k = _fit_with_slowdown(np.ones_like(tokens), np.stack([np.ones_like(tokens), tokens], axis=1),
+                                              seconds, shared, slowdown)
+    return TrainerModel(base_s=base, per_token_s=per_token, shared_slowdown=k,
                         publish_s=_mean([e.timing.publish for _, e in commits[1:]]),
                         ranks=max(e.world_size for _, e in commits[1:]))
 
 
-def _fit_with_slowdown(weight: np.ndarray, x: np.ndarray, y: np.ndarray,
-                       shared: np.ndarray) -> tuple[list[float], float]:
-    """y ≈ (x · coef)(1 + k · shared), coef >= 0: weighted least squares at each k of a grid, best k.
+def _fit_with_slowdown(weight: np.ndarray, x: np.ndarray, y: np.ndarray, shared: np.ndarray,
+                       slowdown: float | None) -> tuple[list[float], float]:
+    """y ≈ (x · coef)(1 + k · shared), coef >= 0: weighted least squares at k = `slowdown` (the
+    shared-cores model's), else at each k of a grid, best k.
 
-    When `shared` does not vary (a synchronous run never overlaps) every k fits alike and the
-    smallest, 0, is kept: such a log cannot tell what sharing costs."""
+    When `shared` does not vary (a synchronous run never overlaps) every k of the grid fits alike
+    and the smallest, 0, is kept: without CPU times such a log cannot tell what sharing costs."""
     best: tuple[float, list[float], float] = (math.inf, [0.0] * x.shape[1], 0.0)
-    for k in _SLOWDOWN_GRID:
+    for k in _SLOWDOWN_GRID if slowdown is None else [slowdown]:
         factor = 1.0 + k * shared
         coef = _non_negative_lstsq(x * factor[:, None], y, weight)
         residual = float(np.sum(weight * (y - (x @ coef) * factor) ** 2))

@@ -153,6 +153,9 @@ def _measure(run_dir: Path, config: Config) -> dict[str, float]:
         "trainer_idle": round(waited / wall, 3),
         "rollout_idle": round(rollout_idle, 3) if rollout_idle is not None else None,
         "trainer_busy_s": round(wall - waited, 3),  # compute + publish
+        # CPU seconds of the trainer's compute: more per token in asynchronous mode is work the step
+        # does only there (the mismatch split scores the batch again per older version), not cores.
+        "trainer_cpu_s": round(sum(s.cpu_s for s in timed), 3),
         "rollout_busy_s": round(wall * (1 - rollout_idle), 3) if rollout_idle is not None else wall,
         "worker_stats": len(stats),
         "reward_first": round(steps[0].metrics.get("reward_mean", float("nan")), 3),

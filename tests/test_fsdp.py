@@ -71,9 +71,11 @@ def test_expert_parallel_equals_one_process_playing_every_rank(tmp_path: Path, r
         state, result = train_step(state, batch, cfg, emulated)
     ranks_sd, alone = load((tmp_path / "weights.safetensors").read_bytes()), load(state_dict_bytes(state.model))
     assert ranks_sd.keys() == alone.keys()
-    # Float32 rounding of sums split across ranks, compounded over 3 AdamW steps (1.45e-6 seen after the
-    # round-3 loss changes; 1e-6 held before).
-    assert max(float((ranks_sd[k] - alone[k]).abs().max()) for k in ranks_sd) < 2e-6
+    # Float32 rounding of sums split across ranks, compounded over 3 AdamW steps. 2 ranks, 2026-12-03:
+    # 5.1e-7 before the float64 group statistics (4970a30^), 2.9e-7 after and at this commit, alone
+    # and in the whole file; the 1.45e-6 once reported here did not reproduce.
+    worst = max(float((ranks_sd[k] - alone[k]).abs().max()) for k in ranks_sd)
+    assert worst < 1e-6, worst
     logged = json.loads((tmp_path / "results.json").read_text())
     assert result.loss == pytest.approx(logged[-1]["loss"], rel=1e-5, abs=1e-7)
     assert result.grad_norm == pytest.approx(logged[-1]["grad_norm"], rel=1e-3)

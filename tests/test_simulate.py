@@ -16,9 +16,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from reel.bus.events import Sample, StepCommitted, StepTiming, Tensor, Trajectory, WorkerStats, encode
+from reel.bus.events import RunStarted, Sample, StepCommitted, StepTiming, Tensor, Trajectory, WorkerStats, encode
 from reel.bus.log import RunLog
 from reel.replay.simulate import Scenario, SimulationError, simulate
+from reel.replay.simulate_cores import Cores
 from reel.replay.simulate_report import tv_distance
 from reel.replay.workload import WorkloadError, extract
 from reel.runtime import config as config_mod
@@ -40,16 +41,24 @@ def _sample(turns: tuple[int, ...]) -> Sample:
 
 
 def _write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: float = 0.0,
-               episodes: list[tuple[int, ...]] | None = None, world_size: int = 1) -> Path:
+               episodes: list[tuple[int, ...]] | None = None, world_size: int = 1, cores: Cores | None = None) -> Path:
     """A run directory whose log holds exactly the constants above (and `slowdown` while overlapping);
-    every group's samples have the turns of `episodes` (default: N one-turn samples of L tokens)."""
+    every group's samples have the turns of `episodes` (default: N one-turn samples of L tokens).
+    With `cores`, the log has CPU times and the times are those that processor sharing gives."""
     raw = {"run": {"name": "synthetic", "steps": steps},
            "rollout": {"workers": 1, "concurrency": G, "group_size": N, "async_level": async_level, "max_tokens": L},
            "trainer": {"batch_groups": G, "max_off_policy_steps": 8, "ranks": world_size}, "engine": {"max_batch": 64}}
     run_dir.mkdir()
     (run_dir / "config.toml").write_text(config_mod.to_toml(config_mod.from_dict(raw, source="test")))
     meta = {"run": "synthetic", "producer": "test"}
+    # The worker always has a group in flight, so the trainer always computes beside it.
+    trainer_share, decode_slowdown = 1.0, slowdown
+    if cores is not None:
+        trainer_share, decode_slowdown = cores.share(1, 1), cores.decode_slowdown(1)
     with RunLog(run_dir) as log:
+        if cores is not None:
+            log.stream("control").append_batch([("900-0", encode(RunStarted(
+                **meta, seq=0, config_toml="", seed=0, code_version="", model_config={}, cpu_count=cores.cores)))])
         samples = [_sample(turns) for turns in episodes or [(L,)] * N]
         # The worker always has a group in flight: one published every 100 ms, started 100 ms before.
         log.stream("trajectories").append_batch([
@@ -60,39 +69,42 @@ def _write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: fl
         commits, now_ms = [], 1000
         for step in range(1, 9):
             tokens = 20 * step
-            compute = C0 + C1 * tokens
+            alone = C0 + C1 * tokens
+            compute = alone * (1 + (cores.trainer_slowdown(1) if cores else 0.0))
             now_ms += 1000
             commits.append((f"{now_ms}-0", encode(StepCommitted(
                 **meta, seq=step, step=step, version=step, groups=[], dropped=[], loss=0.0, grad_norm=0.0,
                 weights_sha256="", timing=StepTiming(wait=1.0 - compute - PUBLISH, compute=compute, publish=PUBLISH),
-                metrics={"tokens": float(tokens)}, world_size=world_size))))
+                metrics={"tokens": float(tokens)}, world_size=world_size, cpu_s=compute * trainer_share))))
         log.stream("steps").append_batch(commits)
         # WorkerStats every 700 ms (so intervals overlap compute by varying shares), batch sizes varying.
-        stats, steps_done, tokens_done, forward, busy = [], 0, 0, 0, 0.0
+        stats, steps_done, tokens_done, forward, busy, cpu = [], 0, 0, 0, 0.0, 1.0
         for i in range(12):
             ms = 1500 + 700 * i
             if i:
                 batch = 4 + 3 * (i % 5)
-                share = _overlap_share(ms - 700, ms)
+                share = _overlap_share(ms - 700, ms, cores)
                 count, prefill = 10 + i, 5 * (i % 3)
                 steps_done += count
                 tokens_done += count * batch
                 forward += count * (batch + prefill)
-                busy += count * (A + B * batch + X * prefill) * (1 + slowdown * share)
+                busy += count * (A + B * batch + X * prefill) * (1 + decode_slowdown * share)
+                if cores is not None:
+                    cpu += cores.worker_threads * 0.7 * ((1 - share) * cores.share(0, 1) + share * cores.share(1, 1))
             stats.append((f"{ms}-0", encode(WorkerStats(
                 **meta, seq=100 + i, worker="rollout:0", tokens_per_s=0.0, running=0, waiting=0, policy_version=0,
                 groups_published=0, decode_steps=steps_done, decode_tokens=tokens_done, forward_tokens=forward, busy_s=busy,
-                swap_s=[SWAP]))))
+                swap_s=[SWAP], cpu_s=cpu if cores else 0.0))))
         log.stream("control").append_batch(stats)
     return run_dir
 
 
-def _overlap_share(start_ms: float, end_ms: float) -> float:
+def _overlap_share(start_ms: float, end_ms: float, cores: Cores | None = None) -> float:
     """Share of [start, end] inside the synthetic trainer's compute intervals."""
     covered = 0.0
     for step in range(1, 9):
         end = 2000 + 1000 * (step - 1) - 1000 * PUBLISH
-        begin = end - 1000 * (C0 + C1 * 20 * step)
+        begin = end - 1000 * (C0 + C1 * 20 * step) * (1 + (cores.trainer_slowdown(1) if cores else 0.0))
         covered += max(0.0, min(end, end_ms) - max(begin, start_ms))
     return covered / (end_ms - start_ms)
 
@@ -113,6 +125,45 @@ def test_calibration_finds_the_shared_core_slowdown(tmp_path: Path) -> None:
     w = extract(_write_run(tmp_path / "run", async_level=2, slowdown=0.8))
     assert w.decode.shared_slowdown == pytest.approx(0.8, abs=0.011)
     assert w.decode.base_s == pytest.approx(A, rel=0.02)
+
+
+def test_calibration_fits_the_shared_cores_from_cpu_times(tmp_path: Path) -> None:
+    # 2 cores, 3 other runnable threads, a worker worth 1.5 threads: every role is slowed by the
+    # other, and the log's CPU times say by how much.
+    truth = Cores(cores=2, background=3.0, trainer_threads=1, worker_threads=1.5, trainer_rate=0, worker_rate=0)
+    w = extract(_write_run(tmp_path / "run", async_level=0, cores=truth))
+    assert w.cores is not None and w.cores.cores == 2
+    assert (w.cores.background, w.cores.worker_threads) == pytest.approx((3.0, 1.5), abs=0.051)
+    assert w.cores.trainer_rate == pytest.approx(2 / 5.5, rel=1e-6)  # 1 thread of 5.5 on 2 cores
+    # Times are taken back to the roles alone: the constants, and the model's slowdowns.
+    assert w.decode.shared_slowdown == pytest.approx(truth.decode_slowdown(1), rel=0.05)
+    assert w.trainer.shared_slowdown == pytest.approx(truth.trainer_slowdown(1), rel=0.05)
+    assert (w.decode.base_s, w.trainer.base_s) == pytest.approx((A, C0), rel=0.05)
+    # A second worker demands 1.5 threads more: both roles slow further.
+    assert w.cores.decode_slowdown(2) < w.cores.decode_slowdown(1) < w.cores.trainer_slowdown(1) \
+        < w.cores.trainer_slowdown(2)
+    # A log without CPU times has no such model, and says so for an asynchronous scenario.
+    assert extract(_write_run(tmp_path / "old", async_level=0)).cores is None
+
+
+def test_background_rescales_each_role_from_the_logged_machine_to_the_scenarios(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    truth = Cores(cores=2, background=3.0, trainer_threads=1, worker_threads=1.5, trainer_rate=0, worker_rate=0)
+    run = _write_run(tmp_path / "run", async_level=0, cores=truth)
+    w = extract(run)
+    walls = {bg: simulate(w, Scenario(pipeline=w.pipeline, dedicated=True, background=bg)).wall_s
+             for bg in (None, 3.0, 0.0)}
+    assert walls[3.0] == pytest.approx(walls[None], rel=1e-9)  # the logged machine
+    # Alone on 2 cores the trainer's one thread and the worker's 1.5 each run at full speed: the
+    # trainer 2/4 -> 1 (2x faster), the worker 2/4.5 -> 1 (2.25x); sync wall = sum of both sides.
+    step = _rollout_s() / 2.25 + (C0 + C1 * G * N * L + PUBLISH) / 2 + SWAP
+    assert walls[0.0] == pytest.approx(11 * step, rel=0.02)  # steps 2..12
+    assert reel(["simulate", "--run", str(run), "--json", "--sweep", "background=0,3"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows[0]["result"]["wall_s"] < rows[1]["result"]["wall_s"]
+    old = _write_run(tmp_path / "old", async_level=0)
+    assert reel(["simulate", "--run", str(old), "--background", "0"]) != 0
+    assert "needs a value of 0 or more and a log with CPU times" in capsys.readouterr().err
 
 
 def _rollout_s(speedup: float = 1.0) -> float:
@@ -319,6 +370,23 @@ def test_rank_efficiency_is_fitted_from_bench_fsdp_and_says_where_it_came_from(
     assert "not a `reel bench fsdp` JSON line" in capsys.readouterr().err
 
 
+def test_rank_efficiency_is_fitted_from_a_one_rank_and_a_two_rank_run(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    # The synthetic logs' steps take the same compute seconds on 1 rank and on 2: efficiency 1/2.
+    one = _write_run(tmp_path / "one", async_level=0, world_size=1)
+    two = _write_run(tmp_path / "two", async_level=0, world_size=2)
+    assert reel(["simulate", "--run", str(one), "--trainer-ranks", "2", "--dedicated", "--json",
+                 "--rank-efficiency-from", str(two), str(one)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["rank_efficiency"] == pytest.approx(0.5)
+    source = out["rank_efficiency_source"]
+    assert source.startswith(f"fitted from the run logs {one} (1 rank") and f"{two} (2 ranks" in source
+    for wrong in ([str(one), str(one)], [str(one), str(tmp_path / "none")], [str(one), str(two), str(one)]):
+        assert reel(["simulate", "--run", str(one), "--rank-efficiency-from", *wrong]) != 0
+        err = capsys.readouterr().err
+        assert "--rank-efficiency-from" in err and "Traceback" not in err
+
+
 def test_a_synchronous_log_says_it_cannot_tell_what_sharing_costs(tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     run = _write_run(tmp_path / "run", async_level=0)
@@ -327,7 +395,8 @@ def test_a_synchronous_log_says_it_cannot_tell_what_sharing_costs(tmp_path: Path
                         ("as logged", [])):
         assert reel(["simulate", "--run", str(run), "--json", *extra]) == 0
         notes[name] = json.loads(capsys.readouterr().out)["caveats"]
-    assert len(notes["async"]) == 1 and "what sharing cores costs is unknown" in notes["async"][0]
-    assert notes["dedicated"] == [] and notes["as logged"] == []
+    assert len(notes["async"]) == 2 and "what sharing cores costs is unknown" in notes["async"][1]
+    assert "mismatch split" in notes["async"][0] and notes["dedicated"] == notes["async"][:1]
+    assert notes["as logged"] == []
     assert reel(["simulate", "--run", str(run), "--async-level", "1"]) == 0
     assert "note: calibrated on a synchronous log" in capsys.readouterr().out

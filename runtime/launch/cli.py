@@ -213,8 +213,9 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--rank-efficiency", type=float, default=None,
                      help="trainer throughput of N ranks = N x this (default: from --rank-efficiency-from, else 0.9, "
                           "assumed)")
-    sim.add_argument("--rank-efficiency-from", default=None, metavar="BENCH.json",
-                     help="fit the rank efficiency from a `reel bench fsdp` JSON line (1-process vs 2-rank s/step; "
+    sim.add_argument("--rank-efficiency-from", default=None, nargs="+", metavar="PATH",
+                     help="fit the rank efficiency from a `reel bench fsdp` JSON line (1-process vs 2-rank s/step), "
+                          "or from two run directories of the same config on 1 rank and on N (compute s/token; "
                           "default: none)")
     sim.add_argument("--async-level", type=int, default=None, help="rollout.async_level (default: the run's)")
     sim.add_argument("--max-off-policy", type=int, default=None,
@@ -225,11 +226,14 @@ def _parser() -> argparse.ArgumentParser:
                      help="Redis CPU per event in µs, from `reel bench bus` (0 = not modelled)")
     sim.add_argument("--dedicated", action="store_true",
                      help="rollout and trainer on their own hardware: no slowdown fitted for shared cores")
+    sim.add_argument("--background", type=float, default=None,
+                     help="other runnable threads sharing the machine's cores (0 = the run alone; needs a log with "
+                          "CPU times; default: as fitted on the log)")
     sim.add_argument("--steps", type=int, default=None, help="trainer steps to simulate (default: the run's)")
     sim.add_argument("--seed", type=int, default=0, help="seed of the group resampling")
     sim.add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2,...",
                      help="one scenario per value (repeat for a grid; default: one scenario); keys: rollout-workers, "
-                          "trainer-ranks, async-level, max-off-policy, speedup-rollout, speedup-trainer")
+                          "trainer-ranks, async-level, max-off-policy, speedup-rollout, speedup-trainer, background")
     sim.add_argument("--against", default=None, metavar="DIR",
                      help="simulate DIR's configuration and compare with what DIR measured (default: no comparison)")
     sim.add_argument("--set", action="append", default=None, metavar="SECTION.KEY=VALUE",
