@@ -143,8 +143,7 @@ class VLLMEngineBase(Engine):
             raise EngineError("the vLLM engine needs a blob store to hand weights to its workers")
         blobs = self.blobs
         if isinstance(weights, WeightManifest):
-            full = full_of(weights) if weights.base_version >= 0 else weights
-            await asyncio.to_thread(verify_version, blobs, full, self._shapes)
+            await self._verify(weights)
             # The published manifest's own bytes: the store holds them already, under the same hash.
             ref = await asyncio.to_thread(blobs.put, encode_manifest(weights))
             return LOAD_MANIFEST, [ref.sha256]
@@ -157,6 +156,14 @@ class VLLMEngineBase(Engine):
         if not path.is_file():
             raise EngineError(f"weights blob {weights.sha256} is not at {path}, where vLLM's workers read it")
         return LOAD_WEIGHTS, [str(path), weights.sha256]
+
+    async def _verify(self, manifest: WeightManifest) -> None:
+        """WeightLoadError unless every shard the workers would load is whole and the model's (a delta:
+        its full shards, which is what vLLM loads)."""
+        if self.blobs is None:
+            raise EngineError("the vLLM engine needs a blob store to hand weights to its workers")
+        full = full_of(manifest) if manifest.base_version >= 0 else manifest
+        await asyncio.to_thread(verify_version, self.blobs, full, self._shapes)
 
     def _completion(self, prompt_len: int, tokens: list[int], logprobs: list[float], finish_reason: str | None,
                     routing: np.ndarray | None, spans: list[tuple[int, int | None]], version: int,

@@ -289,6 +289,8 @@ class VLLMHTTPEngine(VLLMEngineBase):
                              version: int) -> None:
         await self.start()
         if not self.push_weights:
+            if isinstance(weights, WeightManifest):  # what worker 0 refuses, this worker refuses too
+                await self._verify(weights)  # (rather than wait for a version the servers never get)
             self.version = await self._wait_for_version(version)
             return
         method, args = await self._load_call(weights)

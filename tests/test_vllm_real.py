@@ -196,11 +196,14 @@ def _damage(blobs: BlobStore, manifest: WeightManifest, damage: str, tmp_path: P
 async def test_http_a_bad_shard_is_refused_and_the_old_version_keeps_serving(models, server, server_blobs, tmp_path,
                                                                              damage: str, reason: str) -> None:
     blobs = BlobStore(server_blobs)
-    async with _engine(models, server, blobs) as engine:
+    async with _engine(models, server, blobs) as engine, _engine(models, server, blobs, push_weights=False) as follower:
         await _push(engine, models[1], blobs, 60)
         _, manifest = _manifest(blobs, _model(7), 61)
+        damaged = _damage(blobs, manifest, damage, tmp_path)
         with pytest.raises(WeightLoadError, match=reason):  # what the rollout worker dead-letters
-            await engine.update_weights(_damage(blobs, manifest, damage, tmp_path), 61)
+            await engine.update_weights(damaged, 61)
+        with pytest.raises(WeightLoadError, match=reason):  # a follower does not wait for it
+            await follower.update_weights(damaged, 61)
         assert await engine._server_version(server) == 60
         greedy, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
     assert greedy.spans == [(0, 60)] and greedy.tokens == _greedy_tokens(models[1], PROMPT, 16)
