@@ -8,16 +8,17 @@ load (runtime/weight_load.py into the built-in engine): read (map every shard, t
   (sha256 of every shard), copy (into the engine's parameters), each timed alone; then the swap as a
   rollout worker runs it: update (update_weights: read, verify, copy, overlapped across shards) and
   visible (what the first request under the new version costs over the same request without a swap:
-  the engine rebuilding its prepared weights), with requests decoding meanwhile at the small size.
+  nothing left to rebuild, since the copy also fills the engine's prepared weights in place), with
+  requests decoding meanwhile at the small size.
   Baseline: a raw read of the same bytes (every shard file, page cache warm) into one reused buffer.
 `ratio` = baseline seconds / pipeline seconds (1.0: as fast as the medium; `update_ratio` leaves out
 visible). Extra RSS: the most the process's resident memory rose above its level before the phase
 (sampled every 2 ms).
 Two sizes: `small` (~14M parameters, fp32 shards, what the built-in engine serves) and `large` (~550M
 parameters, bf16 shards, ~1.1 GB). Mooncake (one object per shard, a master and holder started here) and
-vLLM, which still loads one whole blob (producers/vllm.py), get a row each at the small size
-(REEL_BENCH_NO_VLLM=1 leaves vLLM out: starting vLLM on CPU takes minutes). Best
-of `rounds` for every figure.
+vLLM (`vllm serve` on CPU loading the manifest: producers/vllm_worker.py) get a row each at the small
+size (REEL_BENCH_NO_VLLM=1 leaves vLLM out: starting vLLM on CPU takes minutes). Best of `rounds` for
+every figure.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from reel.runtime import config as config_mod
 from reel.runtime.model import state_dict_adapter
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel
-from reel.runtime.model.weights import hub_tensors, save, state_dict_bytes
+from reel.runtime.model.weights import hub_tensors, save
 from reel.runtime.weight_delta import changed, publish_delta
 from reel.runtime.weight_load import copy_version, verify_version
 from reel.runtime.weight_publish import DTYPES, buckets, publish_version
@@ -291,7 +292,7 @@ def _mooncake_row(root: Path, config: MoEConfig, dtype: str, rounds: int) -> dic
             "update_rss_mb": swaps["update_rss_mb"], "update_ratio": round(raw_s / swaps["update_s"], 3)}
 
 
-# ---- vLLM (one whole blob) ------------------------------------------------------------------------
+# ---- vLLM (the manifest, streamed into each worker) ---------------------------------------------
 
 
 def _vllm_row(root: Path, config: MoEConfig, rounds: int) -> dict[str, object]:
@@ -302,25 +303,29 @@ def _vllm_row(root: Path, config: MoEConfig, rounds: int) -> dict[str, object]:
 
     root.mkdir(parents=True)
     blobs = BlobStore(root / "blobs")
-    versions = [blobs.put(state_dict_bytes(_model(config, seed))) for seed in range(rounds + 1)]
+    manifests = [_published(blobs, _model(config, seed), seed, "float32") for seed in range(rounds + 1)]
     save(_model(config, 0), root / "model")
-    raw_s = _best(rounds + 1, lambda: _raw_read(blobs, versions[:1]))
+    shards = [s.blob for s in manifests[0].shards]
+    raw_s = _best(rounds + 1, lambda: _raw_read(blobs, shards))
     with local_vllm(config_mod.loads(SERVE), root / "model", root / "vllm.log", blobs.root) as url:
         engine = VLLMHTTPEngine(root / "model", url=url, blobs=blobs, version=-1, routed_experts=False)
-        swap_s = asyncio.run(_time_blob_swaps(engine, versions))
-    return {"format": "safetensors", "gb": _gb(versions[0].nbytes), "raw_read_s": _s(raw_s), "swap_s": _s(swap_s),
-            "ratio": round(raw_s / swap_s, 3)}
+        swap_s = asyncio.run(_time_vllm_swaps(engine, manifests))
+    nbytes = sum(ref.nbytes for ref in shards)
+    return {"format": "manifest", "gb": _gb(nbytes), "shards": len(shards), "raw_read_s": _s(raw_s),
+            "swap_s": _s(swap_s), "swap_gb_per_s": _rate(nbytes, swap_s), "ratio": round(raw_s / swap_s, 3)}
 
 
-async def _time_blob_swaps(engine: Engine, versions: list[BlobRef]) -> float:
+async def _time_vllm_swaps(engine: Engine, manifests: list[WeightManifest]) -> float:
+    """Best seconds from update_weights (verify, then every worker verifies and streams) to the first
+    sample under the new version, with requests decoding meanwhile."""
     best = float("inf")
     async with engine:
-        await engine.update_weights(versions[0], 0)
-        for version, ref in enumerate(versions[1:], start=1):
+        await engine.update_weights(manifests[0], 0)
+        for version, manifest in enumerate(manifests[1:], start=1):
             decoding = asyncio.create_task(engine.generate(PROMPT, BACKGROUND))
             await asyncio.sleep(0.2)
             start = time.perf_counter()
-            await engine.update_weights(ref, version)
+            await engine.update_weights(manifest, version)
             probe, = await engine.generate(PROMPT, PROBE)
             best = min(best, time.perf_counter() - start)
             if probe.spans != [(0, version)]:

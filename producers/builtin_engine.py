@@ -29,7 +29,7 @@ import collections
 import heapq
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -43,7 +43,7 @@ from reel.producers.engine import Completion, Engine, EngineClosed, EngineError,
 from reel.producers.sampling import Sampler, Uniforms
 from reel.runtime.model import state_dict_adapter
 from reel.runtime.model.cached_forward import forward_cached, release_prepared
-from reel.runtime.model.kvcache import new_cache
+from reel.runtime.model.kvcache import Target, mark_current, new_cache, prepared_targets
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import load_state_dict_bytes
 from reel.runtime.weight_delta import apply_delta, full_of, verify_delta
@@ -270,7 +270,12 @@ class BuiltinEngine(Engine):
 
     @torch.inference_mode()
     def _load(self, weights: Mapping[str, torch.Tensor] | bytes | WeightManifest) -> None:
-        release_prepared(self.model)
+        # A full manifest goes straight into the parameters and the prepared weights, in place;
+        # anything else drops the prepared weights, rebuilt on the next step.
+        targets = prepared_targets(self.model, self.max_seq_len)
+        if not isinstance(weights, WeightManifest) or weights.base_version >= 0 or targets is None:
+            release_prepared(self.model)
+            targets = {}
         if isinstance(weights, WeightManifest):  # verified: copied shard by shard from the store's maps
             if weights.base_version >= 0 and not (wrong := apply_delta(self.blobs, weights, self._hub)):
                 return
@@ -278,10 +283,26 @@ class BuiltinEngine(Engine):
                 log.warning("delta of version %d did not reproduce shards %s; loading its full shards",
                             weights.version, wrong)
                 weights = self._verified(full_of(weights))
-            copy_version(self.blobs, weights, lambda name, t: self._hub[name].copy_(t))
+            copy_version(self.blobs, weights, self._copier(targets))
+            if targets:
+                mark_current(self.model, self.max_seq_len)
             return
         # A state dict takes the blob's path too (safetensors in memory), so both are checked alike.
         load_state_dict_bytes(self.model, weights if isinstance(weights, bytes) else st_save(dict(weights)))
+
+    def _copier(self, targets: dict[str, list[Target]]) -> Callable[[str, torch.Tensor], None]:
+        """Copies a Hub tensor into its parameter, then the parameter into its prepared slices."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        config = self.model.config
+
+        @torch.inference_mode()  # on copy_version's threads: the prepared tensors are inference tensors
+        def copy(name: str, t: torch.Tensor) -> None:
+            self._hub[name].copy_(t)
+            for param, expert, _ in state_dict_adapter.param_slices(name, t, config):
+                for dest, value in targets.get(param, ()):
+                    whole = value(params[param])
+                    _copy(*((dest, whole) if expert is None else (dest[expert], whole[expert])))
+        return copy
 
     def _verified(self, manifest: WeightManifest) -> WeightManifest:
         """The manifest to load, checked: a delta on the version held here, else the version's full shards."""
@@ -375,6 +396,16 @@ class BuiltinEngine(Engine):
                 finished.append(seq)
         self._running = [s for s in seqs if not s.finish_reason]
         return finished
+
+
+def _copy(into: torch.Tensor, src: torch.Tensor, block: int = 32) -> None:
+    """into.copy_(src). A transposed source into a strided slice (the fused q/k/v, the gate/up halves)
+    is copy_'s slow path (16x slower here than blocked): copy it a few source rows at a time."""
+    if into.is_contiguous() or into.dim() != 2:
+        into.copy_(src)
+        return
+    for first in range(0, into.shape[1], block):
+        into[:, first:first + block].copy_(src[:, first:first + block])
 
 
 def _completion(seq: _Sequence) -> Completion:

@@ -19,7 +19,11 @@ How Reel's contract maps onto vLLM:
   The prefix cache is salted with the version a request starts under (`cache_salt`),
   so no request reuses KV blocks computed by other weights. A weight update pauses the scheduler
   with mode="keep" and clear_cache=False (running requests keep their KV and resume under the new
-  weights), loads the safetensors blob in every worker through `ReelWorkerExtension`, and resumes.
+  weights), loads the version in every worker through `ReelWorkerExtension` (producers/vllm_worker.py:
+  a manifest's shards streamed, or one safetensors blob), and resumes. A manifest version is
+  verified here first, while the old version serves: a corrupted, missing or outside shard, or one
+  whose tensors are not the model's, is a WeightLoadError (the rollout worker dead-letters it) and
+  the workers are never asked. A delta version loads its full shards.
   Spans come from vLLM's `weight_versions` where this vLLM has them; otherwise a sample gets the
   version it started under for all its tokens (its staleness is then over-estimated, never under).
 
@@ -39,17 +43,25 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+import torch
+
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import BlobRef
+from reel.bus.weight_manifest import WeightManifest, encode_manifest
 from reel.producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
+from reel.producers.vllm_worker import LOAD_MANIFEST, LOAD_WEIGHTS
 from reel.runtime.launch.vllm_args import (
     BLOBS_ENV, DTYPE, WORKER_EXTENSION, cpu_env, quantization, router_replay_unsupported,
 )
 from reel.runtime.model.config import MoEConfig
+from reel.runtime.model.model import MoEModel
+from reel.runtime.model.state_dict_adapter import to_hf
+from reel.runtime.weight_delta import full_of
+from reel.runtime.weight_load import verify_version
 
 log = logging.getLogger("reel.vllm")
 
@@ -58,13 +70,9 @@ try:
 except ImportError:  # the CPU path never needs it
     vllm = None
 
-if TYPE_CHECKING:
-    import torch
-
-__all__ = ["VLLMEngine", "VLLMEngineBase", "ReelWorkerExtension", "cache_salt", "policy_version", "sampling_options"]
+__all__ = ["VLLMEngine", "VLLMEngineBase", "cache_salt", "policy_version", "sampling_options", "hub_shapes"]
 
 _RATE_WINDOW_S = 5.0
-LOAD_WEIGHTS = "reel_load_weights"  # the ReelWorkerExtension method collective_rpc calls
 
 
 def cache_salt(version: int) -> str:
@@ -80,6 +88,13 @@ def policy_version(label: str | int | None) -> int | None:
         return int(label) if label is not None else None
     except ValueError:
         return None
+
+
+def hub_shapes(config: MoEConfig) -> dict[str, torch.Size]:
+    """Every Hub tensor the served model has, with its shape (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = MoEModel(config)
+    return {name: t.shape for name, t in to_hf(model.state_dict(), config).items()}
 
 
 def sampling_options(params: SamplingParams, first: int, n: int = 1) -> dict[str, Any]:
@@ -114,17 +129,24 @@ class VLLMEngineBase(Engine):
         self._routing_shape = (len(model.moe_layers), model.num_experts_per_tok)
         self._moe_layers = list(model.moe_layers)
         self._hidden_layers = model.num_hidden_layers
+        self._shapes = hub_shapes(model)  # what a manifest version must hold, checked before the workers load it
         self.version = version
         self._running = 0
         self._generated = 0
         self._spans_assumed = 0  # samples vLLM returned without weight_versions (spans assumed)
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
 
-    async def _weights_file(self, weights: Mapping[str, torch.Tensor] | BlobRef) -> tuple[str, str]:
-        """(path, sha256) of the weights as a safetensors blob that vLLM's workers read and verify."""
+    async def _load_call(self, weights: Mapping[str, torch.Tensor] | BlobRef | WeightManifest) -> tuple[str, list[str]]:
+        """(worker method, its args) that load `weights`: a manifest by its hash in the run's store,
+        verified here first (WeightLoadError: the workers are never asked), else one safetensors blob."""
         if self.blobs is None:
             raise EngineError("the vLLM engine needs a blob store to hand weights to its workers")
         blobs = self.blobs
+        if isinstance(weights, WeightManifest):
+            await self._verify(weights)
+            # The published manifest's own bytes: the store holds them already, under the same hash.
+            ref = await asyncio.to_thread(blobs.put, encode_manifest(weights))
+            return LOAD_MANIFEST, [ref.sha256]
         if not isinstance(weights, BlobRef):
             from safetensors.torch import save
 
@@ -133,7 +155,15 @@ class VLLMEngineBase(Engine):
         path = blobs.path(weights)
         if not path.is_file():
             raise EngineError(f"weights blob {weights.sha256} is not at {path}, where vLLM's workers read it")
-        return str(path), weights.sha256
+        return LOAD_WEIGHTS, [str(path), weights.sha256]
+
+    async def _verify(self, manifest: WeightManifest) -> None:
+        """WeightLoadError unless every shard the workers would load is whole and the model's (a delta:
+        its full shards, which is what vLLM loads)."""
+        if self.blobs is None:
+            raise EngineError("the vLLM engine needs a blob store to hand weights to its workers")
+        full = full_of(manifest) if manifest.base_version >= 0 else manifest
+        await asyncio.to_thread(verify_version, self.blobs, full, self._shapes)
 
     def _completion(self, prompt_len: int, tokens: list[int], logprobs: list[float], finish_reason: str | None,
                     routing: np.ndarray | None, spans: list[tuple[int, int | None]], version: int,
@@ -294,12 +324,13 @@ class VLLMEngine(VLLMEngineBase):
         return self._completion(len(prompt), tokens, [float(step[t].logprob) for step, t in zip(out.logprobs or (), tokens)],
                                 out.finish_reason, routing, spans, version, options["seed"])
 
-    async def update_weights(self, weights: Mapping[str, torch.Tensor] | BlobRef, version: int) -> None:
-        path, sha256 = await self._weights_file(weights)
+    async def update_weights(self, weights: Mapping[str, torch.Tensor] | BlobRef | WeightManifest,
+                             version: int) -> None:
+        method, args = await self._load_call(weights)
         await self.start()
         await self._llm.pause_generation(mode="keep", clear_cache=False)
         try:
-            await self._llm.collective_rpc(LOAD_WEIGHTS, args=(path, sha256))
+            await self._llm.collective_rpc(method, args=tuple(args))
             await self._llm.update_weight_version(str(version))
             self.version = version
         finally:
@@ -310,67 +341,6 @@ class VLLMEngine(VLLMEngineBase):
         if self._llm is not None:
             llm, self._llm = self._llm, None
             await asyncio.to_thread(llm.shutdown)
-
-
-class ReelWorkerExtension:
-    """Mixed into each vLLM worker (`worker_extension_cls`); `collective_rpc` calls its methods there."""
-
-    model_runner: Any  # provided by vLLM's worker
-
-    def reel_load_weights(self, path: str, sha256: str) -> None:
-        """Load a Reel weights blob (safetensors, HF names) in place: only the blob of hash `sha256` in
-        the run's blob store (REEL_BLOBS_DIR, set by the launcher), read through its checks; `path`
-        must be where that store keeps it. No other file is ever read."""
-        from safetensors.torch import load
-
-        data = _run_blob(path, sha256)
-        runner = self.model_runner
-        model = runner.get_model()  # the runner may wrap the model it serves
-        tensors = load(data)
-        try:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-        except ImportError:  # older vLLM: unquantised models load in place directly
-            model.load_weights(weights=iter(tensors.items()))
-            return
-        # Quantised (fp8) layers re-run their post-load processing after the raw weights are in.
-        initialize_layerwise_reload(model)
-        model.load_weights(weights=iter(tensors.items()))
-        finalize_layerwise_reload(model, runner.model_config)
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu() and any(".mlp.experts." in name for name in tensors):
-            _repack_cpu_experts(model)  # a blob always holds every expert: each is packed exactly once
-
-
-def _run_blob(path: str, sha256: str) -> bytes:
-    root = os.environ.get(BLOBS_ENV)
-    if not root:
-        raise ValueError(f"{BLOBS_ENV} is not set in the vLLM server's environment: weights load only from the "
-                         "run's blob store")
-    store = BlobStore(Path(root))
-    where = store.path(BlobRef(uri="", sha256=sha256, nbytes=0))  # BlobError for a key that is not a sha256
-    if Path(path).absolute() != where:
-        raise ValueError(f"weights blob {path} is not the blob {sha256} of the run's store {store.root}")
-    try:
-        size = where.lstat().st_size
-    except OSError as exc:
-        raise ValueError(f"weights blob {sha256} is not in the run's store {store.root}") from exc
-    return store.get(BlobRef(uri="", sha256=sha256, nbytes=size))
-
-
-def _repack_cpu_experts(model: Any) -> None:
-    """Prepack the CPU experts' new weights into the grouped-GEMM layout their kernel reads.
-
-    vLLM's unquantised MoE method runs that prepack on the first load only: on a weight update it
-    copies the raw weights into the packed storage and skips it (`_setup_kernel`, vLLM 0.32), so the
-    CPU kernel would read unpacked weights as packed (measured: logprobs 1e-2 off Reel's forward,
-    every other tensor bit-exact). Padding is a no-op for Reel's models (intermediate sizes are
-    multiples of the kernel's 32).
-    """
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        if kernel is not None and hasattr(module, "w13_weight"):
-            kernel.fused_experts.process_weights_after_loading(module)
 
 
 def known_spans(spans: list[tuple[int, int | None]], started: int) -> list[tuple[int, int]]:

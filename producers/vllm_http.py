@@ -14,10 +14,12 @@ is the wire:
                 then POST {server}/inference/v1/abort_requests to every server, best effort
     weights     on every server, each step on all of them before the next:
                 POST /pause?mode=keep&clear_cache=false  (running requests keep their KV)
-                POST /collective_rpc {method: reel_load_weights, args: [blob path, sha256]}
+                POST /collective_rpc {method: reel_load_manifest, args: [manifest sha256]}
+                    (a version published as one blob: reel_load_weights, [blob path, sha256])
                 POST /update_weight_version {new_version}  (vLLM's weight_versions spans name it)
                 POST /resume, always, even when a step before it failed
-                The blob path must be on a filesystem the servers see (the run directory).
+                The blob store must be on a filesystem the servers see (the run directory); a
+                manifest version is verified before the pause (producers/vllm.py says why).
 
 Rollout workers share the servers, so one of them (make_engine: worker 0) pushes weights; the
 others wait in `update_weights` until every server reports the version (GET /weight_info).
@@ -48,8 +50,9 @@ import numpy as np
 
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import BlobRef
+from reel.bus.weight_manifest import WeightManifest
 from reel.producers.engine import Completion, EngineClosed, EngineError, SamplingParams
-from reel.producers.vllm import LOAD_WEIGHTS, VLLMEngineBase, cache_salt, policy_version, sampling_options
+from reel.producers.vllm import VLLMEngineBase, cache_salt, policy_version, sampling_options
 from reel.producers.vllm_auth import KEY_ENV
 
 try:
@@ -282,15 +285,18 @@ class VLLMHTTPEngine(VLLMEngineBase):
             if isinstance(result, Exception):
                 log.warning("could not abort request %s: %s", request_id, result)
 
-    async def update_weights(self, weights: Mapping[str, torch.Tensor] | BlobRef, version: int) -> None:
+    async def update_weights(self, weights: Mapping[str, torch.Tensor] | BlobRef | WeightManifest,
+                             version: int) -> None:
         await self.start()
         if not self.push_weights:
+            if isinstance(weights, WeightManifest):  # what worker 0 refuses, this worker refuses too
+                await self._verify(weights)  # (rather than wait for a version the servers never get)
             self.version = await self._wait_for_version(version)
             return
-        path, sha256 = await self._weights_file(weights)
+        method, args = await self._load_call(weights)
         try:
             await self._each("/pause", params={"mode": "keep", "clear_cache": "false"})
-            await self._each("/collective_rpc", body={"method": LOAD_WEIGHTS, "args": [path, sha256]})
+            await self._each("/collective_rpc", body={"method": method, "args": args})
             await self._each("/update_weight_version", body={"new_version": str(version)})
             self.version = version
         finally:

@@ -37,7 +37,7 @@ from reel.runtime.reexecute import initial_state, restored_state, save_checkpoin
 from reel.runtime.model.weights import hub_tensors
 from reel.runtime.train_step import StepResult, TrainState, full_weights, train_step
 from reel.runtime.weight_delta import publish_delta
-from reel.runtime.weight_publish import publish_format, publish_version, served_dtype
+from reel.runtime.weight_publish import publish_version, served_dtype
 
 log = logging.getLogger("reel.trainer")
 INIT, RESTORE, STEP, SAVE, WEIGHTS, STOP = "init", "restore", "step", "save", "weights", "stop"
@@ -83,7 +83,7 @@ class TrainerGroup:
     def publish(self, state: TrainState, blobs: BlobBackend) -> tuple[BlobRef, str]:
         """Writes policy version `state.step` to `blobs`: (WeightsPublished.weights, .format)."""
         t = self.config.trainer
-        if publish_format(self.config) == "safetensors":
+        if t.weight_format == "safetensors":
             return blobs.put(self.weights(state)), "safetensors"
         model = state.model
         if self.world.distributed:  # the followers' `full_weights` makes the same collective

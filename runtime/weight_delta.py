@@ -24,7 +24,7 @@ import torch
 from reel.bus.blobs import BlobBackend, BlobError
 from reel.bus.events import BlobRef
 from reel.bus.weight_manifest import WeightManifest, WeightShard, encode_manifest
-from reel.runtime.weight_load import WeightLoadError
+from reel.runtime.weight_load import WeightLoadError, verified_map
 from reel.runtime.weight_publish import DTYPES, buckets
 from reel.runtime.weight_shards import ShardFormatError, read_header, shard_parts, tensor_at
 
@@ -104,23 +104,15 @@ def verify_delta(blobs: BlobBackend, manifest: WeightManifest, shapes: dict[str,
     dtype = DTYPES.get(manifest.dtype)
     for shard in manifest.shards:
         where = f"version {manifest.version} delta shard {shard.blob.sha256[:12]}"
-        try:
-            with blobs.mapped(shard.blob) as data:
-                actual = hashlib.sha256(data).hexdigest()
-                if actual != shard.blob.sha256:
-                    raise WeightLoadError(f"{where} is corrupted: its bytes hash to {actual}")
-                entries = {entry.name: entry for entry in read_header(data)}
-                for name in shard.tensors:
-                    _check_entry(where, name, entries, shapes, dtype)
-                    if name + INDEX in entries:
-                        index = tensor_at(data, entries[name + INDEX])
-                        if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < shapes[name].numel():
-                            raise WeightLoadError(f"{where} indexes past the end of {name}")
-                        del index
-        except BlobError as exc:
-            raise WeightLoadError(f"{where}: {exc}") from exc
-        except ShardFormatError as exc:
-            raise WeightLoadError(f"{where} is not safetensors: {exc}") from exc
+        with verified_map(blobs, shard, where) as data:
+            entries = {entry.name: entry for entry in read_header(data)}
+            for name in shard.tensors:
+                _check_entry(where, name, entries, shapes, dtype)
+                if name + INDEX in entries:
+                    index = tensor_at(data, entries[name + INDEX])
+                    if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < shapes[name].numel():
+                        raise WeightLoadError(f"{where} indexes past the end of {name}")
+                    del index
 
 
 def _check_entry(where: str, name: str, entries: dict, shapes: dict[str, torch.Size], dtype: torch.dtype | None) -> None:

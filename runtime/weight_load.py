@@ -9,7 +9,8 @@
 
 Why verify before any copy: a failing shard must leave the old version serving, and copying into the
 live weights first would leave a mix; a staging copy would cost a second model in memory. Both
-passes read the page cache through maps, so the extra memory is about one shard per thread.
+passes read the page cache through maps and release the pages they are done with (`release`), so
+the extra memory is about one hash chunk or one tensor per thread.
 
     ReelError
      └── WeightLoadError   a shard missing, corrupted, outside the store, or not the tensors expected
@@ -18,8 +19,10 @@ passes read the page cache through maps, so the extra memory is about one shard 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+import mmap
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import msgspec
 import torch
@@ -33,9 +36,11 @@ from reel.bus.events import BlobRef
 from reel.bus.weight_manifest import WeightManifest, WeightShard, decode_manifest
 from reel.runtime.weight_shards import ShardFormatError, read_header, tensor_at
 
-__all__ = ["WeightLoadError", "VersionDeleted", "engine_weights", "read_manifest", "verify_version", "copy_version", "version_bytes"]
+__all__ = ["WeightLoadError", "VersionDeleted", "engine_weights", "read_manifest", "verified_map", "verify_version",
+           "copy_version", "stream_version", "version_bytes"]
 
 Sink = Callable[[str, torch.Tensor], None]
+_CHUNK = 8 << 20  # bytes hashed between two releases of the map's pages
 
 
 class WeightLoadError(ReelError):
@@ -64,9 +69,11 @@ def engine_weights(blobs: BlobBackend, ref: BlobRef, fmt: str) -> BlobRef | Weig
     return read_manifest(blobs, ref) if fmt == "manifest" else ref
 
 
-def verify_version(blobs: BlobBackend, manifest: WeightManifest, shapes: Mapping[str, torch.Size],
+def verify_version(blobs: BlobBackend, manifest: WeightManifest, shapes: Mapping[str, torch.Size] | None,
                    threads: int = 2) -> None:
-    """Every shard hashes to its ref and the shards hold each tensor of `shapes` exactly once."""
+    """Every shard hashes to its ref and the shards hold each tensor of `shapes` exactly once (`shapes`
+    None: a reader that cannot name the model's tensors, such as a vLLM worker, checks hashes,
+    headers and that no tensor is in two shards)."""
     if manifest.hash != "sha256":
         raise WeightLoadError(f"version {manifest.version}: unknown shard hash {manifest.hash!r} (this reader knows sha256)")
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="reel-verify") as pool:
@@ -77,32 +84,55 @@ def verify_version(blobs: BlobBackend, manifest: WeightManifest, shapes: Mapping
         if name in seen:
             raise WeightLoadError(f"version {manifest.version}: tensor {name} is in more than one shard")
         seen.add(name)
-    missing = sorted(set(shapes) - seen)
+    missing = sorted(set(shapes or ()) - seen)
     if missing:
         raise WeightLoadError(f"version {manifest.version}: no shard holds {missing[0]}"
                               + (f" (and {len(missing) - 1} more tensors)" if len(missing) > 1 else ""))
 
 
-def _verify_shard(blobs: BlobBackend, manifest: WeightManifest, shard: WeightShard,
-                  shapes: Mapping[str, torch.Size]) -> list[str]:
-    where = f"version {manifest.version} shard {shard.blob.sha256[:12]}"
+def release(data: memoryview, start: int, end: int) -> None:
+    """Drops the pages of data[start:end] from this process when `data` is a read-only file map: they
+    stay in the page cache, and a later touch maps them in again. A loader that releases what it
+    has hashed or copied stays resident at about one tensor (or one hash chunk) per thread, not one
+    shard."""
+    mapping = data.obj
+    if isinstance(mapping, mmap.mmap) and end > start:
+        first = start - start % mmap.PAGESIZE  # whole pages; a neighbour's bytes on a shared page refault
+        mapping.madvise(mmap.MADV_DONTNEED, first, min(end, len(data)) - first)
+
+
+@contextmanager
+def verified_map(blobs: BlobBackend, shard: WeightShard, where: str) -> Iterator[memoryview]:
+    """The shard's map once its bytes hash to its ref; a store or format error becomes a WeightLoadError
+    that starts with `where`."""
     try:
         with blobs.mapped(shard.blob) as data:
-            actual = hashlib.sha256(data).hexdigest()
+            digest = hashlib.sha256()
+            for start in range(0, len(data), _CHUNK):
+                digest.update(data[start:start + _CHUNK])
+                release(data, start, start + _CHUNK)
+            actual = digest.hexdigest()
             if actual != shard.blob.sha256:
                 raise WeightLoadError(f"{where} is corrupted: its bytes hash to {actual}")
-            found = []
-            for entry in read_header(data):
-                if entry.name not in shapes:
-                    raise WeightLoadError(f"{where} has tensor {entry.name}, which the model does not have")
-                if entry.shape != shapes[entry.name]:
-                    raise WeightLoadError(f"{where}: {entry.name} has shape {tuple(entry.shape)}, the model "
-                                          f"needs {tuple(shapes[entry.name])}")
-                found.append(entry.name)
+            yield data
     except BlobError as exc:
         raise WeightLoadError(f"{where}: {exc}") from exc
     except ShardFormatError as exc:
         raise WeightLoadError(f"{where} is not safetensors: {exc}") from exc
+
+
+def _verify_shard(blobs: BlobBackend, manifest: WeightManifest, shard: WeightShard,
+                  shapes: Mapping[str, torch.Size] | None) -> list[str]:
+    where = f"version {manifest.version} shard {shard.blob.sha256[:12]}"
+    with verified_map(blobs, shard, where) as data:
+        found = []
+        for entry in read_header(data):
+            if shapes is not None and entry.name not in shapes:
+                raise WeightLoadError(f"{where} has tensor {entry.name}, which the model does not have")
+            if shapes is not None and entry.shape != shapes[entry.name]:
+                raise WeightLoadError(f"{where}: {entry.name} has shape {tuple(entry.shape)}, the model "
+                                      f"needs {tuple(shapes[entry.name])}")
+            found.append(entry.name)
     if sorted(found) != sorted(shard.tensors):
         raise WeightLoadError(f"{where} holds other tensors than the manifest lists")
     return found
@@ -119,8 +149,22 @@ def _copy_shard(blobs: BlobBackend, shard: WeightShard, sink: Sink) -> None:
         with blobs.mapped(shard.blob) as data:
             for entry in read_header(data):
                 sink(entry.name, tensor_at(data, entry))
+                release(data, entry.start, entry.start + entry.count * entry.dtype.itemsize)
     except (BlobError, ShardFormatError) as exc:
         raise WeightLoadError(f"shard {shard.blob.sha256[:12]} changed after it was verified: {exc}") from exc
+
+
+def stream_version(blobs: BlobBackend, manifest: WeightManifest) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a verified version, shard by shard, as a view of the shard's map: nothing is
+    read until the consumer touches it, so one that slices a tensor (a tensor-parallel rank) reads
+    only the pages of its slice, and one shard's map is open at a time."""
+    for shard in manifest.shards:
+        try:
+            with blobs.mapped(shard.blob) as data:
+                for entry in read_header(data):
+                    yield entry.name, tensor_at(data, entry)
+        except (BlobError, ShardFormatError) as exc:
+            raise WeightLoadError(f"shard {shard.blob.sha256[:12]} changed after it was verified: {exc}") from exc
 
 
 def version_bytes(blobs: BlobBackend, ref: BlobRef, fmt: str) -> bytes:

@@ -22,15 +22,9 @@ from reel.bus.weight_manifest import WeightManifest, WeightShard, encode_manifes
 from reel.runtime.config import Config
 from reel.runtime.weight_shards import shard_parts
 
-__all__ = ["DTYPES", "buckets", "publish_format", "publish_version", "served_dtype", "write_shard"]
+__all__ = ["DTYPES", "buckets", "publish_version", "served_dtype", "write_shard"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # manifest.dtype -> torch dtype
-
-
-def publish_format(config: Config) -> str:
-    """WeightsPublished.format the trainer writes: trainer.weight_format, except for vLLM, whose worker
-    extension loads one whole blob (producers/vllm.py)."""
-    return "safetensors" if config.engine.kind == "vllm" else config.trainer.weight_format
 
 
 def served_dtype(config: Config) -> str:

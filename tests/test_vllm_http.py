@@ -24,21 +24,27 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.blobs import BlobError
+from reel.bus.events import BlobRef
+from reel.bus.weight_manifest import WeightShard, encode_manifest
 from reel.producers.engine import EngineClosed, EngineError, SamplingParams
 from reel.producers.rollout import make_engine
-from reel.producers.vllm import LOAD_WEIGHTS, ReelWorkerExtension, known_spans
+from reel.producers.vllm import known_spans
+from reel.producers.vllm_worker import LOAD_MANIFEST, LOAD_WEIGHTS, ReelWorkerExtension
 from reel.producers.vllm_auth import RequireKey
 from reel.producers.vllm_http import GENERATE, VLLMHTTPEngine, generate_body, parse_generate_response
 from reel.runtime import config
 from reel.runtime.launch import vllm_args
 from reel.runtime.launch.vllm_args import Pool
 from reel.runtime.model.config import MoEConfig
+from reel.runtime.weight_load import WeightLoadError
+from reel.runtime.weight_publish import publish_version
 from vllm_peer import K, L, Peer, vllm_response
 
 
@@ -245,7 +251,8 @@ def test_the_serve_line_loads_reel_weights_through_dev_endpoints(router_replay: 
     argv = vllm_args.serve_argv(c, pool, 0, "10.0.0.1")
     module, _, name = argv[argv.index("--worker-extension-cls") + 1].rpartition(".")
     extension = getattr(importlib.import_module(module), name)
-    assert extension is ReelWorkerExtension and callable(getattr(extension, LOAD_WEIGHTS))
+    assert extension is ReelWorkerExtension
+    assert callable(getattr(extension, LOAD_WEIGHTS)) and callable(getattr(extension, LOAD_MANIFEST))
     assert ("--enable-return-routed-experts" in argv) == router_replay
     assert "--enable-scale-out" in argv  # the token-ids generate route answers 403 without it
     assert vllm_args.serve_env(c, pool, 0, "10.0.0.1")["VLLM_SERVER_DEV_MODE"] == "1"
@@ -274,6 +281,34 @@ def test_the_worker_extension_loads_only_the_runs_blob_of_that_hash(tmp_path: Pa
     store.path(ref).symlink_to(secret)
     with pytest.raises(BlobError, match="symbolic link"):
         ReelWorkerExtension().reel_load_weights(str(store.path(ref)), ref.sha256)
+
+
+def test_the_worker_extension_refuses_a_bad_manifest_before_touching_the_model(tmp_path: Path, monkeypatch) -> None:
+    """The manifest and every shard come from the run's store by hash and are checked first: the
+    extension has no model here, so reaching it would be an AttributeError, not these refusals."""
+    store = BlobStore(tmp_path / "blobs")
+    torch.manual_seed(0)
+    tensors = [(f"t{i}", torch.randn(64)) for i in range(8)]
+    monkeypatch.setenv(vllm_args.BLOBS_ENV, str(store.root))
+    worker = ReelWorkerExtension()
+    with pytest.raises(ValueError, match="weight manifest .* is not in the run's store"):
+        worker.reel_load_manifest("ab" * 32)
+    ref, manifest = publish_version(store, tensors, version=1, step=1, shard_bytes=512)
+    outside = tmp_path / "outside"
+    outside.write_bytes(store.path(manifest.shards[1].blob).read_bytes())
+    shard = manifest.shards[1]
+    moved = WeightShard(blob=BlobRef(uri=outside.as_uri(), sha256=shard.blob.sha256, nbytes=shard.blob.nbytes),
+                        rank=0, tensors=shard.tensors)
+    elsewhere = store.put(encode_manifest(msgspec.structs.replace(manifest, shards=[manifest.shards[0], moved])))
+    with pytest.raises(WeightLoadError, match="outside the blob store"):
+        worker.reel_load_manifest(elsewhere.sha256)
+    path = store.path(shard.blob)
+    path.write_bytes(path.read_bytes()[:-1] + b"x")
+    with pytest.raises(WeightLoadError, match="is corrupted"):
+        worker.reel_load_manifest(ref.sha256)
+    monkeypatch.delenv(vllm_args.BLOBS_ENV)
+    with pytest.raises(ValueError, match="REEL_BLOBS_DIR is not set"):
+        worker.reel_load_manifest(ref.sha256)
 
 
 @pytest.fixture

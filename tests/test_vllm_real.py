@@ -21,6 +21,8 @@ import pytest
 import torch
 
 from reel.bus.blob_backends.file import BlobStore
+from reel.bus.events import BlobRef
+from reel.bus.weight_manifest import WeightManifest, encode_manifest
 from reel.producers.engine import Completion, EngineError, SamplingParams
 from reel.producers.vllm import VLLMEngine
 from reel.producers.vllm_http import VLLMHTTPEngine
@@ -29,7 +31,10 @@ from reel.runtime.launch import vllm_args
 from reel.runtime.launch.vllm_serve import local_vllm
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel
-from reel.runtime.model.weights import save, state_dict_bytes
+from reel.runtime.model.weights import hub_tensors, save, state_dict_bytes
+from reel.runtime.weight_delta import publish_delta
+from reel.runtime.weight_load import WeightLoadError
+from reel.runtime.weight_publish import publish_version
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -123,6 +128,100 @@ def _greedy_tokens(model: MoEModel, prompt: list[int], n: int) -> list[int]:
 
 async def _push(engine, model: MoEModel, blobs: BlobStore, version: int) -> None:
     await engine.update_weights(blobs.put(state_dict_bytes(model)), version)
+
+
+def _manifest(blobs: BlobStore, model: MoEModel, version: int) -> tuple[BlobRef, WeightManifest]:
+    """`model` published as the trainer publishes it, in shards of 32 KiB (several for the tiny model)."""
+    return publish_version(blobs, hub_tensors(model.state_dict(), model.config), version=version, step=version,
+                           shard_bytes=32 << 10)
+
+
+async def test_http_a_manifest_swap_serves_what_a_one_blob_swap_serves(models, server, server_blobs) -> None:
+    blobs = BlobStore(server_blobs)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=24, seed=11)
+    async with _engine(models, server, blobs) as engine:
+        await _push(engine, models[2], blobs, 40)
+        by_blob = await engine.generate(PROMPT, params)
+        await _push(engine, models[1], blobs, 41)  # other weights between: the manifest load must really happen
+        _, manifest = _manifest(blobs, models[2], 42)
+        assert len(manifest.shards) > 2
+        await engine.update_weights(manifest, 42)
+        assert await engine._server_version(server) == 42
+        by_manifest = await engine.generate(PROMPT, params)
+    assert [c.tokens for c in by_manifest] == [c.tokens for c in by_blob]
+    assert [c.logprobs for c in by_manifest] == [c.logprobs for c in by_blob]  # the same weights, bit for bit
+    assert all(c.spans == [(0, 42)] for c in by_manifest)
+    for sample in by_manifest:
+        torch.testing.assert_close(torch.tensor(sample.logprobs), _reel_logprobs(models[2], PROMPT, sample.tokens),
+                                   atol=1e-4, rtol=0)
+
+
+async def test_http_a_delta_version_loads_its_full_shards(models, server, server_blobs) -> None:
+    blobs = BlobStore(server_blobs)
+    new = _model(0)  # models[1] with a few elements changed
+    with torch.no_grad():
+        new.lm_head.weight[:, :8] += 0.5  # a few elements change: the delta is smaller than the version
+    async with _engine(models, server, blobs) as engine:
+        _, base = _manifest(blobs, models[1], 50)
+        await engine.update_weights(base, 50)
+        _, full = _manifest(blobs, new, 51)
+        _, delta = publish_delta(blobs, hub_tensors(new.state_dict(), new.config), base, full, shard_bytes=32 << 10)
+        assert delta.base_version == 50 and len(delta.shards) < len(full.shards)
+        await engine.update_weights(delta, 51)
+        greedy, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
+    assert greedy.spans == [(0, 51)] and greedy.tokens == _greedy_tokens(new, PROMPT, 16)
+
+
+def _damage(blobs: BlobStore, manifest: WeightManifest, damage: str, tmp_path: Path) -> WeightManifest:
+    shard = manifest.shards[1]
+    path = blobs.path(shard.blob)
+    if damage == "corrupt":
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x01
+        path.write_bytes(bytes(data))
+    elif damage == "missing":
+        path.unlink()
+    else:  # a ref naming a file outside the store
+        outside = tmp_path / "outside.safetensors"
+        outside.write_bytes(path.read_bytes())
+        moved = type(shard)(blob=BlobRef(uri=outside.as_uri(), sha256=shard.blob.sha256, nbytes=shard.blob.nbytes),
+                            rank=shard.rank, tensors=shard.tensors)
+        return WeightManifest(version=manifest.version, step=manifest.step, dtype=manifest.dtype,
+                              shards=[manifest.shards[0], moved, *manifest.shards[2:]])
+    return manifest
+
+
+@pytest.mark.parametrize(("damage", "reason"), [("corrupt", "is corrupted"), ("missing", "not found"),
+                                                ("outside", "outside the blob store")])
+async def test_http_a_bad_shard_is_refused_and_the_old_version_keeps_serving(models, server, server_blobs, tmp_path,
+                                                                             damage: str, reason: str) -> None:
+    blobs = BlobStore(server_blobs)
+    async with _engine(models, server, blobs) as engine, _engine(models, server, blobs, push_weights=False) as follower:
+        await _push(engine, models[1], blobs, 60)
+        _, manifest = _manifest(blobs, _model(7), 61)
+        damaged = _damage(blobs, manifest, damage, tmp_path)
+        with pytest.raises(WeightLoadError, match=reason):  # what the rollout worker dead-letters
+            await engine.update_weights(damaged, 61)
+        with pytest.raises(WeightLoadError, match=reason):  # a follower does not wait for it
+            await follower.update_weights(damaged, 61)
+        assert await engine._server_version(server) == 60
+        greedy, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
+    assert greedy.spans == [(0, 60)] and greedy.tokens == _greedy_tokens(models[1], PROMPT, 16)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "outside"])
+async def test_the_worker_itself_refuses_a_bad_manifest_before_any_weight_changes(models, server, server_blobs,
+                                                                                  tmp_path, damage: str) -> None:
+    """Whoever holds the run's key can call /collective_rpc directly: the worker checks every shard too."""
+    blobs = BlobStore(server_blobs)
+    async with _engine(models, server, blobs) as engine:
+        await _push(engine, models[1], blobs, 70)
+        _, manifest = _manifest(blobs, _model(8), 71)
+        ref = blobs.put(encode_manifest(_damage(blobs, manifest, damage, tmp_path)))
+        with pytest.raises(EngineError, match="HTTP 500"):
+            await engine._each("/collective_rpc", body={"method": "reel_load_manifest", "args": [ref.sha256]})
+        greedy, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
+    assert greedy.tokens == _greedy_tokens(models[1], PROMPT, 16)
 
 
 async def test_http_greedy_and_sampled_logprobs_match_reels_forward(models, server, server_blobs) -> None:
@@ -253,6 +352,9 @@ async def test_inprocess_asyncllm_matches_reels_forward_and_names_versions(model
         sampled, = await engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=16, seed=3))
         torch.testing.assert_close(torch.tensor(sampled.logprobs), _reel_logprobs(models[2], PROMPT, sampled.tokens),
                                    atol=1e-4, rtol=0)
+        await engine.update_weights(_manifest(blobs, models[1], 1)[1], 1)  # the manifest path, in process
+        greedy, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
+        assert greedy.spans == [(0, 1)] and greedy.tokens == _greedy_tokens(models[1], PROMPT, 16)
 
 
 async def _until(condition, timeout_s: float = 60.0) -> None:

@@ -27,15 +27,17 @@ from reel.runtime.config import load as load_config
 from reel.runtime.distributed import LOCAL
 from reel.runtime.launch import cli
 from reel.runtime.model import state_dict_adapter
+from reel.runtime.model.cached_forward import release_prepared
 from reel.runtime.model.config import MoEConfig
+from reel.runtime.model.kvcache import prepared_weights
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import hub_tensors, state_dict_bytes
 from reel.runtime.train_step import TrainState
 from reel.runtime.trainer_group import TrainerGroup
 from reel.runtime.weight_delta import publish_delta
-from reel.runtime.weight_load import WeightLoadError, read_manifest, verify_version, version_bytes
+from reel.runtime.weight_load import WeightLoadError, read_manifest, stream_version, verify_version, version_bytes
 from reel.runtime.weight_publish import buckets, publish_version
-from reel.runtime.weight_shards import canonical_sha256, shard_parts
+from reel.runtime.weight_shards import canonical_sha256, read_header, shard_parts
 from test_rollout import initial_model, make_run, stream_events, wait_for
 
 torch.set_num_threads(2)
@@ -97,6 +99,74 @@ def test_a_manifest_version_round_trips_into_the_engine(tmp_path: Path, dtype: s
     # Readers that want one blob (the mismatch split) get the same weights.
     whole = st_load(version_bytes(blobs, ref, "manifest"))
     assert all(torch.equal(whole[n], t.to(cast).float()) for n, t in tensors(source))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_swap_copies_into_the_prepared_weights_in_place_bitwise_as_a_rebuild(tmp_path: Path, tied: bool) -> None:
+    """The engine's prepared (fused, transposed, scaled) weights are updated where they are, not
+    dropped and rebuilt, and hold the bits a rebuild from the new parameters gives."""
+    config = msgspec.structs.replace(SMALL, tie_word_embeddings=tied, mlp_only_layers=[1])
+    blobs = BlobStore(tmp_path)
+    _, manifest = publish(blobs, model(1, config), 3)
+    engine = BuiltinEngine(model(2, config), max_batch=2, blobs=blobs, version=0)
+
+    async def swap() -> list[int]:
+        async with engine:
+            await _serving(engine)  # the prepared weights exist
+            before = engine.model._prepared
+            await engine.update_weights(manifest, 3)
+            assert engine.model._prepared.layers is before.layers  # the same tensors, updated in place
+            return (await _serving(engine))[0]
+    tokens = asyncio.run(swap())
+    in_place = engine.model._prepared
+    assert prepared_weights(engine.model, engine.max_seq_len) is in_place  # current: no rebuild on the next step
+    release_prepared(engine.model)
+    rebuilt = prepared_weights(engine.model, engine.max_seq_len)
+    for got, want in zip(_flat(in_place), _flat(rebuilt), strict=True):
+        assert torch.equal(got, want)
+    assert tokens == asyncio.run(_fresh_tokens(model(1, config)))
+
+
+def _flat(w) -> list[torch.Tensor]:
+    tensors = [w.embed_VH, w.norm_H, w.lm_head_HV]
+    for layer in w.layers:
+        tensors += [t for t in layer[:-1] if t is not None]
+    return tensors
+
+
+async def _fresh_tokens(m: MoEModel) -> list[int]:
+    async with BuiltinEngine(m, max_batch=2) as engine:
+        return (await _serving(engine))[0]
+
+
+def test_a_streamed_version_is_views_of_each_shards_map_one_shard_at_a_time(tmp_path: Path) -> None:
+    """What a vLLM worker feeds `load_weights`: no tensor is a copy (a tensor-parallel rank that slices
+    one reads only its slice's pages), and a shard's map is released before the next is opened."""
+    blobs = BlobStore(tmp_path)
+    source = model(1)
+    _, manifest = publish(blobs, source, 3)
+    want = dict(tensors(source))
+    previous, seen = None, []
+    for name, t in stream_version(blobs, manifest):
+        shard = next(s for s in manifest.shards if name in s.tensors)
+        if shard is not previous:  # a new shard: one map, whose tensors lie at their header offsets
+            base, previous = t.data_ptr() - _offset(blobs, shard, name), shard
+        assert t.data_ptr() - base == _offset(blobs, shard, name), name  # a view, not a copy
+        assert torch.equal(t, want[name])
+        assert _mapped_files(tmp_path) == {str(blobs.path(shard.blob))}
+        seen.append(name)
+    assert sorted(seen) == sorted(want)
+
+
+def _mapped_files(root: Path) -> set[str]:
+    """Files under `root` this process has mapped (/proc/self/maps)."""
+    lines = Path("/proc/self/maps").read_text().splitlines()
+    return {line.split(maxsplit=5)[-1] for line in lines if str(root) in line}
+
+
+def _offset(blobs: BlobStore, shard: WeightShard, name: str) -> int:
+    with blobs.mapped(shard.blob) as data:
+        return next(e.start for e in read_header(data) if e.name == name)
 
 
 async def _serving(engine: BuiltinEngine) -> tuple[list[int], list[tuple[int, int]]]:

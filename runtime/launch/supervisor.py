@@ -356,7 +356,11 @@ class Supervisor:
         weights = init_dir(self.run_dir)
         if not (weights / "config.json").is_file():
             return
-        argv = vllm_args.local_serve_argv(self.config, beside_python("vllm"), weights, self.vllm_port)
+        # Under this interpreter, as vllm_serve.local_vllm does: the server imports Reel's middleware and
+        # worker extension, which must be this run's `reel` (another environment's `vllm` script on
+        # PATH imports its own, which may lack them).
+        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main",
+                *vllm_args.local_serve_argv(self.config, "vllm", weights, self.vllm_port)[1:]]
         env = vllm_args.local_serve_env(self.config, run_api_key(self.run_dir), self.run_dir / "blobs")
         self.roles["vllm"] = RoleProcess("vllm", argv, self.run_dir / "roles" / "vllm.log", self.config.engine.threads,
                                          env)

@@ -48,7 +48,7 @@ NIXL_SIDE_CHANNEL_PORT = 5600
 MOONCAKE_BOOTSTRAP_PORT = 8998
 MOONCAKE_LOCAL_BUFFER_BYTES = 4 << 30  # a store client's staging buffer
 # Loads Reel's weight blobs inside vLLM's workers; named, not imported (runtime/ never imports producers/).
-WORKER_EXTENSION = "reel.producers.vllm.ReelWorkerExtension"
+WORKER_EXTENSION = "reel.producers.vllm_worker.ReelWorkerExtension"
 # Requires the run's API key on every route, the dev-mode ones included (producers/vllm_auth.py).
 AUTH_MIDDLEWARE = "reel.producers.vllm_auth.RequireKey"
 BLOBS_ENV = "REEL_BLOBS_DIR"  # the run's blob store: the only place the worker extension loads weights from

@@ -15,6 +15,7 @@ positions, E experts, I expert width, J = 2 I, O = (h + 2 g) D.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -139,3 +140,54 @@ def prepared_weights(model: MoEModel, max_len: int) -> PreparedWeights:
                                       _prepare(model.lm_head.weight, unq).T.contiguous(), cos_PD, sin_PD,
                                       torch.arange(cfg.num_experts, device=dev), eps_H, eps_D)
     return model._prepared
+
+
+# ---- a new version copied into the prepared weights in place ----------------------------------------
+
+Target = tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]  # (prepared slice, parameter -> its value)
+
+
+def prepared_targets(model: MoEModel, max_len: int) -> dict[str, list[Target]] | None:
+    """Where each parameter (state-dict name) lands in the model's current prepared weights: a weight
+    swap copies `fn(parameter)` into each slice after the parameter, so the prepared copy is never
+    dropped and rebuilt. None when there is nothing current to update, or the precision's preparation
+    is not a plain cast (fp8's block round trip is redone from scratch)."""
+    w: PreparedWeights | None = getattr(model, "_prepared", None)
+    if w is None or model.precision == "fp8" or w.key != _key(w.params, model.precision, max_len):
+        return None
+    cfg = model.config
+    H, D, h = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
+    scale_H = lambda p: p * H ** 0.5  # noqa: E731
+    T, T12 = (lambda p: p.T), (lambda p: p.transpose(1, 2))  # noqa: E731
+    out: dict[str, list[Target]] = {"model.norm.weight": [(w.norm_H, scale_H)]}
+    lm_head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    out.setdefault(lm_head, []).append((w.lm_head_HV, T))
+    for i, (layer, lw) in enumerate(zip(model.model.layers, w.layers)):
+        pre = f"model.layers.{i}."
+        q, k = h * D, cfg.num_key_value_heads * D
+        out |= {pre + "input_layernorm.weight": [(lw.input_norm_H, scale_H)],
+                pre + "post_attention_layernorm.weight": [(lw.post_norm_H, scale_H)],
+                pre + "self_attn.q_proj.weight": [(lw.qkv_HO[:, :q], T)],
+                pre + "self_attn.k_proj.weight": [(lw.qkv_HO[:, q:q + k], T)],
+                pre + "self_attn.v_proj.weight": [(lw.qkv_HO[:, q + k:], T)],
+                pre + "self_attn.o_proj.weight": [(lw.o_OH, T)],
+                pre + "self_attn.q_norm.weight": [(lw.qk_norm_D[:h], lambda p: p.expand(h, -1))],
+                pre + "self_attn.k_norm.weight": [(lw.qk_norm_D[h:], lambda p: p.expand(cfg.num_key_value_heads, -1)
+                                                   * D ** 0.5)]}
+        I = lw.gate_up_EHJ.shape[2] // 2
+        gate, up, down = lw.gate_up_EHJ[:, :, :I], lw.gate_up_EHJ[:, :, I:], lw.down_EIH
+        if isinstance(layer.mlp, DenseMLP):
+            mlp = pre + "mlp."
+            out |= {mlp + "gate_proj.weight": [(gate[0], T)], mlp + "up_proj.weight": [(up[0], T)],
+                    mlp + "down_proj.weight": [(down[0], T)]}
+        else:
+            ex = pre + "mlp.experts."
+            out |= {pre + "mlp.gate.weight": [(lw.router_HE, T)], ex + "gate_proj": [(gate, T12)],
+                    ex + "up_proj": [(up, T12)], ex + "down_proj": [(down, T12)]}
+    return out
+
+
+def mark_current(model: MoEModel, max_len: int) -> None:
+    """The prepared weights were updated in place along with the parameters: they are current again."""
+    w: PreparedWeights = model._prepared
+    model._prepared = w._replace(key=_key(w.params, model.precision, max_len))
