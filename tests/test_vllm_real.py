@@ -136,6 +136,22 @@ def _manifest(blobs: BlobStore, model: MoEModel, version: int) -> tuple[BlobRef,
                            shard_bytes=32 << 10)
 
 
+async def test_http_greedy_and_sampled_logprobs_match_reels_forward(models, server, server_blobs) -> None:
+    blobs = BlobStore(server_blobs)
+    async with _engine(models, server, blobs) as engine:
+        assert await engine._server_version(server) == -1  # a fresh server says "default": no Reel version
+        await _push(engine, models[2], blobs, 0)  # not the weights it started with: the load must really happen
+        assert await engine._server_version(server) == 0
+        greedy, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=24))
+        assert greedy.tokens == _greedy_tokens(models[2], PROMPT, 24)
+        assert greedy.spans == [(0, 0)] and greedy.finish_reason == "length"
+        assert greedy.routing.shape == (0, len(TINY.moe_layers), TINY.num_experts_per_tok)
+        sampled = await engine.generate(PROMPT, SamplingParams(n=3, temperature=0.8, max_tokens=32, seed=7))
+        for sample in sampled:
+            want = _reel_logprobs(models[2], PROMPT, sample.tokens, temperature=0.8)
+            torch.testing.assert_close(torch.tensor(sample.logprobs), want, atol=1e-4, rtol=0)
+
+
 async def test_http_a_manifest_swap_serves_what_a_one_blob_swap_serves(models, server, server_blobs) -> None:
     blobs = BlobStore(server_blobs)
     params = SamplingParams(n=3, temperature=1.0, max_tokens=24, seed=11)
@@ -222,22 +238,6 @@ async def test_the_worker_itself_refuses_a_bad_manifest_before_any_weight_change
             await engine._each("/collective_rpc", body={"method": "reel_load_manifest", "args": [ref.sha256]})
         greedy, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
     assert greedy.tokens == _greedy_tokens(models[1], PROMPT, 16)
-
-
-async def test_http_greedy_and_sampled_logprobs_match_reels_forward(models, server, server_blobs) -> None:
-    blobs = BlobStore(server_blobs)
-    async with _engine(models, server, blobs) as engine:
-        assert await engine._server_version(server) == -1  # a fresh server says "default": no Reel version
-        await _push(engine, models[2], blobs, 0)  # not the weights it started with: the load must really happen
-        assert await engine._server_version(server) == 0
-        greedy, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=24))
-        assert greedy.tokens == _greedy_tokens(models[2], PROMPT, 24)
-        assert greedy.spans == [(0, 0)] and greedy.finish_reason == "length"
-        assert greedy.routing.shape == (0, len(TINY.moe_layers), TINY.num_experts_per_tok)
-        sampled = await engine.generate(PROMPT, SamplingParams(n=3, temperature=0.8, max_tokens=32, seed=7))
-        for sample in sampled:
-            want = _reel_logprobs(models[2], PROMPT, sample.tokens, temperature=0.8)
-            torch.testing.assert_close(torch.tensor(sample.logprobs), want, atol=1e-4, rtol=0)
 
 
 async def test_http_seeded_samples_reproduce(models, server, server_blobs) -> None:
