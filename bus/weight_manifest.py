@@ -5,6 +5,11 @@ A `WeightsPublished` with `format = "manifest"` names this manifest (msgpack, it
 trainer rank writes its own shards (safetensors, one file per parameter bucket), so no process holds
 the whole state; readers stream shard by shard and verify each shard's hash as they go.
 
+On N trainer ranks a tensor may be split by rows (FSDP2 shards every parameter on dim 0): each
+rank writes the rows it holds as a piece, and `WeightShard.rows` says which rows of the whole tensor
+each entry is. The pieces of a tensor tile its rows exactly once; a reader checks that
+(runtime/weight_load.py) and copies a piece into the row range it names.
+
 A version is either full (every tensor in its shards) or a delta against `base_version`: each shard
 then holds, per changed tensor, the flat indices and new values (runtime/weight_delta.py), and the
 shard's `result_sha256` checks what applying it produced. A delta also lists its version's full
@@ -20,7 +25,10 @@ import msgspec
 
 from reel.bus.events import BlobRef
 
-__all__ = ["WeightShard", "WeightManifest", "encode_manifest", "decode_manifest", "blob_refs"]
+__all__ = ["Rows", "WeightShard", "shard_rows", "WeightManifest", "encode_manifest", "decode_manifest", "blob_refs"]
+
+
+Rows = tuple[int, int, int]  # (start, stop, rows of the whole tensor): dim-0 rows [start, stop) of it
 
 
 class WeightShard(msgspec.Struct, frozen=True):
@@ -32,6 +40,9 @@ class WeightShard(msgspec.Struct, frozen=True):
     # Delta shards only: sha256 of the shard's tensors after the delta is applied (the manifest's dtype,
     # each tensor's bytes in `tensors` order), so a reader whose base differs finds out.
     result_sha256: str = ""
+    # Per entry of `tensors`: the rows of the whole tensor the entry holds. Empty: every entry is a whole
+    # tensor (a one-process trainer, and every manifest written before ranks wrote their own shards).
+    rows: list[Rows] = []
 
 
 class WeightManifest(msgspec.Struct, frozen=True):
@@ -56,6 +67,13 @@ def encode_manifest(manifest: WeightManifest) -> bytes:
 
 def decode_manifest(data: bytes) -> WeightManifest:
     return _decoder.decode(data)
+
+
+def shard_rows(shard: WeightShard) -> dict[str, Rows | None]:
+    """Each tensor of the shard -> the rows it holds, None where it is the whole tensor."""
+    if not shard.rows:
+        return dict.fromkeys(shard.tensors)
+    return {name: None if rows[0] == 0 and rows[1] == rows[2] else rows for name, rows in zip(shard.tensors, shard.rows)}
 
 
 def blob_refs(manifest_ref: BlobRef, manifest: WeightManifest) -> list[BlobRef]:

@@ -207,7 +207,7 @@ def _load_phases(blobs: BlobStore, model: MoEModel, manifests: list[WeightManife
     verify_s = _best(rounds, lambda: verify_version(blobs, manifests[0], shapes, THREADS))
     hub = state_dict_adapter.to_hf(model.state_dict(), model.config)
     with torch.inference_mode():
-        copy_s = _best(rounds, lambda: copy_version(blobs, manifests[0], lambda n, t: hub[n].copy_(t), THREADS))
+        copy_s = _best(rounds, lambda: copy_version(blobs, manifests[0], lambda n, t, _: hub[n].copy_(t), THREADS))
     engine = BuiltinEngine(model, max_batch=16, blobs=blobs, version=-1)
     swaps = asyncio.run(_time_swaps(engine, manifests, background))
     swap_s = swaps["update_s"] + swaps["visible_s"]

@@ -291,17 +291,21 @@ class BuiltinEngine(Engine):
         load_state_dict_bytes(self.model, weights if isinstance(weights, bytes) else st_save(dict(weights)))
 
     def _copier(self, targets: dict[str, list[Target]]) -> Callable[[str, torch.Tensor], None]:
-        """Copies a Hub tensor into its parameter, then the parameter into its prepared slices."""
+        """Copies a Hub tensor, or rows [start, start + len(t)) of it, into its parameter, then those
+        rows of the parameter into its prepared slices (narrowed to the rows on each slice's own dim)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         config = self.model.config
 
         @torch.inference_mode()  # on copy_version's threads: the prepared tensors are inference tensors
-        def copy(name: str, t: torch.Tensor) -> None:
-            self._hub[name].copy_(t)
+        def copy(name: str, t: torch.Tensor, start: int) -> None:
+            rows = t.shape[0]
+            self._hub[name].narrow(0, start, rows).copy_(t)
             for param, expert, _ in state_dict_adapter.param_slices(name, t, config):
-                for dest, value in targets.get(param, ()):
-                    whole = value(params[param])
-                    _copy(*((dest, whole) if expert is None else (dest[expert], whole[expert])))
+                for dest, value, row_dim in targets.get(param, ()):
+                    if expert is not None:  # a whole expert (experts are never split by rows)
+                        _copy(dest[expert], value(params[param])[expert])
+                    else:
+                        _copy(dest.narrow(row_dim, start, rows), value(params[param].narrow(0, start, rows)))
         return copy
 
     def _verified(self, manifest: WeightManifest) -> WeightManifest:

@@ -24,6 +24,7 @@ from reel.bus.weight_manifest import decode_manifest
 from reel.runtime.initial_policy import load_initial_model
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import load_tensors
+from reel.runtime.weight_load import version_tensors
 
 __all__ = ["VersionError", "VersionMissing", "Version", "find_version", "version_weights", "load_version"]
 
@@ -82,10 +83,7 @@ def version_weights(blobs: BlobBackend, found: Version, commits: list[StepCommit
             if manifest.base_version >= 0:
                 raise VersionError(f"version {found.version} is stored as a delta against version "
                                    f"{manifest.base_version}; export a checkpoint step instead")
-            tensors: dict[str, torch.Tensor] = {}
-            for shard in manifest.shards:
-                tensors.update(st_load(blobs.get(shard.blob)))
-            return tensors
+            return version_tensors(blobs, manifest)  # pieces written by N trainer ranks put together
     except BlobError as exc:
         nearest = max((c.step for c in commits if c.checkpoint is not None and c.step <= found.version), default=None)
         where = f"the checkpoint of step {nearest}" if nearest is not None else "the initial policy (version 0)"

@@ -197,6 +197,19 @@ def broadcast_bytes(world: World, data: bytes | None) -> bytes:
     return buf.cpu().numpy().tobytes()
 
 
+def gather_bytes(world: World, data: bytes) -> list[bytes]:
+    """Every rank's bytes, in rank order, on every rank (uint8 tensors padded to the longest: no pickle)."""
+    if not world.distributed:
+        return [data]
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    lengths = gather_tokens(world, torch.tensor([len(data)], dtype=torch.int64)).tolist()
+    padded = torch.zeros(max(*lengths, 1), dtype=torch.uint8, device=world.device)
+    padded[:len(data)] = mine.to(world.device)
+    out = [torch.empty_like(padded) for _ in range(world.size)]
+    dist.all_gather(out, padded)
+    return [t[:n].cpu().numpy().tobytes() for t, n in zip(out, lengths)]
+
+
 def barrier(world: World) -> None:
     if world.distributed:
         dist.barrier()

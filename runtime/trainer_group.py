@@ -7,6 +7,7 @@ make the same call in `follow`:
     init      version 0 from an HF directory            restore   a checkpoint blob (b"" = version 0)
     step      train_step on a batch (sent whole)          save      a checkpoint
     weights   gather the full weights                     stop      leave `follow`
+    publish   write this rank's shards of a version (runtime/rank_publish.py)
 
 An announcement is one broadcast of msgpack [op, run directory, argument, payload] (a batch
 travels as safetensors): no pickle on the wire. On one process every call is a plain function call.
@@ -30,17 +31,15 @@ from reel.runtime.batch import Batch
 from reel.runtime.config import Config
 from reel.bus.blobs import BlobBackend
 from reel.bus.events import BlobRef
-from reel.bus.weight_manifest import WeightManifest
-from reel.runtime.distributed import World, broadcast_bytes, full_state_dict, shutdown
+from reel.runtime.blob_store import run_blobs
+from reel.runtime.distributed import World, broadcast_bytes, shutdown
 from reel.runtime.mismatch_split import WeightsOf
 from reel.runtime.reexecute import initial_state, restored_state, save_checkpoint
-from reel.runtime.model.weights import hub_tensors
 from reel.runtime.train_step import StepResult, TrainState, full_weights, train_step
-from reel.runtime.weight_delta import publish_delta
-from reel.runtime.weight_publish import publish_version, served_dtype
+from reel.runtime.rank_publish import RankPublisher
 
 log = logging.getLogger("reel.trainer")
-INIT, RESTORE, STEP, SAVE, WEIGHTS, STOP = "init", "restore", "step", "save", "weights", "stop"
+INIT, RESTORE, STEP, SAVE, WEIGHTS, PUBLISH, STOP = "init", "restore", "step", "save", "weights", "publish", "stop"
 
 
 class TrainerGroup:
@@ -49,13 +48,13 @@ class TrainerGroup:
     world: World
     run_dir: Path
     config: Config
-    published: WeightManifest | None  # the newest full version `publish` wrote (a delta's base)
+    publisher: RankPublisher  # rank 0's own shards of the newest version (a delta's base)
 
     def __init__(self, world: World, run_dir: Path, config: Config):
         self.world = world
         self.run_dir = run_dir
         self.config = config
-        self.published = None
+        self.publisher = RankPublisher(world, config)
 
     def initial_state(self, init: Path | None = None) -> TrainState:
         self._announce(INIT, str(init or ""))
@@ -81,25 +80,14 @@ class TrainerGroup:
         return full_weights(state.model, self.world)
 
     def publish(self, state: TrainState, blobs: BlobBackend) -> tuple[BlobRef, str]:
-        """Writes policy version `state.step` to `blobs`: (WeightsPublished.weights, .format)."""
-        t = self.config.trainer
-        if t.weight_format == "safetensors":
+        """Writes policy version `state.step` to `blobs`: (WeightsPublished.weights, .format). Every rank
+        writes its own shards; rank 0 names them (the followers write to the run's store, `run_blobs`)."""
+        if self.config.trainer.weight_format == "safetensors":
             return blobs.put(self.weights(state)), "safetensors"
-        model = state.model
-        if self.world.distributed:  # the followers' `full_weights` makes the same collective
-            self._announce(WEIGHTS)
-            state_dict = full_state_dict(model)
-        else:
-            state_dict = model.state_dict()
-        ref, full = publish_version(blobs, hub_tensors(state_dict, model.config), version=state.step, step=state.step,
-                                    dtype=served_dtype(self.config), shard_bytes=t.weight_shard_mb << 20)
-        previous, self.published = self.published, full
-        if t.weight_delta and previous is not None and previous.version == state.step - 1:
-            delta = publish_delta(blobs, hub_tensors(state_dict, model.config), previous, full,
-                                  shard_bytes=t.weight_shard_mb << 20)
-            if delta is not None:
-                return delta[0], "manifest"
-        return ref, "manifest"
+        self._announce(PUBLISH)
+        published = self.publisher.publish(state.model, state.step, blobs)
+        assert published is not None  # rank 0 names the version
+        return published[0], "manifest"
 
     def close(self) -> None:
         self._announce(STOP)
@@ -134,6 +122,8 @@ def run_as_group(world: World, run_dir: Path, config: Config, lead: Callable[[Tr
 def follow(world: World, config: Config) -> None:
     """Ranks > 0: make every call rank 0 announces, until it says stop."""
     state: TrainState | None = None
+    publisher = RankPublisher(world, config)
+    blobs: BlobBackend | None = None  # the run's store, opened at the first publish
     while True:
         op, directory, argument, payload = msgspec.msgpack.decode(broadcast_bytes(world, None))
         run_dir = Path(directory)
@@ -151,6 +141,9 @@ def follow(world: World, config: Config) -> None:
                 save_checkpoint(state, world, run_dir)
             elif op == WEIGHTS:
                 full_weights(state.model, world)
+            elif op == PUBLISH:
+                blobs = blobs or run_blobs(run_dir, config)
+                publisher.publish(state.model, state.step, blobs)
 
 
 def batch_bytes(batch: Batch) -> bytes:

@@ -8,6 +8,8 @@ whose bits did not change is absent. WeightShard.tensors lists every tensor the 
 `result_sha256` is the sha256 of those tensors' new bytes in that order: the reader recomputes it after
 applying, so a base that differs from the writer's is caught (the reader then loads the full shards).
 
+On N trainer ranks each rank writes the delta of its own pieces against its own shards of the
+previous version (rows as in the full shards); a reader applies a piece's delta into its row range.
 Written against the previous version's full shards, read back through the store's maps (the page
 cache), so the trainer keeps no second copy of the weights. A delta pays where training moves few
 elements across a representable step: bf16 weights under a small learning rate.
@@ -23,12 +25,12 @@ import torch
 
 from reel.bus.blobs import BlobBackend, BlobError
 from reel.bus.events import BlobRef
-from reel.bus.weight_manifest import WeightManifest, WeightShard, encode_manifest
+from reel.bus.weight_manifest import Rows, WeightManifest, WeightShard, encode_manifest, shard_rows
 from reel.runtime.weight_load import WeightLoadError, verified_map
-from reel.runtime.weight_publish import DTYPES, buckets
+from reel.runtime.weight_publish import DTYPES, Piece, buckets, shard_of
 from reel.runtime.weight_shards import ShardFormatError, read_header, shard_parts, tensor_at
 
-__all__ = ["INDEX", "VALUE", "changed", "publish_delta", "verify_delta", "full_of", "apply_delta"]
+__all__ = ["INDEX", "VALUE", "changed", "delta_shards", "delta_manifest", "publish_delta", "verify_delta", "full_of", "apply_delta"]
 
 INDEX, VALUE = "::index", "::value"
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -56,47 +58,61 @@ def _result_sha256(tensors: Iterable[torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def _delta_shard(blobs: BlobBackend, group: list[tuple[str, torch.Tensor]], base: WeightShard,
-                 dtype: torch.dtype, rank: int) -> WeightShard | None:
-    if base.tensors != [name for name, _ in group]:
+def _delta_shard(blobs: BlobBackend, group: list[Piece], base: WeightShard, dtype: torch.dtype,
+                 rank: int) -> WeightShard | None:
+    mine = shard_of(base.blob, rank, group)
+    if (base.tensors, base.rows) != (mine.tensors, mine.rows):
         raise ValueError("the previous version's shard holds other tensors: publish a full version")
     entries, touched = [], []
     with blobs.mapped(base.blob) as data:
         old = {entry.name: entry for entry in read_header(data)}
-        for name, t in group:
-            new = t.detach().to("cpu", dtype).contiguous()
-            found = _entries(name, new, tensor_at(data, old[name]))
+        for piece in group:
+            new = piece.tensor.detach().to("cpu", dtype).contiguous()
+            found = _entries(piece.name, new, tensor_at(data, old[piece.name]))
             if found:
                 entries += found
-                touched.append((name, new))
+                touched.append(piece._replace(tensor=new))
     if not touched:
         return None
     ref = blobs.put_parts(shard_parts(entries))
-    return WeightShard(blob=ref, rank=rank, tensors=[n for n, _ in touched],
-                       result_sha256=_result_sha256(t for _, t in touched))
+    return shard_of(ref, rank, touched, result_sha256=_result_sha256(p.tensor for p in touched))
+
+
+def delta_shards(blobs: BlobBackend, pieces: Iterable[Piece], base: list[WeightShard], dtype: str, *,
+                 shard_bytes: int, rank: int = 0, threads: int = 2) -> list[WeightShard] | None:
+    """This rank's delta shards of `pieces` against its own shards `base` of the previous full version;
+    None when the buckets differ (another layout or dtype)."""
+    torch_dtype = DTYPES[dtype]
+    groups = buckets(pieces, shard_bytes, torch.empty(0, dtype=torch_dtype).element_size())
+    if len(groups) != len(base):
+        return None
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="reel-delta") as pool:
+        try:
+            return [s for s in pool.map(lambda gb: _delta_shard(blobs, gb[0], gb[1], torch_dtype, rank),
+                                        zip(groups, base)) if s is not None]
+        except (ValueError, KeyError, BlobError, ShardFormatError):
+            return None
+
+
+def delta_manifest(full: WeightManifest, base_version: int, shards: list[WeightShard]) -> WeightManifest | None:
+    """The delta version of `full` made of `shards`; None when it would not be smaller than `full`."""
+    if sum(s.blob.nbytes for s in shards) >= sum(s.blob.nbytes for s in full.shards):
+        return None
+    return WeightManifest(version=full.version, step=full.step, dtype=full.dtype, shards=shards,
+                          base_version=base_version, full_shards=full.shards)
 
 
 def publish_delta(blobs: BlobBackend, tensors: Iterable[tuple[str, torch.Tensor]], base: WeightManifest,
                   full: WeightManifest, *, shard_bytes: int, rank: int = 0,
                   threads: int = 2) -> tuple[BlobRef, WeightManifest] | None:
-    """The delta of `full` (just written, its tensors given again) against the full version `base`; None
-    when the previous version's buckets differ (another layout) or the delta would not be smaller."""
-    dtype = DTYPES[full.dtype]
-    base_shards = base.full_shards or base.shards
-    groups = buckets(tensors, shard_bytes, torch.empty(0, dtype=dtype).element_size())
-    if base.dtype != full.dtype or len(groups) != len(base_shards):
+    """The delta of `full` (just written by this one process, its tensors given again) against the full
+    version `base`; None when the layouts differ or the delta would not be smaller."""
+    if base.dtype != full.dtype:
         return None
-    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="reel-delta") as pool:
-        try:
-            shards = [s for s in pool.map(lambda gb: _delta_shard(blobs, gb[0], gb[1], dtype, rank),
-                                          zip(groups, base_shards)) if s is not None]
-        except (ValueError, KeyError, BlobError, ShardFormatError):
-            return None
-    if sum(s.blob.nbytes for s in shards) >= sum(s.blob.nbytes for s in full.shards):
-        return None
-    manifest = WeightManifest(version=full.version, step=full.step, dtype=full.dtype, shards=shards,
-                              base_version=base.version, full_shards=full.shards)
-    return blobs.put(encode_manifest(manifest)), manifest
+    shards = delta_shards(blobs, (Piece(name, t, None) for name, t in tensors), base.full_shards or base.shards,
+                          full.dtype, shard_bytes=shard_bytes, rank=rank, threads=threads)
+    manifest = None if shards is None else delta_manifest(full, base.version, shards)
+    return None if manifest is None else (blobs.put(encode_manifest(manifest)), manifest)
 
 
 def verify_delta(blobs: BlobBackend, manifest: WeightManifest, shapes: dict[str, torch.Size]) -> None:
@@ -106,21 +122,33 @@ def verify_delta(blobs: BlobBackend, manifest: WeightManifest, shapes: dict[str,
         where = f"version {manifest.version} delta shard {shard.blob.sha256[:12]}"
         with verified_map(blobs, shard, where) as data:
             entries = {entry.name: entry for entry in read_header(data)}
-            for name in shard.tensors:
-                _check_entry(where, name, entries, shapes, dtype)
+            for name, rows in shard_rows(shard).items():
+                shape = _piece_shape(where, name, rows, shapes)
+                _check_entry(where, name, entries, shape, dtype)
                 if name + INDEX in entries:
                     index = tensor_at(data, entries[name + INDEX])
-                    if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < shapes[name].numel():
+                    if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < shape.numel():
                         raise WeightLoadError(f"{where} indexes past the end of {name}")
                     del index
 
 
-def _check_entry(where: str, name: str, entries: dict, shapes: dict[str, torch.Size], dtype: torch.dtype | None) -> None:
+def _piece_shape(where: str, name: str, rows: Rows | None, shapes: dict[str, torch.Size]) -> torch.Size:
+    """The shape of the rows of `name` a delta shard changes (the model's shape where it is whole)."""
     if name not in shapes:
         raise WeightLoadError(f"{where} changes {name}, which the model does not have")
+    shape = shapes[name]
+    if rows is None:
+        return shape
+    start, stop, total = rows
+    if not (shape and total == shape[0] and 0 <= start < stop <= total):
+        raise WeightLoadError(f"{where}: rows {start}..{stop} of {total} do not fit {name} {tuple(shape)}")
+    return torch.Size((stop - start, *shape[1:]))
+
+
+def _check_entry(where: str, name: str, entries: dict, shape: torch.Size, dtype: torch.dtype | None) -> None:
     whole = entries.get(name)
     if whole is not None:
-        if whole.shape != shapes[name] or whole.dtype != dtype:
+        if whole.shape != shape or whole.dtype != dtype:
             raise WeightLoadError(f"{where}: {name} is {whole.dtype} {tuple(whole.shape)}, not the model's shape")
         return
     index, value = entries.get(name + INDEX), entries.get(name + VALUE)
@@ -141,15 +169,16 @@ def apply_delta(blobs: BlobBackend, manifest: WeightManifest, hub: dict[str, tor
     dtype = DTYPES[manifest.dtype]
     wrong = []
     for shard in manifest.shards:
+        targets = {name: hub[name] if rows is None else hub[name][rows[0]:rows[1]]
+                   for name, rows in shard_rows(shard).items()}
         with blobs.mapped(shard.blob) as data:
             entries = {entry.name: entry for entry in read_header(data)}
-            for name in shard.tensors:
-                target = hub[name]
+            for name, target in targets.items():
                 if name in entries:
                     target.copy_(tensor_at(data, entries[name]))
                     continue
                 target.view(-1).index_copy_(0, tensor_at(data, entries[name + INDEX]).long(),
                                             tensor_at(data, entries[name + VALUE]).to(target.dtype))
-        if _result_sha256(hub[name].to(dtype) for name in shard.tensors) != shard.result_sha256:
+        if _result_sha256(t.to(dtype) for t in targets.values()) != shard.result_sha256:
             wrong.append(shard.blob.sha256[:12])
     return wrong

@@ -1,9 +1,11 @@
 """Loading a manifest version (bus/weight_manifest.py) shard by shard from the blob store.
 
     read     the manifest blob (verified by the store), then each shard as a map of its file
-    verify   every shard's hash and header (names, shapes: every tensor the target needs, once),
-             shards in parallel, while the engine keeps serving the old version
-    copy     each shard's tensors straight from its map into the target, shards in parallel; the
+    verify   every shard's hash and header (names, shapes: every tensor the target needs, once; the
+             pieces of a tensor split by rows tile its rows exactly once), shards in parallel, while
+             the engine keeps serving the old version
+    copy     each shard's tensors (or pieces, into their rows) straight from its map into the target,
+             shards in parallel; the
              engine runs this between two decode steps, so the version goes live when the last
              shard is in
 
@@ -33,13 +35,13 @@ from safetensors.torch import save as st_save
 from reel.bus.blobs import BlobBackend, BlobError, BlobMissing
 from reel.bus.errors import ReelError
 from reel.bus.events import BlobRef
-from reel.bus.weight_manifest import WeightManifest, WeightShard, decode_manifest
+from reel.bus.weight_manifest import Rows, WeightManifest, WeightShard, decode_manifest, shard_rows
 from reel.runtime.weight_shards import ShardFormatError, read_header, tensor_at
 
 __all__ = ["WeightLoadError", "VersionDeleted", "engine_weights", "read_manifest", "verified_map", "verify_version",
-           "copy_version", "stream_version", "version_bytes"]
+           "copy_version", "stream_version", "version_tensors", "version_bytes"]
 
-Sink = Callable[[str, torch.Tensor], None]
+Sink = Callable[[str, torch.Tensor, int], None]  # (Hub name, rows [start, start + len) of it, start)
 _CHUNK = 8 << 20  # bytes hashed between two releases of the map's pages
 
 
@@ -77,17 +79,33 @@ def verify_version(blobs: BlobBackend, manifest: WeightManifest, shapes: Mapping
     if manifest.hash != "sha256":
         raise WeightLoadError(f"version {manifest.version}: unknown shard hash {manifest.hash!r} (this reader knows sha256)")
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="reel-verify") as pool:
-        names = [n for found in pool.map(lambda s: _verify_shard(blobs, manifest, s, shapes), manifest.shards)
-                 for n in found]
-    seen: set[str] = set()
-    for name in names:
-        if name in seen:
-            raise WeightLoadError(f"version {manifest.version}: tensor {name} is in more than one shard")
-        seen.add(name)
-    missing = sorted(set(shapes or ()) - seen)
+        found = [item for items in pool.map(lambda s: _verify_shard(blobs, manifest, s, shapes), manifest.shards)
+                 for item in items]
+    pieces: dict[str, list[Rows | None]] = {}
+    for name, rows in found:
+        pieces.setdefault(name, []).append(rows)
+    for name, rows in pieces.items():
+        _check_cover(manifest.version, name, rows)
+    missing = sorted(set(shapes or ()) - set(pieces))
     if missing:
         raise WeightLoadError(f"version {manifest.version}: no shard holds {missing[0]}"
                               + (f" (and {len(missing) - 1} more tensors)" if len(missing) > 1 else ""))
+
+
+def _check_cover(version: int, name: str, pieces: list[Rows | None]) -> None:
+    """The pieces of `name` are either one whole tensor or row ranges that tile its rows exactly once."""
+    if pieces == [None]:
+        return
+    if None in pieces:
+        raise WeightLoadError(f"version {version}: tensor {name} is in more than one shard")
+    end = 0
+    for start, stop, total in sorted(pieces):  # type: ignore[type-var]
+        if start != end:
+            what = f"rows {end}..{start} of it are in no shard" if start > end else f"rows {start}..{end} of it are in more than one shard"
+            raise WeightLoadError(f"version {version}: tensor {name}: {what}")
+        end = stop
+    if end != pieces[0][2]:  # type: ignore[index]
+        raise WeightLoadError(f"version {version}: tensor {name}: rows {end}..{pieces[0][2]} of it are in no shard")
 
 
 def release(data: memoryview, start: int, end: int) -> None:
@@ -122,18 +140,32 @@ def verified_map(blobs: BlobBackend, shard: WeightShard, where: str) -> Iterator
 
 
 def _verify_shard(blobs: BlobBackend, manifest: WeightManifest, shard: WeightShard,
-                  shapes: Mapping[str, torch.Size] | None) -> list[str]:
+                  shapes: Mapping[str, torch.Size] | None) -> list[tuple[str, Rows | None]]:
+    """(name, rows) of every entry of a shard whose bytes and header check out."""
     where = f"version {manifest.version} shard {shard.blob.sha256[:12]}"
+    if shard.rows and len(shard.rows) != len(shard.tensors):
+        raise WeightLoadError(f"{where} lists {len(shard.rows)} row ranges for {len(shard.tensors)} tensors")
+    rows = shard_rows(shard)
     with verified_map(blobs, shard, where) as data:
         found = []
         for entry in read_header(data):
-            if shapes is not None and entry.name not in shapes:
+            if entry.name not in rows:
+                raise WeightLoadError(f"{where} holds other tensors than the manifest lists")
+            piece = rows[entry.name]
+            expected = None if shapes is None else shapes.get(entry.name)
+            if shapes is not None and expected is None:
                 raise WeightLoadError(f"{where} has tensor {entry.name}, which the model does not have")
-            if shapes is not None and entry.shape != shapes[entry.name]:
+            if piece is not None:
+                start, stop, total = piece
+                if not (0 <= start < stop <= total and (expected is None or (expected and expected[0] == total))):
+                    raise WeightLoadError(f"{where}: rows {start}..{stop} of {total} do not fit {entry.name}"
+                                          + ("" if expected is None else f" {tuple(expected)}"))
+                expected = torch.Size((stop - start, *(entry.shape[1:] if expected is None else expected[1:])))
+            if expected is not None and entry.shape != expected:
                 raise WeightLoadError(f"{where}: {entry.name} has shape {tuple(entry.shape)}, the model "
-                                      f"needs {tuple(shapes[entry.name])}")
-            found.append(entry.name)
-    if sorted(found) != sorted(shard.tensors):
+                                      f"needs {tuple(expected)}")
+            found.append((entry.name, piece))
+    if sorted(name for name, _ in found) != sorted(shard.tensors):
         raise WeightLoadError(f"{where} holds other tensors than the manifest lists")
     return found
 
@@ -145,10 +177,12 @@ def copy_version(blobs: BlobBackend, manifest: WeightManifest, sink: Sink, threa
 
 
 def _copy_shard(blobs: BlobBackend, shard: WeightShard, sink: Sink) -> None:
+    rows = shard_rows(shard)
     try:
         with blobs.mapped(shard.blob) as data:
             for entry in read_header(data):
-                sink(entry.name, tensor_at(data, entry))
+                piece = rows[entry.name]
+                sink(entry.name, tensor_at(data, entry), 0 if piece is None else piece[0])
                 release(data, entry.start, entry.start + entry.count * entry.dtype.itemsize)
     except (BlobError, ShardFormatError) as exc:
         raise WeightLoadError(f"shard {shard.blob.sha256[:12]} changed after it was verified: {exc}") from exc
@@ -157,14 +191,67 @@ def _copy_shard(blobs: BlobBackend, shard: WeightShard, sink: Sink) -> None:
 def stream_version(blobs: BlobBackend, manifest: WeightManifest) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a verified version, shard by shard, as a view of the shard's map: nothing is
     read until the consumer touches it, so one that slices a tensor (a tensor-parallel rank) reads
-    only the pages of its slice, and one shard's map is open at a time."""
+    only the pages of its slice, and one shard's map is open at a time. A tensor split by rows over
+    shards (N trainer ranks) is put together from its pieces when its first piece comes (vLLM's
+    loaders take whole tensors): one such tensor in memory at a time."""
+    split = _split(manifest)
     for shard in manifest.shards:
-        try:
-            with blobs.mapped(shard.blob) as data:
-                for entry in read_header(data):
+        rows = shard_rows(shard)
+        with _mapped(blobs, shard) as data:
+            for entry in read_header(data):
+                if rows.get(entry.name) is None:
                     yield entry.name, tensor_at(data, entry)
-        except (BlobError, ShardFormatError) as exc:
-            raise WeightLoadError(f"shard {shard.blob.sha256[:12]} changed after it was verified: {exc}") from exc
+                elif split[entry.name][0][0] is shard:  # its first piece: the whole tensor now
+                    yield entry.name, _assembled(blobs, entry.name, split[entry.name])
+
+
+def _split(manifest: WeightManifest) -> dict[str, list[tuple[WeightShard, Rows]]]:
+    """Tensors split by rows -> their pieces (shard, rows), in shard order."""
+    split: dict[str, list[tuple[WeightShard, Rows]]] = {}
+    for shard in manifest.shards:
+        for name, rows in shard_rows(shard).items():
+            if rows is not None:
+                split.setdefault(name, []).append((shard, rows))
+    return split
+
+
+def _assembled(blobs: BlobBackend, name: str, pieces: list[tuple[WeightShard, Rows]]) -> torch.Tensor:
+    whole: torch.Tensor | None = None
+    for shard, (start, stop, total) in pieces:
+        with _mapped(blobs, shard) as data:
+            entry = next(e for e in read_header(data) if e.name == name)
+            if whole is None:
+                whole = torch.empty((total, *entry.shape[1:]), dtype=entry.dtype)
+            whole[start:stop].copy_(tensor_at(data, entry))
+            release(data, entry.start, entry.start + entry.count * entry.dtype.itemsize)
+    assert whole is not None
+    return whole
+
+
+@contextmanager
+def _mapped(blobs: BlobBackend, shard: WeightShard) -> Iterator[memoryview]:
+    try:
+        with blobs.mapped(shard.blob) as data:
+            yield data
+    except (BlobError, ShardFormatError) as exc:
+        raise WeightLoadError(f"shard {shard.blob.sha256[:12]} changed after it was verified: {exc}") from exc
+
+
+def version_tensors(blobs: BlobBackend, manifest: WeightManifest) -> dict[str, torch.Tensor]:
+    """A full version's tensors whole, in the manifest's dtype (pieces put together); each shard's hash is
+    checked on read. Raises the store's BlobError or SafetensorError."""
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in manifest.shards:
+        rows = shard_rows(shard)
+        for name, t in st_load(blobs.get(shard.blob)).items():
+            piece = rows.get(name)
+            if piece is None:
+                tensors[name] = t
+                continue
+            start, stop, total = piece
+            whole = tensors.setdefault(name, torch.empty((total, *t.shape[1:]), dtype=t.dtype))
+            whole[start:stop] = t
+    return tensors
 
 
 def version_bytes(blobs: BlobBackend, ref: BlobRef, fmt: str) -> bytes:
@@ -173,12 +260,10 @@ def version_bytes(blobs: BlobBackend, ref: BlobRef, fmt: str) -> bytes:
     if fmt == "safetensors":
         return blobs.get(ref)
     manifest = read_manifest(blobs, ref)
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in manifest.shards:
-        try:
-            tensors |= {name: t.float() for name, t in st_load(blobs.get(shard.blob)).items()}
-        except BlobMissing as exc:
-            raise VersionDeleted(f"version {manifest.version} shard {shard.blob.sha256[:12]}: {exc}") from exc
-        except (BlobError, SafetensorError) as exc:
-            raise WeightLoadError(f"version {manifest.version} shard {shard.blob.sha256[:12]}: {exc}") from exc
-    return st_save(tensors, metadata={"format": "pt"})
+    try:
+        tensors = version_tensors(blobs, manifest)
+    except BlobMissing as exc:
+        raise VersionDeleted(f"version {manifest.version}: {exc}") from exc
+    except (BlobError, SafetensorError) as exc:
+        raise WeightLoadError(f"version {manifest.version}: {exc}") from exc
+    return st_save({name: t.float() for name, t in tensors.items()}, metadata={"format": "pt"})

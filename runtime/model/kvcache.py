@@ -144,7 +144,9 @@ def prepared_weights(model: MoEModel, max_len: int) -> PreparedWeights:
 
 # ---- a new version copied into the prepared weights in place ----------------------------------------
 
-Target = tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]  # (prepared slice, parameter -> its value)
+# (prepared slice, parameter -> its value, the slice's dim that the parameter's dim 0 lands on): a swap
+# that brings rows [a, b) of a parameter copies value(rows) into the slice narrowed to [a, b) on that dim.
+Target = tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor], int]
 
 
 def prepared_targets(model: MoEModel, max_len: int) -> dict[str, list[Target]] | None:
@@ -159,31 +161,31 @@ def prepared_targets(model: MoEModel, max_len: int) -> dict[str, list[Target]] |
     H, D, h = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
     scale_H = lambda p: p * H ** 0.5  # noqa: E731
     T, T12 = (lambda p: p.T), (lambda p: p.transpose(1, 2))  # noqa: E731
-    out: dict[str, list[Target]] = {"model.norm.weight": [(w.norm_H, scale_H)]}
+    out: dict[str, list[Target]] = {"model.norm.weight": [(w.norm_H, scale_H, 0)]}
     lm_head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    out.setdefault(lm_head, []).append((w.lm_head_HV, T))
+    out.setdefault(lm_head, []).append((w.lm_head_HV, T, 1))
     for i, (layer, lw) in enumerate(zip(model.model.layers, w.layers)):
         pre = f"model.layers.{i}."
         q, k = h * D, cfg.num_key_value_heads * D
-        out |= {pre + "input_layernorm.weight": [(lw.input_norm_H, scale_H)],
-                pre + "post_attention_layernorm.weight": [(lw.post_norm_H, scale_H)],
-                pre + "self_attn.q_proj.weight": [(lw.qkv_HO[:, :q], T)],
-                pre + "self_attn.k_proj.weight": [(lw.qkv_HO[:, q:q + k], T)],
-                pre + "self_attn.v_proj.weight": [(lw.qkv_HO[:, q + k:], T)],
-                pre + "self_attn.o_proj.weight": [(lw.o_OH, T)],
-                pre + "self_attn.q_norm.weight": [(lw.qk_norm_D[:h], lambda p: p.expand(h, -1))],
+        out |= {pre + "input_layernorm.weight": [(lw.input_norm_H, scale_H, 0)],
+                pre + "post_attention_layernorm.weight": [(lw.post_norm_H, scale_H, 0)],
+                pre + "self_attn.q_proj.weight": [(lw.qkv_HO[:, :q], T, 1)],
+                pre + "self_attn.k_proj.weight": [(lw.qkv_HO[:, q:q + k], T, 1)],
+                pre + "self_attn.v_proj.weight": [(lw.qkv_HO[:, q + k:], T, 1)],
+                pre + "self_attn.o_proj.weight": [(lw.o_OH, T, 1)],
+                pre + "self_attn.q_norm.weight": [(lw.qk_norm_D[:h], lambda p: p.expand(h, -1), 1)],
                 pre + "self_attn.k_norm.weight": [(lw.qk_norm_D[h:], lambda p: p.expand(cfg.num_key_value_heads, -1)
-                                                   * D ** 0.5)]}
+                                                   * D ** 0.5, 1)]}
         I = lw.gate_up_EHJ.shape[2] // 2
         gate, up, down = lw.gate_up_EHJ[:, :, :I], lw.gate_up_EHJ[:, :, I:], lw.down_EIH
         if isinstance(layer.mlp, DenseMLP):
             mlp = pre + "mlp."
-            out |= {mlp + "gate_proj.weight": [(gate[0], T)], mlp + "up_proj.weight": [(up[0], T)],
-                    mlp + "down_proj.weight": [(down[0], T)]}
+            out |= {mlp + "gate_proj.weight": [(gate[0], T, 1)], mlp + "up_proj.weight": [(up[0], T, 1)],
+                    mlp + "down_proj.weight": [(down[0], T, 1)]}
         else:
             ex = pre + "mlp.experts."
-            out |= {pre + "mlp.gate.weight": [(lw.router_HE, T)], ex + "gate_proj": [(gate, T12)],
-                    ex + "up_proj": [(up, T12)], ex + "down_proj": [(down, T12)]}
+            out |= {pre + "mlp.gate.weight": [(lw.router_HE, T, 1)], ex + "gate_proj": [(gate, T12, 0)],
+                    ex + "up_proj": [(up, T12, 0)], ex + "down_proj": [(down, T12, 0)]}
     return out
 
 

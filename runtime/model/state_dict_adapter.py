@@ -32,6 +32,17 @@ def to_hf(state_dict: dict[str, torch.Tensor], config: MoEConfig) -> dict[str, t
     return out
 
 
+def hub_rows(name: str, t: torch.Tensor, start: int, config: MoEConfig) -> list[tuple[str, torch.Tensor, int | None]]:
+    """Rows [start, start + len(t)) of Reel parameter `name` as Hub tensors: [(Hub name, tensor, first row
+    of the Hub tensor, or None where it is whole)]. Stacked experts give whole per-expert tensors (the rows
+    are experts); any other parameter is the same rows of its Hub tensor."""
+    if m := _STACKED.match(name):
+        return [(f"{m[1]}.{start + e}.{m[2]}.weight", t[e], None) for e in range(t.shape[0])]
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        return []
+    return [(name, t, start)]
+
+
 def param_slices(name: str, t: torch.Tensor, config: MoEConfig) -> list[tuple[str, int | None, torch.Tensor]]:
     """Where one Hub tensor goes: [(Reel parameter, expert index or None for the whole, tensor)].
 
