@@ -38,7 +38,7 @@ from safetensors.torch import save as st_save
 
 from reel.bus.blobs import BlobBackend
 from reel.bus.events import BlobRef
-from reel.bus.weight_manifest import WeightManifest
+from reel.bus.weight_manifest import WeightManifest, shard_rows
 from reel.producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
 from reel.producers.sampling import Sampler, Uniforms
 from reel.runtime.model import state_dict_adapter
@@ -47,7 +47,7 @@ from reel.runtime.model.kvcache import Target, mark_current, new_cache, prepared
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import load_state_dict_bytes
 from reel.runtime.weight_delta import apply_delta, full_of, verify_delta
-from reel.runtime.weight_load import copy_version, verify_version
+from reel.runtime.weight_load import WeightLoadError, copy_version, verify_version
 
 __all__ = ["BuiltinEngine"]
 
@@ -316,6 +316,12 @@ class BuiltinEngine(Engine):
             return manifest
         full = full_of(manifest) if manifest.base_version >= 0 else manifest
         verify_version(self.blobs, full, shapes)
+        # The prepared weights take an expert as a whole (FSDP2 and EP shard over experts, so ranks write them so).
+        split = next((n for s in full.shards for n, rows in shard_rows(s).items()
+                      if rows is not None and state_dict_adapter.is_expert(n)), None)
+        if split is not None:
+            raise WeightLoadError(f"version {manifest.version} splits expert tensor {split} by rows; the built-in "
+                                  "engine loads whole experts")
         return full
 
     def _interrupted(self) -> bool:

@@ -6,6 +6,9 @@
     fsdp_peer.py save RUN OUT [EP] 2 steps, then a DCP checkpoint into RUN; rank 0 writes the
                                   manifest (RUN/manifest.json) and the full state (OUT/state.safetensors)
     fsdp_peer.py load RUN OUT [EP] a fresh state loads RUN/manifest.json; rank 0 writes the full state
+    fsdp_peer.py publish OUT [EP]  1 step, then every rank writes its own shards of version 1 into OUT/blobs
+                                  (runtime/rank_publish.py); then the full state is gathered and published
+                                  from rank 0 alone; rank 0 writes both refs to OUT/published.json
 """
 
 from __future__ import annotations
@@ -14,16 +17,21 @@ import json
 import sys
 from pathlib import Path
 
+import msgspec
 import torch
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+from reel.bus.blob_backends.file import BlobStore
 from reel.runtime import distributed, sharded_checkpoint
 from reel.runtime.batch import build_batch
 from reel.runtime.config import Config
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.parallelize import parallelize
+from reel.runtime.model.weights import hub_tensors
+from reel.runtime.rank_publish import RankPublisher
 from reel.runtime.train_step import TrainState, full_weights, make_optimizer, train_step
+from reel.runtime.weight_publish import publish_version
 from test_train_step import MODEL, _config, _groups
 
 MICRO_BATCH_TOKENS = 24  # several micro-batches per rank, of different counts across ranks
@@ -58,7 +66,7 @@ def full_state(state: TrainState) -> dict[str, torch.Tensor]:
 
 def main(mode: str, *paths: str) -> None:
     world = distributed.from_env()
-    ep_arg = {"steps": 1, "save": 2, "load": 2}[mode]  # the optional EP argument's position
+    ep_arg = {"steps": 1, "save": 2, "load": 2, "publish": 1}[mode]  # the optional EP argument's position
     ep, cp = (int(paths[i]) if len(paths) > i else 1 for i in (ep_arg, ep_arg + 1))
     cfg = config(ep, world.size, cp)
     state = fresh_state(world, cfg)
@@ -91,6 +99,16 @@ def main(mode: str, *paths: str) -> None:
         full = full_state(state)
         if world.rank == 0:
             save_file(full, out / "state.safetensors")
+    elif mode == "publish":
+        out = Path(paths[0])
+        state, _ = train_step(state, batches(1)[0], cfg, world)
+        blobs = BlobStore(out / "blobs")
+        ranks = RankPublisher(world, cfg).publish(state.model, 1, blobs)  # no gather: shard descriptions only
+        full = distributed.full_state_dict(state.model)  # the reference: rank 0 gathers and writes every shard
+        if world.rank == 0:
+            assert ranks is not None
+            gathered, _ = publish_version(blobs, hub_tensors(full, MODEL), version=1, step=1)
+            (out / "published.json").write_bytes(msgspec.json.encode({"ranks": ranks[0], "gathered": gathered}))
     distributed.shutdown(world)
 
 

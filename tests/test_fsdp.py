@@ -14,7 +14,13 @@ import torch
 from safetensors.torch import load, load_file
 
 import fsdp_peer
+import msgspec
+from reel.bus.blob_backends.file import BlobStore
+from reel.bus.events import BlobRef
 from reel.runtime import sharded_checkpoint
+from reel.runtime.model.model import MoEModel
+from reel.runtime.weight_load import read_manifest
+from test_weight_sync import _swapped
 from reel.runtime.distributed import LOCAL, World
 from reel.runtime.model.weights import state_dict_bytes
 from reel.runtime.train_step import train_step
@@ -160,3 +166,25 @@ def test_damaged_checkpoint_file_is_named(tmp_path: Path) -> None:
     shard.write_bytes(b"x" + shard.read_bytes()[1:])
     with pytest.raises(sharded_checkpoint.CheckpointError, match=shard.name):
         sharded_checkpoint.load(manifest, state, LOCAL, tmp_path, source="test")
+
+
+@pytest.mark.parametrize("ranks, ep", [(2, 1), (4, 2)])  # 4 ranks: EP groups of 2, FSDP over each expert's 2
+def test_each_rank_writes_its_own_shards_and_the_engine_loads_the_gathered_bits(tmp_path: Path, ranks: int,
+                                                                                 ep: int) -> None:
+    """Every rank writes the rows it holds (FSDP2 rows, EP's whole experts); rank 0 writes about its
+    share, not the model, and the version loads into the built-in engine with the bits of the same
+    weights gathered and published from one process."""
+    torchrun("publish", str(tmp_path), str(ep), ranks=ranks)
+    blobs = BlobStore(tmp_path / "blobs")
+    refs = msgspec.json.decode((tmp_path / "published.json").read_bytes(), type=dict[str, BlobRef])
+    mine, gathered = read_manifest(blobs, refs["ranks"]), read_manifest(blobs, refs["gathered"])
+    whole = sum(s.blob.nbytes for s in gathered.shards)
+    written = [sum(s.blob.nbytes for s in mine.shards if s.rank == r) for r in range(ranks)]
+    assert all(0 < n < 1.5 * whole / ranks for n in written), (written, whole)  # each its own share
+    split = [n for s in mine.shards for n, r in zip(s.tensors, s.rows) if r[:2] != (0, r[2])]
+    assert split and not any(".experts." in n for n in split)  # rows of tensors, but whole experts
+    by_ranks, by_one = _swapped(blobs, mine, start=MoEModel(fsdp_peer.MODEL)), \
+        _swapped(blobs, gathered, start=MoEModel(fsdp_peer.MODEL))
+    assert by_ranks.version == by_one.version == 1
+    for name, value in by_one.model.state_dict().items():
+        assert torch.equal(by_ranks.model.state_dict()[name], value), name
