@@ -48,6 +48,7 @@ from reel.replay.integrity import tampering_note
 from reel.runtime.reexecute import ReplayMismatch, catch_up, check_reproduced, checkpoint_before
 from reel.runtime.train_step import StepResult, TrainState, completion_tokens, scored_tokens, split, token_logprobs
 from reel.runtime.trainer_group import TrainerGroup
+from reel.runtime.weight_digest import scheme_of
 
 OnStep = Callable[[int], None]
 
@@ -344,7 +345,7 @@ def timed_step(state: TrainState, commit: StepCommitted, run: Run) -> tuple[Trai
     groups = run.lookup.groups_of(commit)
     started = time.perf_counter()
     batch = build_batch(groups)
-    state, result = run.group.step(state, batch)
+    state, result = run.group.step(state, batch, digest=scheme_of(commit.weights_sha256))
     return state, result, time.perf_counter() - started
 
 

@@ -24,8 +24,9 @@ from reel.runtime.initial_policy import code_version, load_initial_model
 from reel.runtime.model.parallelize import parallelize
 from reel.runtime.model.weights import load
 from reel.runtime.train_step import StepResult, TrainState, make_optimizer, train_step
+from reel.runtime.weight_digest import scheme_of
 
-StepFn = Callable[[TrainState, Batch], tuple[TrainState, StepResult]]
+StepFn = Callable[..., tuple[TrainState, StepResult]]  # (state, batch, *, digest) like TrainerGroup.step
 
 
 class ReplayMismatch(ReelError):
@@ -108,7 +109,8 @@ def run_committed_step(state: TrainState, commit: StepCommitted, lookup: GroupLo
     """Execute `commit`'s step again on its logged groups; returns the result and compute seconds."""
     batch = build_batch(lookup.groups_of(commit))
     started = time.perf_counter()
-    state, result = step_fn(state, batch) if step_fn else train_step(state, batch, config)
+    digest = scheme_of(commit.weights_sha256)  # the digest the log holds, computed the same way
+    state, result = step_fn(state, batch, digest=digest) if step_fn else train_step(state, batch, config, digest=digest)
     return state, result, time.perf_counter() - started
 
 

@@ -28,6 +28,7 @@ from reel.runtime.model.context_parallel import sequence_shard, with_context_par
 from reel.runtime.model.determinism import set_determinism
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import hub_tensors, state_dict_bytes, state_dict_to_bytes
+from reel.runtime.weight_digest import PIECES, weights_digest
 from reel.runtime.weight_shards import canonical_sha256
 
 
@@ -40,7 +41,7 @@ class TrainState(NamedTuple):
 class StepResult(msgspec.Struct, frozen=True):
     loss: float
     grad_norm: float
-    weights_sha256: str  # sha256 of `state_dict_bytes` of the new weights; "" on ranks > 0
+    weights_sha256: str  # the new weights' digest (runtime/weight_digest.py); "" on ranks > 0
     metrics: dict[str, float]
     staleness: dict[int, int]
 
@@ -108,8 +109,9 @@ def scored_tokens(model: MoEModel, parts: list[tuple[MicroBatch, Batch]], router
 
 
 def train_step(state: TrainState, batch: Batch, config: Config, world: World = LOCAL,
-               weights_of: WeightsOf | None = None) -> tuple[TrainState, StepResult]:
-    """One RL step. `weights_of` (policy version -> weights blob) adds the mismatch split
+               weights_of: WeightsOf | None = None, *, digest: str = PIECES) -> tuple[TrainState, StepResult]:
+    """One RL step. `digest`: the weights digest's scheme on N ranks (runtime/weight_digest.py; a replay
+    passes the one its log names). `weights_of` (policy version -> weights blob) adds the mismatch split
     (runtime/mismatch_split.py) to the metrics; it never changes the update. The split needs the
     whole model in one process, so it is computed on a single-process (or emulated) world only;
     on N ranks the split keys are left out of the metrics (`reel replay` on 1 process adds them)."""
@@ -182,16 +184,8 @@ def train_step(state: TrainState, batch: Batch, config: Config, world: World = L
     # Staleness = versions between a token's sampler and the weights this step trains (0 = on-policy).
     staleness = loss_mod.staleness_histogram(versions_N, state.step)
     new_state = TrainState(model, optimizer, step)
-    return new_state, StepResult(loss=loss_total, grad_norm=grad_norm, weights_sha256=weights_digest(model, world),
+    return new_state, StepResult(loss=loss_total, grad_norm=grad_norm, weights_sha256=weights_digest(model, world, digest),
                                  metrics=metrics, staleness=staleness)
-
-
-def weights_digest(model: MoEModel, world: World) -> str:
-    """`weights_sha256` of the whole model: a collective on N ranks (the full state on rank 0), "" on ranks > 0."""
-    if not world.distributed:
-        return weights_sha256(model)
-    full = full_state_dict(model)
-    return canonical_sha256(hub_tensors(full, model.config)) if world.rank == 0 else ""
 
 
 def full_weights(model: MoEModel, world: World) -> bytes:

@@ -37,6 +37,7 @@ from reel.runtime.mismatch_split import WeightsOf
 from reel.runtime.reexecute import initial_state, restored_state, save_checkpoint
 from reel.runtime.train_step import StepResult, TrainState, full_weights, train_step
 from reel.runtime.rank_publish import RankPublisher
+from reel.runtime.weight_digest import PIECES
 
 log = logging.getLogger("reel.trainer")
 INIT, RESTORE, STEP, SAVE, WEIGHTS, PUBLISH, STOP = "init", "restore", "step", "save", "weights", "publish", "stop"
@@ -65,11 +66,12 @@ class TrainerGroup:
         self._announce(RESTORE, source, data)
         return restored_state(self.run_dir, self.config, self.world, data, source)
 
-    def step(self, state: TrainState, batch: Batch,
-             weights_of: WeightsOf | None = None) -> tuple[TrainState, StepResult]:
-        """`weights_of` adds the mismatch split to the metrics on one process (train_step says why not on N)."""
-        self._announce(STEP, payload=batch_bytes(batch) if self.world.distributed else b"")
-        return train_step(state, batch, self.config, self.world, weights_of)
+    def step(self, state: TrainState, batch: Batch, weights_of: WeightsOf | None = None, *,
+             digest: str = PIECES) -> tuple[TrainState, StepResult]:
+        """`weights_of` adds the mismatch split to the metrics on one process (train_step says why not on N);
+        `digest` is the weights digest's scheme (runtime/weight_digest.py)."""
+        self._announce(STEP, digest, batch_bytes(batch) if self.world.distributed else b"")
+        return train_step(state, batch, self.config, self.world, weights_of, digest=digest)
 
     def checkpoint(self, state: TrainState) -> bytes:
         self._announce(SAVE)
@@ -136,7 +138,7 @@ def follow(world: World, config: Config) -> None:
         else:
             assert state is not None, f"rank {world.rank} got {op!r} before any state"
             if op == STEP:
-                state, _ = train_step(state, batch_from_bytes(payload), config, world)
+                state, _ = train_step(state, batch_from_bytes(payload), config, world, digest=argument)
             elif op == SAVE:
                 save_checkpoint(state, world, run_dir)
             elif op == WEIGHTS:

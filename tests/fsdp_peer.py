@@ -2,7 +2,8 @@
 
     fsdp_peer.py steps OUT [EP] [CP]  3 steps of test_train_step's model and batches (EP, CP: trainer.expert_parallel,
                                   trainer.context_parallel, default 1); rank 0 writes OUT/weights.safetensors
-                                  and OUT/results.json
+                                  and OUT/results.json (digests in the pieces scheme), and the last step's
+                                  digest in the canonical scheme to OUT/canonical.txt
     fsdp_peer.py save RUN OUT [EP] 2 steps, then a DCP checkpoint into RUN; rank 0 writes the
                                   manifest (RUN/manifest.json) and the full state (OUT/state.safetensors)
     fsdp_peer.py load RUN OUT [EP] a fresh state loads RUN/manifest.json; rank 0 writes the full state
@@ -31,6 +32,7 @@ from reel.runtime.model.parallelize import parallelize
 from reel.runtime.model.weights import hub_tensors
 from reel.runtime.rank_publish import RankPublisher
 from reel.runtime.train_step import TrainState, full_weights, make_optimizer, train_step
+from reel.runtime.weight_digest import CANONICAL, weights_digest
 from reel.runtime.weight_publish import publish_version
 from test_train_step import MODEL, _config, _groups
 
@@ -79,8 +81,10 @@ def main(mode: str, *paths: str) -> None:
                             "sha": result.weights_sha256})
         experts = state.model.model.layers[0].mlp.experts
         weights = full_weights(state.model, world)  # a collective: every rank gathers, rank 0 gets the bytes
+        canonical = weights_digest(state.model, world, CANONICAL)  # what a replay of an older log computes
         if world.rank == 0:
             (out / "weights.safetensors").write_bytes(weights)
+            (out / "canonical.txt").write_text(canonical)
             (out / "results.json").write_text(json.dumps(results))
             (out / "experts.json").write_text(json.dumps({"class": type(experts).__name__,
                                                           "local_shape": list(experts.gate_proj.to_local().shape)}))

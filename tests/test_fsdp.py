@@ -3,6 +3,7 @@ and DCP checkpoints that reshard between world sizes exactly."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -53,6 +54,12 @@ def test_two_ranks_equal_one_process_accumulating_their_micro_batches(tmp_path: 
     worst = max(float((ranks[k] - alone[k]).abs().max()) for k in ranks)
     assert 0 < worst < 1e-6, worst  # not bitwise (the sum across ranks rounds differently), but close
     logged = json.loads((tmp_path / "results.json").read_text())
+    # N ranks hash their own pieces (no gather); the canonical scheme, which older logs hold, is still the
+    # sha256 of the gathered state_dict_bytes.
+    assert all(r["sha"].startswith("pieces:") and len(r["sha"]) == 71 for r in logged)
+    assert len({r["sha"] for r in logged}) == 3
+    canonical = (tmp_path / "canonical.txt").read_text()
+    assert canonical == hashlib.sha256((tmp_path / "weights.safetensors").read_bytes()).hexdigest()
     for mine, theirs in zip(results, logged):
         assert mine.loss == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-7)
         assert mine.grad_norm == pytest.approx(theirs["grad_norm"], rel=1e-3)

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from reel.bus.events import StepCommitted
+from reel.bus.blob_backends.file import BlobStore
+from reel.bus.events import StepCommitted, WeightsPublished
 from reel.bus.log import RunLog
+from reel.runtime.weight_load import read_manifest
 
 pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "reverse_text.toml"
@@ -42,7 +44,11 @@ def test_example_on_two_ranks_learns_replays_and_retrains(tmp_path: Path) -> Non
     assert "step 8/8" in done.stdout and "nan" not in done.stdout  # N ranks log no mismatch split: none shown
     commits = _commits(run_dir)
     assert [c.step for c in commits] == list(range(1, STEPS + 1))
-    assert all(c.world_size == 2 for c in commits)
+    assert all(c.world_size == 2 and c.weights_sha256.startswith("pieces:") for c in commits)  # no gather
+    with RunLog(run_dir, readonly=True) as run_log:
+        published = [e for _, e in run_log.events("weights") if isinstance(e, WeightsPublished)]
+    manifest = read_manifest(BlobStore(run_dir / "blobs"), published[-1].weights)
+    assert {s.rank for s in manifest.shards} == {0, 1}  # each rank wrote its own shards
     rewards = [c.metrics["reward_mean"] for c in commits]
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.05, rewards  # it learns (1 rank: ~+0.1 by step 8)
 
