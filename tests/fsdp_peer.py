@@ -9,7 +9,8 @@
     fsdp_peer.py load RUN OUT [EP] a fresh state loads RUN/manifest.json; rank 0 writes the full state
     fsdp_peer.py publish OUT [EP]  1 step, then every rank writes its own shards of version 1 into OUT/blobs
                                   (runtime/rank_publish.py); then the full state is gathered and published
-                                  from rank 0 alone; rank 0 writes both refs to OUT/published.json
+                                  from rank 0 alone; then version 2 (a few elements changed) as each rank's
+                                  delta; rank 0 writes the three refs to OUT/published.json
 """
 
 from __future__ import annotations
@@ -107,12 +108,21 @@ def main(mode: str, *paths: str) -> None:
         out = Path(paths[0])
         state, _ = train_step(state, batches(1)[0], cfg, world)
         blobs = BlobStore(out / "blobs")
-        ranks = RankPublisher(world, cfg).publish(state.model, 1, blobs)  # no gather: shard descriptions only
+        publisher = RankPublisher(world, msgspec.structs.replace(
+            cfg, trainer=msgspec.structs.replace(cfg.trainer, weight_delta=True)))
+        ranks = publisher.publish(state.model, 1, blobs)  # no gather: shard descriptions only
         full = distributed.full_state_dict(state.model)  # the reference: rank 0 gathers and writes every shard
+        with torch.no_grad():  # version 2: one element of each rank's rows of every parameter changed
+            for p in state.model.parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                if local.numel():
+                    local.view(-1)[0] += 1.0
+        delta = publisher.publish(state.model, 2, blobs)
         if world.rank == 0:
-            assert ranks is not None
+            assert ranks is not None and delta is not None
             gathered, _ = publish_version(blobs, hub_tensors(full, MODEL), version=1, step=1)
-            (out / "published.json").write_bytes(msgspec.json.encode({"ranks": ranks[0], "gathered": gathered}))
+            (out / "published.json").write_bytes(msgspec.json.encode({"ranks": ranks[0], "gathered": gathered,
+                                                                       "delta": delta[0]}))
     distributed.shutdown(world)
 
 

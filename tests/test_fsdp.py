@@ -20,6 +20,7 @@ from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import BlobRef
 from reel.runtime import sharded_checkpoint
 from reel.runtime.model.model import MoEModel
+from reel.runtime.weight_delta import full_of
 from reel.runtime.weight_load import read_manifest
 from test_weight_sync import _swapped
 from reel.runtime.distributed import LOCAL, World
@@ -176,8 +177,8 @@ def test_damaged_checkpoint_file_is_named(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("ranks, ep", [(2, 1), (4, 2)])  # 4 ranks: EP groups of 2, FSDP over each expert's 2
-def test_each_rank_writes_its_own_shards_and_the_engine_loads_the_gathered_bits(tmp_path: Path, ranks: int,
-                                                                                 ep: int) -> None:
+def test_each_rank_writes_its_own_shards_and_the_engine_loads_the_gathered_bits(tmp_path: Path, ranks: int, ep: int,
+                                                                                 caplog: pytest.LogCaptureFixture) -> None:
     """Every rank writes the rows it holds (FSDP2 rows, EP's whole experts); rank 0 writes about its
     share, not the model, and the version loads into the built-in engine with the bits of the same
     weights gathered and published from one process."""
@@ -195,3 +196,14 @@ def test_each_rank_writes_its_own_shards_and_the_engine_loads_the_gathered_bits(
     assert by_ranks.version == by_one.version == 1
     for name, value in by_one.model.state_dict().items():
         assert torch.equal(by_ranks.model.state_dict()[name], value), name
+    # Version 2: each rank's delta against its own shards of version 1, applied into the rows.
+    delta = read_manifest(blobs, refs["delta"])
+    assert delta.base_version == 1 and {s.rank for s in delta.shards} == set(range(ranks))
+    by_delta = _swapped(blobs, mine, delta, start=MoEModel(fsdp_peer.MODEL))
+    by_full = _swapped(blobs, full_of(delta), start=MoEModel(fsdp_peer.MODEL))
+    changed = 0
+    for name, value in by_full.model.state_dict().items():
+        assert torch.equal(by_delta.model.state_dict()[name], value), name
+        changed += int((value != by_one.model.state_dict()[name]).sum())
+    assert changed >= ranks  # the delta did change the weights
+    assert "did not reproduce" not in caplog.text  # applied, not replaced by the full shards

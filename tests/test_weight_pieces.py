@@ -155,7 +155,7 @@ async def _fresh(m: MoEModel) -> list[int]:
         return (await _serving(engine))[0]
 
 
-def test_a_delta_of_pieces_applies_into_their_rows_bitwise(tmp_path: Path) -> None:
+def test_a_delta_of_pieces_applies_into_their_rows_bitwise(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Each rank's delta against its own shards of the previous version, applied into the row ranges."""
     blobs = BlobStore(tmp_path)
     v0 = model(3)
@@ -172,6 +172,7 @@ def test_a_delta_of_pieces_applies_into_their_rows_bitwise(tmp_path: Path) -> No
     for name, value in by_full.model.state_dict().items():
         assert torch.equal(by_delta.model.state_dict()[name], value), name
         assert torch.equal(value, v1.state_dict()[name].bfloat16().float()), name
+    assert "did not reproduce" not in caplog.text  # applied, not replaced by the full shards
 
 
 def test_the_engine_refuses_an_expert_split_by_rows(tmp_path: Path) -> None:
