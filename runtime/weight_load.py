@@ -73,9 +73,9 @@ def engine_weights(blobs: BlobBackend, ref: BlobRef, fmt: str) -> BlobRef | Weig
 
 def verify_version(blobs: BlobBackend, manifest: WeightManifest, shapes: Mapping[str, torch.Size] | None,
                    threads: int = 2) -> None:
-    """Every shard hashes to its ref and the shards hold each tensor of `shapes` exactly once (`shapes`
-    None: a reader that cannot name the model's tensors, such as a vLLM worker, checks hashes,
-    headers and that no tensor is in two shards)."""
+    """Every shard hashes to its ref and the shards hold each tensor of `shapes` exactly once, whole or as
+    pieces that tile its rows (`shapes` None: a reader that cannot name the model's tensors, such as a
+    vLLM worker, checks hashes, headers and that each tensor's pieces tile the rows they name)."""
     if manifest.hash != "sha256":
         raise WeightLoadError(f"version {manifest.version}: unknown shard hash {manifest.hash!r} (this reader knows sha256)")
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="reel-verify") as pool:
@@ -96,16 +96,22 @@ def _check_cover(version: int, name: str, pieces: list[Rows | None]) -> None:
     """The pieces of `name` are either one whole tensor or row ranges that tile its rows exactly once."""
     if pieces == [None]:
         return
-    if None in pieces:
-        raise WeightLoadError(f"version {version}: tensor {name} is in more than one shard")
-    end = 0
-    for start, stop, total in sorted(pieces):  # type: ignore[type-var]
+    ranges = sorted(p for p in pieces if p is not None)
+    where = f"version {version}: tensor {name}"
+    if len(ranges) != len(pieces):
+        raise WeightLoadError(f"{where} is in more than one shard")
+    totals = {total for _, _, total in ranges}
+    if len(totals) > 1:
+        raise WeightLoadError(f"{where}: its pieces disagree on its rows ({sorted(totals)})")
+    end, total = 0, totals.pop()
+    for start, stop, _ in ranges:
         if start != end:
-            what = f"rows {end}..{start} of it are in no shard" if start > end else f"rows {start}..{end} of it are in more than one shard"
-            raise WeightLoadError(f"version {version}: tensor {name}: {what}")
+            what = f"rows {end}..{start} of it are in no shard" if start > end else \
+                f"rows {start}..{min(end, stop)} of it are in more than one shard"
+            raise WeightLoadError(f"{where}: {what}")
         end = stop
-    if end != pieces[0][2]:  # type: ignore[index]
-        raise WeightLoadError(f"version {version}: tensor {name}: rows {end}..{pieces[0][2]} of it are in no shard")
+    if end != total:
+        raise WeightLoadError(f"{where}: rows {end}..{total} of it are in no shard")
 
 
 def release(data: memoryview, start: int, end: int) -> None:

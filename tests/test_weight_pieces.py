@@ -194,3 +194,18 @@ def test_the_engine_refuses_an_expert_split_by_rows(tmp_path: Path) -> None:
         asyncio.run(swap())
     assert engine.version == 0 and torch.equal(engine.model.state_dict()["model.norm.weight"],
                                                model(2).state_dict()["model.norm.weight"])
+
+
+def test_verify_refuses_pieces_that_disagree_on_the_rows(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path)
+    m = model(1)
+    manifest = ranks_version(blobs, m, 1)
+    i = _split_shard(manifest)
+    shard = manifest.shards[i]
+    k = next(j for j, r in enumerate(shard.rows) if r[:2] != (0, r[2]))
+    start, stop, total = shard.rows[k]
+    rows = [*shard.rows[:k], (start, stop, total + 1), *shard.rows[k + 1:]]
+    bad = msgspec.structs.replace(manifest, shards=[*manifest.shards[:i], msgspec.structs.replace(shard, rows=rows),
+                                                    *manifest.shards[i + 1:]])
+    with pytest.raises(WeightLoadError, match="pieces disagree on its rows"):
+        verify_version(blobs, bad, None)
