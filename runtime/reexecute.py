@@ -16,7 +16,7 @@ from reel.bus.blobs import BlobBackend, BlobError
 from reel.bus.errors import ReelError
 from reel.bus.events import StepCommitted
 from reel.runtime import checkpoint, environment, sharded_checkpoint
-from reel.runtime.batch import Batch, build_batch
+from reel.runtime.batch import build_batch
 from reel.runtime.config import Config, config_hash
 from reel.runtime.distributed import LOCAL, World
 from reel.runtime.groups import GroupLookup

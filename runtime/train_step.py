@@ -27,9 +27,8 @@ from reel.runtime.mismatch_split import WeightsOf, sampler_logprobs, split_metri
 from reel.runtime.model.context_parallel import sequence_shard, with_context_parallel
 from reel.runtime.model.determinism import set_determinism
 from reel.runtime.model.model import MoEModel
-from reel.runtime.model.weights import hub_tensors, state_dict_bytes, state_dict_to_bytes
+from reel.runtime.model.weights import state_dict_bytes, state_dict_to_bytes
 from reel.runtime.weight_digest import PIECES, weights_digest
-from reel.runtime.weight_shards import canonical_sha256
 
 
 class TrainState(NamedTuple):
@@ -54,7 +53,7 @@ def make_optimizer(model: MoEModel, cfg: TrainerSection) -> torch.optim.AdamW:
 
 def weights_sha256(model: MoEModel) -> str:
     """sha256 of `state_dict_bytes(model)`, streamed tensor by tensor (never one buffer)."""
-    return canonical_sha256(hub_tensors(model.state_dict(), model.config))
+    return weights_digest(model, LOCAL)
 
 
 class TokenLogprobs(NamedTuple):
