@@ -35,6 +35,7 @@ from reel.runtime.model.weights import hub_tensors, save, state_dict_bytes
 from reel.runtime.weight_delta import publish_delta
 from reel.runtime.weight_load import WeightLoadError
 from reel.runtime.weight_publish import publish_version
+from test_weight_pieces import ranks_version
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -186,6 +187,22 @@ async def test_http_a_delta_version_loads_its_full_shards(models, server, server
         await engine.update_weights(delta, 51)
         greedy, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
     assert greedy.spans == [(0, 51)] and greedy.tokens == _greedy_tokens(new, PROMPT, 16)
+
+
+async def test_http_a_version_in_pieces_serves_what_a_whole_one_serves(models, server, server_blobs) -> None:
+    """Tensors N trainer ranks wrote as row pieces are put together for vLLM's loaders, bit for bit."""
+    blobs = BlobStore(server_blobs)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=24, seed=11)
+    async with _engine(models, server, blobs) as engine:
+        await engine.update_weights(_manifest(blobs, models[2], 52)[1], 52)
+        by_whole = await engine.generate(PROMPT, params)
+        await _push(engine, models[1], blobs, 53)  # other weights between: the pieces must really load
+        pieces = ranks_version(blobs, models[2], 54)
+        assert any(r[:2] != (0, r[2]) for s in pieces.shards for r in s.rows)
+        await engine.update_weights(pieces, 54)
+        by_pieces = await engine.generate(PROMPT, params)
+    assert [c.tokens for c in by_pieces] == [c.tokens for c in by_whole]
+    assert [c.logprobs for c in by_pieces] == [c.logprobs for c in by_whole]
 
 
 def _damage(blobs: BlobStore, manifest: WeightManifest, damage: str, tmp_path: Path) -> WeightManifest:
