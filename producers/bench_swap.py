@@ -1,12 +1,15 @@
 """`reel bench swap`: a policy version from the trainer's memory into a serving engine, phase by phase.
 
 publish (runtime/weight_publish.py): gather (the tensors under their Hub names: views on one process),
-  serialise (cast to the shards' dtype, headers), hash (sha256), write (+ fsync); each phase timed alone
+  serialise (cast to the shards' dtype, headers), hash (sha256, the store's key, and BLAKE3, the digest a
+  loader checks: runtime/shard_hash.py), write (+ fsync); each phase timed alone
   on the version's buckets, then the pipeline as the trainer runs it (shards in parallel, each hashed
   while written). Baseline in the same run: a raw write of the same bytes to one file + fdatasync.
 load (runtime/weight_load.py into the built-in engine): read (map every shard, touch its pages), verify
-  (sha256 of every shard), copy (into the engine's parameters), each timed alone; then the swap as a
-  rollout worker runs it: update (update_weights: read, verify, copy, overlapped across shards) and
+  (BLAKE3 of every shard), copy (into the engine's parameters), each timed alone; `loader`: verify, then
+  copy into tensors of the shards' own dtype and layout (what an engine holding one copy of the weights in
+  the served dtype, as vLLM does, writes; the built-in engine writes each weight twice in fp32, as its
+  parameters and as its prepared, transposed kernel layout); then the swap as a rollout worker runs it: update (update_weights: read, verify, copy, overlapped across shards) and
   visible (what the first request under the new version costs over the same request without a swap:
   nothing left to rebuild, since the copy also fills the engine's prepared weights in place), with
   requests decoding meanwhile at the small size.
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import importlib.util
 import os
 import tempfile
@@ -49,6 +51,7 @@ from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import hub_tensors, save
 from reel.runtime.weight_delta import changed, publish_delta
 from reel.runtime.weight_load import copy_version, verify_version
+from reel.runtime.shard_hash import WRITE_HASH, new_digest
 from reel.runtime.weight_publish import DTYPES, buckets, publish_version
 from reel.runtime.weight_shards import read_header, shard_parts, tensor_at
 
@@ -75,7 +78,7 @@ def bench_swap(args: argparse.Namespace) -> int:
     rounds = 1 if quick else 2
     sizes = {"quick": (QUICK, "float32")} if quick else {"small": (SMALL, "float32"), "large": (LARGE, "bfloat16")}
     figures: dict[str, object] = {"bench": "swap", "quick": quick, "rounds": rounds, "threads": THREADS,
-                                  "shard_mb": SHARD_BYTES >> 20, "hash": "sha256", "sizes": {}}
+                                  "shard_mb": SHARD_BYTES >> 20, "hash": WRITE_HASH, "sizes": {}}
     with tempfile.TemporaryDirectory(prefix="reel-bench-swap-", dir=os.environ.get("REEL_BENCH_DIR")) as tmp:
         for name, (config, dtype) in sizes.items():
             figures["sizes"][name] = _one_size(Path(tmp) / name, config, dtype, rounds, background=name != "large")
@@ -85,6 +88,7 @@ def bench_swap(args: argparse.Namespace) -> int:
         figures["vllm"] = None if skip_vllm else _vllm_row(Path(tmp) / "vllm", QUICK if quick else SMALL, rounds)
     last = figures["sizes"]["quick" if quick else "large"]
     figures["load_ratio"], figures["publish_ratio"] = last["load"]["ratio"], last["publish"]["ratio"]
+    figures["loader_ratio"] = last["load"]["loader_ratio"]
     figures["ratio"] = figures["load_ratio"]
     print_json(figures)
     return 0
@@ -159,7 +163,8 @@ def _publish_phases(root: Path, blobs: BlobStore, model: MoEModel, dtype: str, r
     serialise_s = _best(rounds, lambda: [list(shard_parts([(n, t.to(torch_dtype)) for n, t in g])) for g in groups])
     parts = [list(shard_parts([(n, t.to(torch_dtype)) for n, t in g])) for g in groups]
     nbytes = sum(p.nbytes if isinstance(p, memoryview) else len(p) for ps in parts for p in ps)
-    hash_s = _best(rounds, lambda: [_sha256(ps) for ps in parts])
+    key_s = _best(rounds, lambda: [_digest("sha256", ps) for ps in parts])
+    hash_s = _best(rounds, lambda: [_digest(WRITE_HASH, ps) for ps in parts])
     write_s = _best(rounds, lambda: _raw_write(root / "raw-write", parts))
     del parts
     sampler = _RssPeak()
@@ -170,15 +175,16 @@ def _publish_phases(root: Path, blobs: BlobStore, model: MoEModel, dtype: str, r
             publish_version(blobs, hub_tensors(model.state_dict(), model.config), version=100 + version, step=0,
                             dtype=dtype, shard_bytes=SHARD_BYTES, threads=THREADS)
             pipeline_s = min(pipeline_s, time.perf_counter() - started)
-    return {"gather_s": _s(gather_s), "serialise_s": _s(serialise_s), "hash_s": _s(hash_s),
-            "hash_gb_per_s": _rate(nbytes, hash_s), "raw_write_fdatasync_s": _s(write_s),
+    return {"gather_s": _s(gather_s), "serialise_s": _s(serialise_s), "key_sha256_s": _s(key_s),
+            "key_sha256_gb_per_s": _rate(nbytes, key_s), "hash_s": _s(hash_s), "hash_gb_per_s": _rate(nbytes, hash_s),
+            "raw_write_fdatasync_s": _s(write_s),
             "raw_write_gb_per_s": _rate(nbytes, write_s), "pipeline_s": _s(pipeline_s),
             "pipeline_gb_per_s": _rate(nbytes, pipeline_s), "peak_extra_rss_mb": sampler.peak_mb,
             "ratio": round(write_s / pipeline_s, 3)}
 
 
-def _sha256(parts: list) -> str:
-    digest = hashlib.sha256()
+def _digest(algorithm: str, parts: list) -> str:
+    digest = new_digest(algorithm)
     for part in parts:
         digest.update(part)
     return digest.hexdigest()
@@ -206,13 +212,18 @@ def _load_phases(blobs: BlobStore, model: MoEModel, manifests: list[WeightManife
     shapes = {n: t.shape for n, t in state_dict_adapter.to_hf(model.state_dict(), model.config).items()}
     verify_s = _best(rounds, lambda: verify_version(blobs, manifests[0], shapes, THREADS))
     hub = state_dict_adapter.to_hf(model.state_dict(), model.config)
+    served = {n: torch.empty(t.shape, dtype=DTYPES[manifests[0].dtype]) for n, t in hub.items()}
     with torch.inference_mode():
         copy_s = _best(rounds, lambda: copy_version(blobs, manifests[0], lambda n, t: hub[n].copy_(t), THREADS))
+        loader_s = _best(rounds, lambda: (verify_version(blobs, manifests[0], shapes, THREADS),
+                                          copy_version(blobs, manifests[0], lambda n, t: served[n].copy_(t), THREADS)))
+    del served
     engine = BuiltinEngine(model, max_batch=16, blobs=blobs, version=-1)
     swaps = asyncio.run(_time_swaps(engine, manifests, background))
     swap_s = swaps["update_s"] + swaps["visible_s"]
     return {"raw_read_s": _s(raw_s), "raw_read_gb_per_s": _rate(nbytes, raw_s), "read_s": _s(read_s),
             "verify_s": _s(verify_s), "verify_gb_per_s": _rate(nbytes, verify_s), "copy_s": _s(copy_s),
+            "loader_s": _s(loader_s), "loader_gb_per_s": _rate(nbytes, loader_s), "loader_ratio": round(raw_s / loader_s, 3),
             "update_s": _s(swaps["update_s"]), "update_gb_per_s": _rate(nbytes, swaps["update_s"]),
             "visible_s": _s(swaps["visible_s"]), "swap_s": _s(swap_s), "update_rss_mb": swaps["update_rss_mb"],
             "swap_rss_mb": swaps["swap_rss_mb"], "update_ratio": round(raw_s / swaps["update_s"], 3),

@@ -25,8 +25,9 @@ from reel.bus.blobs import BlobBackend, BlobError
 from reel.bus.events import BlobRef
 from reel.bus.weight_manifest import WeightManifest, WeightShard, encode_manifest
 from reel.runtime.weight_load import WeightLoadError, verified_map
-from reel.runtime.weight_publish import DTYPES, buckets
-from reel.runtime.weight_shards import ShardFormatError, read_header, shard_parts, tensor_at
+from reel.runtime.shard_hash import WRITE_HASH
+from reel.runtime.weight_publish import DTYPES, buckets, put_shard
+from reel.runtime.weight_shards import ShardFormatError, read_header, tensor_at
 
 __all__ = ["INDEX", "VALUE", "changed", "publish_delta", "verify_delta", "full_of", "apply_delta"]
 
@@ -71,9 +72,9 @@ def _delta_shard(blobs: BlobBackend, group: list[tuple[str, torch.Tensor]], base
                 touched.append((name, new))
     if not touched:
         return None
-    ref = blobs.put_parts(shard_parts(entries))
+    ref, digest = put_shard(blobs, entries)
     return WeightShard(blob=ref, rank=rank, tensors=[n for n, _ in touched],
-                       result_sha256=_result_sha256(t for _, t in touched))
+                       result_sha256=_result_sha256(t for _, t in touched), digest=digest)
 
 
 def publish_delta(blobs: BlobBackend, tensors: Iterable[tuple[str, torch.Tensor]], base: WeightManifest,
@@ -95,7 +96,7 @@ def publish_delta(blobs: BlobBackend, tensors: Iterable[tuple[str, torch.Tensor]
     if sum(s.blob.nbytes for s in shards) >= sum(s.blob.nbytes for s in full.shards):
         return None
     manifest = WeightManifest(version=full.version, step=full.step, dtype=full.dtype, shards=shards,
-                              base_version=base.version, full_shards=full.shards)
+                              base_version=base.version, full_shards=full.shards, hash=WRITE_HASH)
     return blobs.put(encode_manifest(manifest)), manifest
 
 
@@ -104,7 +105,7 @@ def verify_delta(blobs: BlobBackend, manifest: WeightManifest, shapes: dict[str,
     dtype = DTYPES.get(manifest.dtype)
     for shard in manifest.shards:
         where = f"version {manifest.version} delta shard {shard.blob.sha256[:12]}"
-        with verified_map(blobs, shard, where) as data:
+        with verified_map(blobs, manifest.hash, shard, where) as data:
             entries = {entry.name: entry for entry in read_header(data)}
             for name in shard.tensors:
                 _check_entry(where, name, entries, shapes, dtype)

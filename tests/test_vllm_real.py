@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import torch
 
@@ -200,10 +201,9 @@ def _damage(blobs: BlobStore, manifest: WeightManifest, damage: str, tmp_path: P
     else:  # a ref naming a file outside the store
         outside = tmp_path / "outside.safetensors"
         outside.write_bytes(path.read_bytes())
-        moved = type(shard)(blob=BlobRef(uri=outside.as_uri(), sha256=shard.blob.sha256, nbytes=shard.blob.nbytes),
-                            rank=shard.rank, tensors=shard.tensors)
-        return WeightManifest(version=manifest.version, step=manifest.step, dtype=manifest.dtype,
-                              shards=[manifest.shards[0], moved, *manifest.shards[2:]])
+        moved = msgspec.structs.replace(
+            shard, blob=BlobRef(uri=outside.as_uri(), sha256=shard.blob.sha256, nbytes=shard.blob.nbytes))
+        return msgspec.structs.replace(manifest, shards=[manifest.shards[0], moved, *manifest.shards[2:]])
     return manifest
 
 

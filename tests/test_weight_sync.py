@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 from pathlib import Path
 
+import blake3
 import msgspec
 import pytest
 import torch
@@ -101,6 +102,36 @@ def test_a_manifest_version_round_trips_into_the_engine(tmp_path: Path, dtype: s
     assert all(torch.equal(whole[n], t.to(cast).float()) for n, t in tensors(source))
 
 
+def test_shards_are_checked_against_their_blake3_and_sha256_manifests_still_load(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path)
+    source = model(1)
+    _, manifest = publish(blobs, source, 3)
+    assert manifest.hash == "blake3"
+    for shard in manifest.shards:  # the store keys by sha256; the manifest names the BLAKE3 of the same bytes
+        data = blobs.path(shard.blob).read_bytes()
+        assert (shard.blob.sha256, shard.digest) == (hashlib.sha256(data).hexdigest(), blake3.blake3(data).hexdigest())
+    shapes = {n: t.shape for n, t in tensors(source)}
+    # A digest that does not match the bytes is refused, though the store key does match them.
+    forged = msgspec.structs.replace(manifest.shards[1], digest=blake3.blake3(b"other").hexdigest())
+    with pytest.raises(WeightLoadError, match="is corrupted: its bytes hash to blake3"):
+        verify_version(blobs, msgspec.structs.replace(manifest, shards=[manifest.shards[0], forged, *manifest.shards[2:]]),
+                       shapes)
+    # A manifest written before BLAKE3 (hash sha256, no digests) loads, checked against the store keys.
+    old = msgspec.structs.replace(manifest, hash="sha256",
+                                  shards=[msgspec.structs.replace(s, digest="") for s in manifest.shards])
+    verify_version(blobs, old, shapes)
+    engine = BuiltinEngine(model(2), max_batch=2, blobs=blobs, version=0)
+
+    async def swap() -> None:
+        async with engine:
+            await engine.update_weights(old, 3)
+    asyncio.run(swap())
+    assert all(torch.equal(engine.model.state_dict()[n], v) for n, v in source.state_dict().items())
+    _corrupt(blobs, old.shards[2].blob)
+    with pytest.raises(WeightLoadError, match="is corrupted: its bytes hash to sha256"):
+        verify_version(blobs, old, shapes)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_swap_copies_into_the_prepared_weights_in_place_bitwise_as_a_rebuild(tmp_path: Path, tied: bool) -> None:
     """The engine's prepared (fused, transposed, scaled) weights are updated where they are, not
@@ -190,9 +221,8 @@ def _elsewhere(manifest: WeightManifest, tmp_path: Path) -> WeightManifest:
     outside.write_bytes(b"x")
     shard = manifest.shards[1]
     moved = BlobRef(uri=outside.as_uri(), sha256=shard.blob.sha256, nbytes=shard.blob.nbytes)
-    shards = [*manifest.shards[:1], type(shard)(blob=moved, rank=shard.rank, tensors=shard.tensors),
-              *manifest.shards[2:]]
-    return WeightManifest(version=manifest.version, step=manifest.step, dtype=manifest.dtype, shards=shards)
+    shards = [*manifest.shards[:1], msgspec.structs.replace(shard, blob=moved), *manifest.shards[2:]]
+    return msgspec.structs.replace(manifest, shards=shards)
 
 
 @pytest.mark.parametrize("damage, reason", [("corrupt", "is corrupted"), ("missing", "not found"),
@@ -393,8 +423,9 @@ def test_bench_swap_quick_reports_every_phase(monkeypatch: pytest.MonkeyPatch, c
     result = msgspec.json.decode(line)
     size = result["sizes"]["quick"]
     assert result["bench"] == "swap" and result["ratio"] == size["load"]["ratio"] > 0 and result["vllm"] is None
-    assert {"gather_s", "serialise_s", "hash_s", "raw_write_fdatasync_s", "pipeline_s"} <= set(size["publish"])
-    assert {"raw_read_s", "read_s", "verify_s", "copy_s", "update_s", "visible_s"} <= set(size["load"])
+    assert result["hash"] == "blake3" and result["loader_ratio"] == size["load"]["loader_ratio"] > 0
+    assert {"gather_s", "serialise_s", "key_sha256_s", "hash_s", "raw_write_fdatasync_s", "pipeline_s"} <= set(size["publish"])
+    assert {"raw_read_s", "read_s", "verify_s", "copy_s", "loader_s", "update_s", "visible_s"} <= set(size["load"])
     assert size["publish"]["ratio"] > 0 and 0 <= size["delta"]["unchanged_share"] <= 1
 
 
