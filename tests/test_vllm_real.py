@@ -373,7 +373,8 @@ async def _metric(server: str, name: str) -> float:
 
 
 def test_the_vllm_example_learns_and_every_step_replays_bitwise(tmp_path, capsys) -> None:
-    """examples/reverse_text_vllm.toml as a user runs it: `reel run` starts and stops its `vllm serve`."""
+    """examples/reverse_text_vllm.toml as a user runs it: `reel run` starts and stops its `vllm serve`.
+    25 of its 50 steps (the suite's time): its reward rises from 0.45 at the warm start to about 0.8 by then."""
     import json
 
     from reel.bus.events import StepCommitted, Trajectory
@@ -382,14 +383,14 @@ def test_the_vllm_example_learns_and_every_step_replays_bitwise(tmp_path, capsys
 
     example = Path(__file__).resolve().parents[1] / "examples" / "reverse_text_vllm.toml"
     run_dir = tmp_path / "run"
-    assert main(["run", str(example), "--out", str(run_dir), "--no-live"]) == 0
-    steps = config_mod.load(example).run.steps
+    steps = 25
+    assert main(["run", str(example), "--out", str(run_dir), "--no-live", "--set", f"run.steps={steps}"]) == 0
     with RunLog(run_dir, readonly=True) as log:
         commits = [e for _, e in log.events("steps") if isinstance(e, StepCommitted)]
         spans = [s.spans for _, e in log.events("trajectories") if isinstance(e, Trajectory) for s in e.samples]
     assert [c.step for c in commits] == list(range(1, steps + 1))
     rewards = [c.metrics["reward_mean"] for c in commits]
-    assert sum(rewards[-5:]) / 5 >= 0.9, rewards
+    assert sum(rewards[-5:]) / 5 >= 0.7 and sum(rewards[-5:]) >= sum(rewards[:5]) + 1.0, rewards
     assert all(v >= 0 for sample in spans for _, v in sample)  # vLLM's labels were Reel versions throughout
     assert "vLLM server" in (run_dir / "roles" / "rollout-0.log").read_text()  # sampled through the HTTP engine
     assert "Application startup complete" in (run_dir / "roles" / "vllm.log").read_text()
