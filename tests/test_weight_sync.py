@@ -425,7 +425,8 @@ def test_bench_swap_quick_reports_every_phase(monkeypatch: pytest.MonkeyPatch, c
     assert result["bench"] == "swap" and result["ratio"] == size["load"]["ratio"] > 0 and result["vllm"] is None
     assert result["hash"] == "blake3" and result["loader_ratio"] == size["load"]["loader_ratio"] > 0
     assert {"gather_s", "serialise_s", "key_sha256_s", "hash_s", "raw_write_fdatasync_s", "pipeline_s"} <= set(size["publish"])
-    assert {"raw_read_s", "read_s", "verify_s", "copy_s", "loader_s", "update_s", "visible_s"} <= set(size["load"])
+    assert {"raw_read_s", "read_s", "verify_s", "copy_s", "loader_s", "update_s", "visible_s",
+            "cold_raw_read_s", "cold_update_s"} <= set(size["load"]) and result["cold_ratio"] > 0
     assert size["publish"]["ratio"] > 0 and 0 <= size["delta"]["unchanged_share"] <= 1
 
 
