@@ -23,7 +23,10 @@ How Reel's contract maps onto vLLM:
   a manifest's shards streamed, or one safetensors blob), and resumes. A manifest version is
   verified here first, while the old version serves: a corrupted, missing or outside shard, or one
   whose tensors are not the model's, is a WeightLoadError (the rollout worker dead-letters it) and
-  the workers are never asked. A delta version loads its full shards.
+  the workers are never asked. A delta version is checked by its full shards (what a worker that
+  does not hold its base, or whose delta fails, loads); a worker that holds the base applies the delta
+  itself (producers/vllm_worker.py). The workers read the manifest by the hash it is stored under
+  (`update_weights(..., ref=)`, WeightsPublished.weights) and say what they loaded (logged).
   Spans come from vLLM's `weight_versions` where this vLLM has them; otherwise a sample gets the
   version it started under for all its tokens (its staleness is then over-estimated, never under).
 

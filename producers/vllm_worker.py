@@ -40,8 +40,8 @@ import torch
 
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import BlobRef
-from reel.runtime.launch.vllm_args import BLOBS_ENV
 from reel.bus.weight_manifest import WeightManifest
+from reel.runtime.launch.vllm_args import BLOBS_ENV
 from reel.runtime.weight_delta import base_shards, full_of, rebuilt_version
 from reel.runtime.weight_load import WeightLoadError, read_manifest, stream_version, verify_version
 
@@ -84,7 +84,7 @@ class ReelWorkerExtension:
         if manifest.base_version >= 0:
             try:
                 return self._load_delta(store, manifest)
-            except WeightLoadError as exc:  # nothing changed yet: the version's full shards instead
+            except WeightLoadError as exc:  # the version's full shards instead (they replace all a delta did)
                 why_full = str(exc)
                 log.warning("version %d: %s; loading its full shards", manifest.version, why_full)
             manifest = full_of(manifest)
@@ -182,7 +182,9 @@ def _layers_left_alone() -> Iterator[None]:
     """Without vLLM's "Failed to load weights" warning for each layer a delta leaves alone (such a
     layer keeps its weights: `finalize_layerwise_reload` puts them back)."""
     logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    quiet = lambda record: record.msg != "%s: Failed to load weights"  # noqa: E731
+
+    def quiet(record: logging.LogRecord) -> bool:
+        return record.msg != "%s: Failed to load weights"
     logger.addFilter(quiet)
     try:
         yield
