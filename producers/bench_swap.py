@@ -100,7 +100,7 @@ def _one_size(root: Path, config: MoEConfig, dtype: str, rounds: int, background
     root.mkdir(parents=True)
     blobs = BlobStore(root / "blobs")
     publish = _publish_phases(root, blobs, _model(config, 0), dtype, rounds)
-    manifests = [_published(blobs, _model(config, seed), seed, dtype) for seed in range(rounds + 1)]
+    manifests = [_published(blobs, _model(config, seed), seed, dtype)[1] for seed in range(rounds + 1)]
     load = _load_phases(blobs, _model(config, 0), manifests, rounds, background)
     nbytes = sum(s.blob.nbytes for s in manifests[0].shards)
     return {"params": sum(t.numel() for _, t in hub_tensors(_model(config, 0).state_dict(), config)), "dtype": dtype,
@@ -131,7 +131,7 @@ def _delta_figures(blobs: BlobStore, model: MoEModel, base: WeightManifest, dtyp
     del optimizer
     for p in params:
         p.grad = None
-    full = _published(blobs, model, base.version + 1, dtype)
+    full = _published(blobs, model, base.version + 1, dtype)[1]
     same, total = _unchanged(blobs, base, dict(hub_tensors(model.state_dict(), model.config)), DTYPES[dtype])
     started = time.perf_counter()
     delta = publish_delta(blobs, hub_tensors(model.state_dict(), model.config), base, full, shard_bytes=SHARD_BYTES,
@@ -144,9 +144,9 @@ def _delta_figures(blobs: BlobStore, model: MoEModel, base: WeightManifest, dtyp
             "delta_publish_s": secs(seconds), "published": delta is not None}
 
 
-def _published(blobs: BlobStore, model: MoEModel, version: int, dtype: str) -> WeightManifest:
+def _published(blobs: BlobStore, model: MoEModel, version: int, dtype: str) -> tuple[BlobRef, WeightManifest]:
     return publish_version(blobs, hub_tensors(model.state_dict(), model.config), version=version, step=version,
-                           dtype=dtype, shard_bytes=SHARD_BYTES, threads=THREADS)[1]
+                           dtype=dtype, shard_bytes=SHARD_BYTES, threads=THREADS)
 
 
 def _model(config: MoEConfig, seed: int) -> MoEModel:
@@ -302,7 +302,7 @@ def _mooncake_row(root: Path, config: MoEConfig, dtype: str, rounds: int) -> dic
         try:
             model = _model(config, 0)
             publish_s = best(rounds, lambda: _published(blobs, model, 0, dtype))
-            manifests = [_published(blobs, _model(config, seed), seed, dtype) for seed in range(rounds + 1)]
+            manifests = [_published(blobs, _model(config, seed), seed, dtype)[1] for seed in range(rounds + 1)]
             refs = [s.blob for s in manifests[0].shards]
             raw_s = best(rounds + 1, lambda: [blobs.read(ref) for ref in refs])
             swaps = asyncio.run(_time_swaps(BuiltinEngine(model, max_batch=16, blobs=blobs, version=-1), manifests,
@@ -326,29 +326,29 @@ def _vllm_row(root: Path, config: MoEConfig, rounds: int) -> dict[str, object]:
 
     root.mkdir(parents=True)
     blobs = BlobStore(root / "blobs")
-    manifests = [_published(blobs, _model(config, seed), seed, "float32") for seed in range(rounds + 1)]
+    published = [_published(blobs, _model(config, seed), seed, "float32") for seed in range(rounds + 1)]
     save(_model(config, 0), root / "model")
-    shards = [s.blob for s in manifests[0].shards]
+    shards = [s.blob for s in published[0][1].shards]
     raw_s = best(rounds + 1, lambda: _raw_read(blobs, shards))
     with local_vllm(config_mod.loads(SERVE), root / "model", root / "vllm.log", blobs.root) as url:
         engine = VLLMHTTPEngine(root / "model", url=url, blobs=blobs, version=-1, routed_experts=False)
-        swap_s = asyncio.run(_time_vllm_swaps(engine, manifests))
+        swap_s = asyncio.run(_time_vllm_swaps(engine, published))
     nbytes = sum(ref.nbytes for ref in shards)
     return {"format": "manifest", "gb": gb(nbytes), "shards": len(shards), "raw_read_s": secs(raw_s),
             "swap_s": secs(swap_s), "swap_gb_per_s": rate(nbytes, swap_s), "ratio": round(raw_s / swap_s, 3)}
 
 
-async def _time_vllm_swaps(engine: Engine, manifests: list[WeightManifest]) -> float:
+async def _time_vllm_swaps(engine: Engine, published: list[tuple[BlobRef, WeightManifest]]) -> float:
     """Best seconds from update_weights (verify, then every worker verifies and streams) to the first
     sample under the new version, with requests decoding meanwhile."""
     best = float("inf")
     async with engine:
-        await engine.update_weights(manifests[0], 0)
-        for version, manifest in enumerate(manifests[1:], start=1):
+        await engine.update_weights(published[0][1], 0, ref=published[0][0])
+        for version, (ref, manifest) in enumerate(published[1:], start=1):
             decoding = asyncio.create_task(engine.generate(PROMPT, BACKGROUND))
             await asyncio.sleep(0.2)
             start = time.perf_counter()
-            await engine.update_weights(manifest, version)
+            await engine.update_weights(manifest, version, ref=ref)
             probe, = await engine.generate(PROMPT, PROBE)
             best = min(best, time.perf_counter() - start)
             if probe.spans != [(0, version)]:

@@ -11,25 +11,31 @@ applying, so a base that differs from the writer's is caught (the reader then lo
 Written against the previous version's full shards, read back through the store's maps (the page
 cache), so the trainer keeps no second copy of the weights. A delta pays where training moves few
 elements across a representable step: bf16 weights under a small learning rate.
+
+Two ways to read one: `apply_delta` changes a reader's live tensors in place (the built-in engine);
+`rebuilt_version` rebuilds the tensors from the base version's full shards in the store, for a reader
+whose live weights are not Hub tensors (a vLLM worker: fused, sharded, packed).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 
 import torch
 
 from reel.bus.blobs import BlobBackend, BlobError
 from reel.bus.events import BlobRef
 from reel.bus.weight_manifest import WeightManifest, WeightShard, encode_manifest
-from reel.runtime.weight_load import WeightLoadError, verified_map
 from reel.runtime.shard_hash import WRITE_HASH
+from reel.runtime.weight_load import WeightLoadError, verified_map, verify_version
 from reel.runtime.weight_publish import DTYPES, buckets, put_shard
 from reel.runtime.weight_shards import ShardFormatError, read_header, tensor_at
 
-__all__ = ["INDEX", "VALUE", "changed", "publish_delta", "verify_delta", "full_of", "apply_delta"]
+__all__ = ["INDEX", "VALUE", "changed", "publish_delta", "verify_delta", "full_of", "apply_delta", "base_shards",
+           "rebuilt_version"]
 
 INDEX, VALUE = "::index", "::value"
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -145,12 +151,61 @@ def apply_delta(blobs: BlobBackend, manifest: WeightManifest, hub: dict[str, tor
         with blobs.mapped(shard.blob) as data:
             entries = {entry.name: entry for entry in read_header(data)}
             for name in shard.tensors:
-                target = hub[name]
-                if name in entries:
-                    target.copy_(tensor_at(data, entries[name]))
-                    continue
-                target.view(-1).index_copy_(0, tensor_at(data, entries[name + INDEX]).long(),
-                                            tensor_at(data, entries[name + VALUE]).to(target.dtype))
+                _apply(data, entries, name, hub[name])
         if _result_sha256(hub[name].to(dtype) for name in shard.tensors) != shard.result_sha256:
             wrong.append(shard.blob.sha256[:12])
     return wrong
+
+
+def _apply(data: memoryview, entries: dict, name: str, target: torch.Tensor) -> None:
+    """One tensor's change from a delta shard (its map and header entries) written into `target`."""
+    if name in entries:
+        target.copy_(tensor_at(data, entries[name]))
+        return
+    target.view(-1).index_copy_(0, tensor_at(data, entries[name + INDEX]).long(),
+                                tensor_at(data, entries[name + VALUE]).to(target.dtype))
+
+
+def base_shards(base: WeightManifest, names: set[str]) -> list[WeightShard]:
+    """The shards of the full version `base` that hold any of `names`."""
+    return [shard for shard in base.shards if not names.isdisjoint(shard.tensors)]
+
+
+@contextmanager
+def rebuilt_version(blobs: BlobBackend, delta: WeightManifest, base: WeightManifest,
+                    needed: set[str]) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+    """The `needed` tensors of `delta`'s version, in `base`'s order, rebuilt on `base` (the full version
+    the reader holds): a tensor the delta changes is the base's, copied, with the change applied; any
+    other is a view of its base shard's map (a reader that slices it reads only its slice).
+
+    Checked before anything is yielded, so a failing delta changes nothing: the base shards holding
+    `needed` and every delta shard hash to their refs, the delta's entries fit the base's tensors, and
+    each delta shard's tensors, rebuilt, hash to its `result_sha256`. Any failure is a WeightLoadError
+    (the reader then loads the version's full shards). The maps stay open while the context is.
+    """
+    touched = {name for shard in delta.shards for name in shard.tensors}
+    shards = base_shards(base, needed | touched)
+    verify_version(blobs, WeightManifest(version=base.version, step=base.step, dtype=base.dtype, shards=shards,
+                                         hash=base.hash), None)
+    with ExitStack() as stack:
+        old = {}  # name -> a view of the base version's tensor
+        for shard in shards:
+            data = stack.enter_context(blobs.mapped(shard.blob))
+            old |= {entry.name: tensor_at(data, entry) for entry in read_header(data)}
+        verify_delta(blobs, delta, {name: t.shape for name, t in old.items()})
+        changes = {}  # name -> (its delta shard's map, that shard's header entries)
+        for shard in delta.shards:
+            data = stack.enter_context(blobs.mapped(shard.blob))
+            entries = {entry.name: entry for entry in read_header(data)}
+            changes |= {name: (data, entries) for name in shard.tensors}
+
+        def new(name: str) -> torch.Tensor:
+            target = old[name].clone()
+            _apply(*changes[name], name, target)
+            return target
+
+        wrong = [s.blob.sha256[:12] for s in delta.shards if _result_sha256(map(new, s.tensors)) != s.result_sha256]
+        if wrong:
+            raise WeightLoadError(f"version {delta.version}: delta shards {wrong} do not rebuild it on the held "
+                                  f"version {base.version}")
+        yield ((name, new(name) if name in touched else t) for name, t in old.items() if name in needed)

@@ -11,7 +11,10 @@ Runner V2): on this CPU router replay is refused before vLLM starts, which is te
 from __future__ import annotations
 
 import asyncio
+import copy
+import logging
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +36,7 @@ from reel.runtime.launch.vllm_serve import local_vllm
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import hub_tensors, save, state_dict_bytes
-from reel.runtime.weight_delta import publish_delta
+from reel.runtime.weight_delta import full_of, publish_delta
 from reel.runtime.weight_load import WeightLoadError
 from reel.runtime.weight_publish import publish_version
 
@@ -160,9 +163,9 @@ async def test_http_a_manifest_swap_serves_what_a_one_blob_swap_serves(models, s
         await _push(engine, models[2], blobs, 40)
         by_blob = await engine.generate(PROMPT, params)
         await _push(engine, models[1], blobs, 41)  # other weights between: the manifest load must really happen
-        _, manifest = _manifest(blobs, models[2], 42)
+        ref, manifest = _manifest(blobs, models[2], 42)
         assert len(manifest.shards) > 2
-        await engine.update_weights(manifest, 42)
+        await engine.update_weights(manifest, 42, ref=ref)
         assert await engine._server_version(server) == 42
         by_manifest = await engine.generate(PROMPT, params)
     assert [c.tokens for c in by_manifest] == [c.tokens for c in by_blob]
@@ -173,24 +176,86 @@ async def test_http_a_manifest_swap_serves_what_a_one_blob_swap_serves(models, s
                                    atol=1e-4, rtol=0)
 
 
-async def test_http_a_delta_version_loads_its_full_shards(models, server, server_blobs) -> None:
-    blobs = BlobStore(server_blobs)
-    new = _model(0)  # models[1] with a few elements changed
+def _changed(model: MoEModel, by: float) -> MoEModel:
+    """`model` with a few elements changed (the delta is smaller than the version): some of lm_head,
+    two rows of k_proj (part of vLLM's fused qkv_proj) and rows of one expert of layer 0 (one of
+    vLLM's FusedMoE layer's experts, packed on CPU)."""
+    new = copy.deepcopy(model)
+    params = dict(new.named_parameters())
     with torch.no_grad():
-        new.lm_head.weight[:, :8] += 0.5  # a few elements change: the delta is smaller than the version
+        params["lm_head.weight"][:, :8] += by
+        params["model.layers.0.self_attn.k_proj.weight"][:2] += by / 2
+        params["model.layers.0.mlp.experts.up_proj"][1, :4] += by / 2
+    return new
+
+
+def _delta(blobs: BlobStore, new: MoEModel, base: WeightManifest, version: int) -> tuple[BlobRef, WeightManifest]:
+    full = _manifest(blobs, new, version)[1]
+    return publish_delta(blobs, hub_tensors(new.state_dict(), new.config), base, full, shard_bytes=32 << 10)
+
+
+def _loads(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What the worker said it loaded, per update (the engine's log lines), and forget them."""
+    lines = [r.getMessage() for r in caplog.records if r.name == "reel.vllm" and " load, " in r.getMessage()]
+    caplog.clear()
+    return lines
+
+
+async def test_http_a_delta_swap_serves_the_bits_of_a_full_swap(models, server, server_blobs, caplog) -> None:
+    """The worker rebuilds only the layers a delta touches, from the held version's shards; a worker
+    that missed the base, or whose delta is corrupted, loads the version's full shards."""
+    caplog.set_level(logging.INFO, logger="reel.vllm")
+    blobs = BlobStore(server_blobs)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=24, seed=13)
+    new = _changed(models[1], 0.5)
     async with _engine(models, server, blobs) as engine:
-        _, base = _manifest(blobs, models[1], 50)
-        await engine.update_weights(base, 50)
-        _, full = _manifest(blobs, new, 51)
-        _, delta = publish_delta(blobs, hub_tensors(new.state_dict(), new.config), base, full, shard_bytes=32 << 10)
+        base_ref, base = _manifest(blobs, models[1], 50)
+        full_ref, full = _manifest(blobs, new, 51)
+        delta_ref, delta = _delta(blobs, new, base, 51)
         assert delta.base_version == 50 and len(delta.shards) < len(full.shards)
-        await engine.update_weights(delta, 51)
+        await engine.update_weights(base, 50, ref=base_ref)
+        await engine.update_weights(full, 51, ref=full_ref)
+        by_full = await engine.generate(PROMPT, params)
+        await engine.update_weights(base, 50, ref=base_ref)
+        _loads(caplog)
+        await engine.update_weights(delta, 51, ref=delta_ref)
+        by_delta = await engine.generate(PROMPT, params)
+        loaded, = _loads(caplog)
+        assert "delta load" in loaded, loaded
+        delta_read = float(re.search(r"([\d.]+) MB of shards read", loaded).group(1))
+        full_read = sum(s.blob.nbytes for s in full.shards) / 1e6
+        assert delta_read < full_read / 2, (delta_read, full_read)
+        print(f"bytes read per swap: delta {delta_read} MB, full {full_read:.3f} MB")
+        # Missed a version: the delta's base (52) is not what the worker holds (51).
+        newer = _changed(new, 0.25)
+        missed_ref, missed = _delta(blobs, newer, _manifest(blobs, new, 52)[1], 53)
+        await engine.update_weights(missed, 53, ref=missed_ref)
+        assert "full load" in (line := _loads(caplog)[0]) and "not the delta's base 52" in line, line
         greedy, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
-    assert greedy.spans == [(0, 51)] and greedy.tokens == _greedy_tokens(new, PROMPT, 16)
+        assert greedy.spans == [(0, 53)] and greedy.tokens == _greedy_tokens(newer, PROMPT, 16)
+        # A corrupted delta on the held version: nothing changes until the full shards are loaded.
+        newest = _changed(newer, 0.5)
+        bad_ref, bad = _delta(blobs, newest, _manifest(blobs, newer, 53)[1], 54)
+        _damage(blobs, bad, "corrupt", Path())
+        await engine.update_weights(bad, 54, ref=bad_ref)
+        assert "full load" in (line := _loads(caplog)[0]) and "is corrupted" in line, line
+        greedy, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
+        assert greedy.spans == [(0, 54)] and greedy.tokens == _greedy_tokens(newest, PROMPT, 16)
+        # Its full shards corrupted too (sent to the worker directly): refused, version 54 serves on.
+        worst_ref, worst = _delta(blobs, _changed(newest, 1.0), _manifest(blobs, newest, 54)[1], 55)
+        _damage(blobs, worst, "corrupt", Path())
+        _damage(blobs, full_of(worst), "corrupt", Path())
+        with pytest.raises(EngineError, match="HTTP 500"):
+            await engine._each("/collective_rpc", body={"method": "reel_load_manifest", "args": [worst_ref.sha256]})
+        greedy, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
+        assert greedy.tokens == _greedy_tokens(newest, PROMPT, 16)
+    assert [c.tokens for c in by_delta] == [c.tokens for c in by_full]
+    assert [c.logprobs for c in by_delta] == [c.logprobs for c in by_full]  # the same weights, bit for bit
+    assert all(c.spans == [(0, 51)] for c in by_delta)
 
 
 def _damage(blobs: BlobStore, manifest: WeightManifest, damage: str, tmp_path: Path) -> WeightManifest:
-    shard = manifest.shards[1]
+    shard = manifest.shards[min(1, len(manifest.shards) - 1)]
     path = blobs.path(shard.blob)
     if damage == "corrupt":
         data = bytearray(path.read_bytes())
@@ -352,7 +417,8 @@ async def test_inprocess_asyncllm_matches_reels_forward_and_names_versions(model
         sampled, = await engine.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=16, seed=3))
         torch.testing.assert_close(torch.tensor(sampled.logprobs), _reel_logprobs(models[2], PROMPT, sampled.tokens),
                                    atol=1e-4, rtol=0)
-        await engine.update_weights(_manifest(blobs, models[1], 1)[1], 1)  # the manifest path, in process
+        ref, manifest = _manifest(blobs, models[1], 1)
+        await engine.update_weights(manifest, 1, ref=ref)  # the manifest path, in process
         greedy, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
         assert greedy.spans == [(0, 1)] and greedy.tokens == _greedy_tokens(models[1], PROMPT, 16)
 

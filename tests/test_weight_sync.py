@@ -35,7 +35,7 @@ from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import hub_tensors, state_dict_bytes
 from reel.runtime.train_step import TrainState
 from reel.runtime.trainer_group import TrainerGroup
-from reel.runtime.weight_delta import publish_delta
+from reel.runtime.weight_delta import publish_delta, rebuilt_version
 from reel.runtime.weight_load import WeightLoadError, read_manifest, stream_version, verify_version, version_bytes
 from reel.runtime.weight_publish import buckets, publish_version
 from reel.runtime.weight_shards import canonical_sha256, read_header, shard_parts
@@ -403,6 +403,28 @@ def test_a_corrupted_delta_leaves_the_base_serving(tmp_path: Path) -> None:
     asyncio.run(swap())
     assert engine.version == 0
     assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_delta_rebuilt_from_the_base_shards_is_the_full_version_bitwise(tmp_path: Path) -> None:
+    """What a vLLM worker loads for a delta: the tensors it asks for, rebuilt on the base version's
+    shards; a base that is not the delta's, or a corrupted delta, fails before any tensor is given."""
+    blobs = BlobStore(tmp_path)
+    _, full0, _, delta, full1 = _delta_versions(blobs)
+    touched = {name for shard in delta.shards for name in shard.tensors}
+    untouched = next(name for shard in full0.shards for name in shard.tensors if name not in touched)
+    want = dict(stream_version(blobs, full1))
+    with rebuilt_version(blobs, delta, full0, touched | {untouched}) as rebuilt:
+        got = dict(rebuilt)
+    assert set(got) == touched | {untouched}
+    assert all(torch.equal(t, want[name]) for name, t in got.items())
+    _, other = publish(blobs, model(11), 0, dtype="bfloat16")
+    with pytest.raises(WeightLoadError, match="do not rebuild it on the held version 0"):
+        with rebuilt_version(blobs, delta, other, touched):
+            pass
+    _corrupt(blobs, delta.shards[0].blob)
+    with pytest.raises(WeightLoadError, match="delta shard .* is corrupted"):
+        with rebuilt_version(blobs, delta, full0, touched):
+            pass
 
 
 def test_no_delta_where_it_would_not_be_smaller(tmp_path: Path) -> None:
