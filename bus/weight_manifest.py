@@ -40,6 +40,9 @@ class WeightShard(msgspec.Struct, frozen=True):
     # Delta shards only: sha256 of the shard's tensors after the delta is applied (the manifest's dtype,
     # each tensor's bytes in `tensors` order), so a reader whose base differs finds out.
     result_sha256: str = ""
+    # The shard's digest under WeightManifest.hash (runtime/shard_hash.py); "" where that is sha256, whose
+    # digest is blob.sha256, the store's key.
+    digest: str = ""
     # Per entry of `tensors`: the rows of the whole tensor the entry holds. Empty: every entry is a whole
     # tensor (a one-process trainer, and every manifest written before ranks wrote their own shards).
     rows: list[Rows] = []
@@ -51,7 +54,7 @@ class WeightManifest(msgspec.Struct, frozen=True):
     dtype: str  # dtype the shards hold ("bfloat16" where the engine serves bf16, else "float32")
     shards: list[WeightShard]
     base_version: int = -1  # -1: a full version; else a delta that applies to this version
-    hash: str = "sha256"  # digest algorithm of every shard's blob.sha256 field
+    hash: str = "sha256"  # what every shard's `digest` is: "blake3" now; "sha256" (blob.sha256) before
     # A delta's own full version (its shards, the same as a full manifest of `version` would list): what a
     # reader that does not hold base_version loads. Empty for a full version.
     full_shards: list[WeightShard] = []

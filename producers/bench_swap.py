@@ -1,16 +1,21 @@
 """`reel bench swap`: a policy version from the trainer's memory into a serving engine, phase by phase.
 
 publish (runtime/weight_publish.py): gather (the tensors under their Hub names: views on one process),
-  serialise (cast to the shards' dtype, headers), hash (sha256), write (+ fsync); each phase timed alone
+  serialise (cast to the shards' dtype, headers), hash (sha256, the store's key, and BLAKE3, the digest a
+  loader checks: runtime/shard_hash.py), write (+ fsync); each phase timed alone
   on the version's buckets, then the pipeline as the trainer runs it (shards in parallel, each hashed
   while written). Baseline in the same run: a raw write of the same bytes to one file + fdatasync.
 load (runtime/weight_load.py into the built-in engine): read (map every shard, touch its pages), verify
-  (sha256 of every shard), copy (into the engine's parameters), each timed alone; then the swap as a
-  rollout worker runs it: update (update_weights: read, verify, copy, overlapped across shards) and
+  (BLAKE3 of every shard), copy (into the engine's parameters), each timed alone; `loader`: verify, then
+  copy into tensors of the shards' own dtype and layout (what an engine holding one copy of the weights in
+  the served dtype, as vLLM does, writes; the built-in engine writes each weight twice in fp32, as its
+  parameters and as its prepared, transposed kernel layout); then the swap as a rollout worker runs it: update (update_weights: read, verify, copy, overlapped across shards) and
   visible (what the first request under the new version costs over the same request without a swap:
   nothing left to rebuild, since the copy also fills the engine's prepared weights in place), with
   requests decoding meanwhile at the small size.
   Baseline: a raw read of the same bytes (every shard file, page cache warm) into one reused buffer.
+  `cold_*`: the raw read and the update again with the shard files dropped from the page cache first
+  (posix_fadvise DONTNEED), so both read the disk: the medium a node other than the trainer's reads.
 `ratio` = baseline seconds / pipeline seconds (1.0: as fast as the medium; `update_ratio` leaves out
 visible). Extra RSS: the most the process's resident memory rose above its level before the phase
 (sampled every 2 ms).
@@ -25,11 +30,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import importlib.util
 import os
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +43,7 @@ from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import BlobRef
 from reel.bus.jsonout import print_json
 from reel.bus.weight_manifest import WeightManifest
+from reel.producers.bench_measure import RssPeak, best, best_cold, evict, gb, rate, secs
 from reel.producers.builtin_engine import BuiltinEngine
 from reel.producers.engine import Engine, SamplingParams
 from reel.runtime import config as config_mod
@@ -49,6 +53,7 @@ from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import hub_tensors, save
 from reel.runtime.weight_delta import changed, publish_delta
 from reel.runtime.weight_load import copy_version, verify_version
+from reel.runtime.shard_hash import WRITE_HASH, new_digest
 from reel.runtime.weight_publish import DTYPES, buckets, publish_version
 from reel.runtime.weight_shards import read_header, shard_parts, tensor_at
 
@@ -75,7 +80,7 @@ def bench_swap(args: argparse.Namespace) -> int:
     rounds = 1 if quick else 2
     sizes = {"quick": (QUICK, "float32")} if quick else {"small": (SMALL, "float32"), "large": (LARGE, "bfloat16")}
     figures: dict[str, object] = {"bench": "swap", "quick": quick, "rounds": rounds, "threads": THREADS,
-                                  "shard_mb": SHARD_BYTES >> 20, "hash": "sha256", "sizes": {}}
+                                  "shard_mb": SHARD_BYTES >> 20, "hash": WRITE_HASH, "sizes": {}}
     with tempfile.TemporaryDirectory(prefix="reel-bench-swap-", dir=os.environ.get("REEL_BENCH_DIR")) as tmp:
         for name, (config, dtype) in sizes.items():
             figures["sizes"][name] = _one_size(Path(tmp) / name, config, dtype, rounds, background=name != "large")
@@ -85,6 +90,7 @@ def bench_swap(args: argparse.Namespace) -> int:
         figures["vllm"] = None if skip_vllm else _vllm_row(Path(tmp) / "vllm", QUICK if quick else SMALL, rounds)
     last = figures["sizes"]["quick" if quick else "large"]
     figures["load_ratio"], figures["publish_ratio"] = last["load"]["ratio"], last["publish"]["ratio"]
+    figures["loader_ratio"], figures["cold_ratio"] = last["load"]["loader_ratio"], last["load"]["cold_ratio"]
     figures["ratio"] = figures["load_ratio"]
     print_json(figures)
     return 0
@@ -94,11 +100,11 @@ def _one_size(root: Path, config: MoEConfig, dtype: str, rounds: int, background
     root.mkdir(parents=True)
     blobs = BlobStore(root / "blobs")
     publish = _publish_phases(root, blobs, _model(config, 0), dtype, rounds)
-    manifests = [_published(blobs, _model(config, seed), seed, dtype) for seed in range(rounds + 1)]
+    manifests = [_published(blobs, _model(config, seed), seed, dtype)[1] for seed in range(rounds + 1)]
     load = _load_phases(blobs, _model(config, 0), manifests, rounds, background)
     nbytes = sum(s.blob.nbytes for s in manifests[0].shards)
     return {"params": sum(t.numel() for _, t in hub_tensors(_model(config, 0).state_dict(), config)), "dtype": dtype,
-            "gb": _gb(nbytes), "shards": len(manifests[0].shards), "publish": publish, "load": load,
+            "gb": gb(nbytes), "shards": len(manifests[0].shards), "publish": publish, "load": load,
             "delta": _delta_figures(blobs, _model(config, 0), manifests[0], dtype)}
 
 
@@ -125,7 +131,7 @@ def _delta_figures(blobs: BlobStore, model: MoEModel, base: WeightManifest, dtyp
     del optimizer
     for p in params:
         p.grad = None
-    full = _published(blobs, model, base.version + 1, dtype)
+    full = _published(blobs, model, base.version + 1, dtype)[1]
     same, total = _unchanged(blobs, base, dict(hub_tensors(model.state_dict(), model.config)), DTYPES[dtype])
     started = time.perf_counter()
     delta = publish_delta(blobs, hub_tensors(model.state_dict(), model.config), base, full, shard_bytes=SHARD_BYTES,
@@ -135,12 +141,12 @@ def _delta_figures(blobs: BlobStore, model: MoEModel, base: WeightManifest, dtyp
     delta_bytes = full_bytes if delta is None else sum(s.blob.nbytes for s in delta[1].shards)
     return {"lr": DELTA_LR, "unchanged_share": round(same / total, 4), "full_mb": round(full_bytes / 1e6, 1),
             "delta_mb": round(delta_bytes / 1e6, 1), "saved_share": round(1 - delta_bytes / full_bytes, 4),
-            "delta_publish_s": _s(seconds), "published": delta is not None}
+            "delta_publish_s": secs(seconds), "published": delta is not None}
 
 
-def _published(blobs: BlobStore, model: MoEModel, version: int, dtype: str) -> WeightManifest:
+def _published(blobs: BlobStore, model: MoEModel, version: int, dtype: str) -> tuple[BlobRef, WeightManifest]:
     return publish_version(blobs, hub_tensors(model.state_dict(), model.config), version=version, step=version,
-                           dtype=dtype, shard_bytes=SHARD_BYTES, threads=THREADS)[1]
+                           dtype=dtype, shard_bytes=SHARD_BYTES, threads=THREADS)
 
 
 def _model(config: MoEConfig, seed: int) -> MoEModel:
@@ -154,15 +160,16 @@ def _model(config: MoEConfig, seed: int) -> MoEModel:
 def _publish_phases(root: Path, blobs: BlobStore, model: MoEModel, dtype: str, rounds: int) -> dict[str, object]:
     torch_dtype = DTYPES[dtype]
     itemsize = torch.empty(0, dtype=torch_dtype).element_size()
-    gather_s = _best(rounds, lambda: buckets(hub_tensors(model.state_dict(), model.config), SHARD_BYTES, itemsize))
+    gather_s = best(rounds, lambda: buckets(hub_tensors(model.state_dict(), model.config), SHARD_BYTES, itemsize))
     groups = buckets(hub_tensors(model.state_dict(), model.config), SHARD_BYTES, itemsize)
-    serialise_s = _best(rounds, lambda: [list(shard_parts([(n, t.to(torch_dtype)) for n, t in g])) for g in groups])
+    serialise_s = best(rounds, lambda: [list(shard_parts([(n, t.to(torch_dtype)) for n, t in g])) for g in groups])
     parts = [list(shard_parts([(n, t.to(torch_dtype)) for n, t in g])) for g in groups]
     nbytes = sum(p.nbytes if isinstance(p, memoryview) else len(p) for ps in parts for p in ps)
-    hash_s = _best(rounds, lambda: [_sha256(ps) for ps in parts])
-    write_s = _best(rounds, lambda: _raw_write(root / "raw-write", parts))
+    key_s = best(rounds, lambda: [_digest("sha256", ps) for ps in parts])
+    hash_s = best(rounds, lambda: [_digest(WRITE_HASH, ps) for ps in parts])
+    write_s = best(rounds, lambda: _raw_write(root / "raw-write", parts))
     del parts
-    sampler = _RssPeak()
+    sampler = RssPeak()
     pipeline_s = float("inf")
     for version in range(rounds):
         with sampler:
@@ -170,15 +177,16 @@ def _publish_phases(root: Path, blobs: BlobStore, model: MoEModel, dtype: str, r
             publish_version(blobs, hub_tensors(model.state_dict(), model.config), version=100 + version, step=0,
                             dtype=dtype, shard_bytes=SHARD_BYTES, threads=THREADS)
             pipeline_s = min(pipeline_s, time.perf_counter() - started)
-    return {"gather_s": _s(gather_s), "serialise_s": _s(serialise_s), "hash_s": _s(hash_s),
-            "hash_gb_per_s": _rate(nbytes, hash_s), "raw_write_fdatasync_s": _s(write_s),
-            "raw_write_gb_per_s": _rate(nbytes, write_s), "pipeline_s": _s(pipeline_s),
-            "pipeline_gb_per_s": _rate(nbytes, pipeline_s), "peak_extra_rss_mb": sampler.peak_mb,
+    return {"gather_s": secs(gather_s), "serialise_s": secs(serialise_s), "key_sha256_s": secs(key_s),
+            "key_sha256_gb_per_s": rate(nbytes, key_s), "hash_s": secs(hash_s), "hash_gb_per_s": rate(nbytes, hash_s),
+            "raw_write_fdatasync_s": secs(write_s),
+            "raw_write_gb_per_s": rate(nbytes, write_s), "pipeline_s": secs(pipeline_s),
+            "pipeline_gb_per_s": rate(nbytes, pipeline_s), "peak_extra_rss_mb": sampler.peak_mb,
             "ratio": round(write_s / pipeline_s, 3)}
 
 
-def _sha256(parts: list) -> str:
-    digest = hashlib.sha256()
+def _digest(algorithm: str, parts: list) -> str:
+    digest = new_digest(algorithm)
     for part in parts:
         digest.update(part)
     return digest.hexdigest()
@@ -201,22 +209,35 @@ def _load_phases(blobs: BlobStore, model: MoEModel, manifests: list[WeightManife
                  background: bool) -> dict[str, object]:
     shards = [s.blob for s in manifests[0].shards]
     nbytes = sum(ref.nbytes for ref in shards)
-    raw_s = _best(rounds + 1, lambda: _raw_read(blobs, shards))
-    read_s = _best(rounds, lambda: [_touch(blobs, ref) for ref in shards])
+    raw_s = best(rounds + 1, lambda: _raw_read(blobs, shards))
+    read_s = best(rounds, lambda: [_touch(blobs, ref) for ref in shards])
     shapes = {n: t.shape for n, t in state_dict_adapter.to_hf(model.state_dict(), model.config).items()}
-    verify_s = _best(rounds, lambda: verify_version(blobs, manifests[0], shapes, THREADS))
+    verify_s = best(rounds, lambda: verify_version(blobs, manifests[0], shapes, THREADS))
     hub = state_dict_adapter.to_hf(model.state_dict(), model.config)
+    served = {n: torch.empty(t.shape, dtype=DTYPES[manifests[0].dtype]) for n, t in hub.items()}
     with torch.inference_mode():
-        copy_s = _best(rounds, lambda: copy_version(blobs, manifests[0], lambda n, t, _: hub[n].copy_(t), THREADS))
+        copy_s = best(rounds, lambda: copy_version(blobs, manifests[0], lambda n, t, _: hub[n].copy_(t), THREADS))
+        loader_s = best(rounds, lambda: (verify_version(blobs, manifests[0], shapes, THREADS),
+                                          copy_version(blobs, manifests[0], lambda n, t, _: served[n].copy_(t),
+                                                       THREADS)))
+    served.clear()  # freed before the swaps, whose extra RSS is measured
     engine = BuiltinEngine(model, max_batch=16, blobs=blobs, version=-1)
     swaps = asyncio.run(_time_swaps(engine, manifests, background))
     swap_s = swaps["update_s"] + swaps["visible_s"]
-    return {"raw_read_s": _s(raw_s), "raw_read_gb_per_s": _rate(nbytes, raw_s), "read_s": _s(read_s),
-            "verify_s": _s(verify_s), "verify_gb_per_s": _rate(nbytes, verify_s), "copy_s": _s(copy_s),
-            "update_s": _s(swaps["update_s"]), "update_gb_per_s": _rate(nbytes, swaps["update_s"]),
-            "visible_s": _s(swaps["visible_s"]), "swap_s": _s(swap_s), "update_rss_mb": swaps["update_rss_mb"],
+    # Cold: the shards read from the disk (dropped from the page cache first), as on a node other than
+    # the trainer's, or after memory pressure: the medium itself.
+    raw_cold_s = best_cold(rounds + 1, blobs, shards, lambda: _raw_read(blobs, shards))
+    cold = BuiltinEngine(model, max_batch=16, blobs=blobs, version=-1)
+    cold_s = asyncio.run(_time_swaps(cold, manifests, False, lambda m: evict(blobs, [s.blob for s in m.shards])))
+    return {"raw_read_s": secs(raw_s), "raw_read_gb_per_s": rate(nbytes, raw_s), "read_s": secs(read_s),
+            "verify_s": secs(verify_s), "verify_gb_per_s": rate(nbytes, verify_s), "copy_s": secs(copy_s),
+            "loader_s": secs(loader_s), "loader_gb_per_s": rate(nbytes, loader_s), "loader_ratio": round(raw_s / loader_s, 3),
+            "update_s": secs(swaps["update_s"]), "update_gb_per_s": rate(nbytes, swaps["update_s"]),
+            "visible_s": secs(swaps["visible_s"]), "swap_s": secs(swap_s), "update_rss_mb": swaps["update_rss_mb"],
             "swap_rss_mb": swaps["swap_rss_mb"], "update_ratio": round(raw_s / swaps["update_s"], 3),
-            "ratio": round(raw_s / swap_s, 3)}
+            "ratio": round(raw_s / swap_s, 3), "cold_raw_read_s": secs(raw_cold_s),
+            "cold_raw_read_gb_per_s": rate(nbytes, raw_cold_s), "cold_update_s": secs(cold_s["update_s"]),
+            "cold_ratio": round(raw_cold_s / cold_s["update_s"], 3)}
 
 
 def _raw_read(blobs: BlobStore, refs: list[BlobRef]) -> None:
@@ -231,12 +252,13 @@ def _touch(blobs: BlobStore, ref: BlobRef) -> None:
         bytes(data[::4096])  # one byte per page: every page mapped in
 
 
-async def _time_swaps(engine: Engine, manifests: list[WeightManifest], background: bool) -> dict[str, float]:
+async def _time_swaps(engine: Engine, manifests: list[WeightManifest], background: bool,
+                      before: Callable[[WeightManifest], None] | None = None) -> dict[str, float]:
     """Best seconds of update_weights (read, verify, copy) and of the extra the first request after it
     costs over the same request without a swap (the version made visible); the peak extra RSS of the
     update and of the whole swap, each over the level before the update."""
     update, visible = float("inf"), float("inf")
-    updating, swapping = _RssPeak(), _RssPeak()
+    updating, swapping = RssPeak(), RssPeak()
     async with engine:
         await engine.update_weights(manifests[0], 0)
         await engine.generate(PROMPT, PROBE)
@@ -244,6 +266,8 @@ async def _time_swaps(engine: Engine, manifests: list[WeightManifest], backgroun
             decoding = asyncio.create_task(engine.generate(PROMPT, BACKGROUND)) if background else None
             await asyncio.sleep(0.2 if background else 0)  # decoding when the swap lands
             probe_s = await _probe(engine, version - 1)
+            if before is not None:
+                before(manifest)
             with swapping:
                 with updating:
                     start = time.perf_counter()
@@ -278,17 +302,17 @@ def _mooncake_row(root: Path, config: MoEConfig, dtype: str, rounds: int) -> dic
         blobs = MooncakeBlobs(service.address, retry_s=5.0)
         try:
             model = _model(config, 0)
-            publish_s = _best(rounds, lambda: _published(blobs, model, 0, dtype))
-            manifests = [_published(blobs, _model(config, seed), seed, dtype) for seed in range(rounds + 1)]
+            publish_s = best(rounds, lambda: _published(blobs, model, 0, dtype))
+            manifests = [_published(blobs, _model(config, seed), seed, dtype)[1] for seed in range(rounds + 1)]
             refs = [s.blob for s in manifests[0].shards]
-            raw_s = _best(rounds + 1, lambda: [blobs.read(ref) for ref in refs])
+            raw_s = best(rounds + 1, lambda: [blobs.read(ref) for ref in refs])
             swaps = asyncio.run(_time_swaps(BuiltinEngine(model, max_batch=16, blobs=blobs, version=-1), manifests,
                                             background=False))
         finally:
             blobs.close()
     nbytes = sum(ref.nbytes for ref in refs)
-    return {"gb": _gb(nbytes), "objects": len(refs), "publish_s": _s(publish_s), "raw_get_s": _s(raw_s),
-            "update_s": _s(swaps["update_s"]), "update_gb_per_s": _rate(nbytes, swaps["update_s"]),
+    return {"gb": gb(nbytes), "objects": len(refs), "publish_s": secs(publish_s), "raw_get_s": secs(raw_s),
+            "update_s": secs(swaps["update_s"]), "update_gb_per_s": rate(nbytes, swaps["update_s"]),
             "update_rss_mb": swaps["update_rss_mb"], "update_ratio": round(raw_s / swaps["update_s"], 3)}
 
 
@@ -303,85 +327,32 @@ def _vllm_row(root: Path, config: MoEConfig, rounds: int) -> dict[str, object]:
 
     root.mkdir(parents=True)
     blobs = BlobStore(root / "blobs")
-    manifests = [_published(blobs, _model(config, seed), seed, "float32") for seed in range(rounds + 1)]
+    published = [_published(blobs, _model(config, seed), seed, "float32") for seed in range(rounds + 1)]
     save(_model(config, 0), root / "model")
-    shards = [s.blob for s in manifests[0].shards]
-    raw_s = _best(rounds + 1, lambda: _raw_read(blobs, shards))
+    shards = [s.blob for s in published[0][1].shards]
+    raw_s = best(rounds + 1, lambda: _raw_read(blobs, shards))
     with local_vllm(config_mod.loads(SERVE), root / "model", root / "vllm.log", blobs.root) as url:
         engine = VLLMHTTPEngine(root / "model", url=url, blobs=blobs, version=-1, routed_experts=False)
-        swap_s = asyncio.run(_time_vllm_swaps(engine, manifests))
+        swap_s = asyncio.run(_time_vllm_swaps(engine, published))
     nbytes = sum(ref.nbytes for ref in shards)
-    return {"format": "manifest", "gb": _gb(nbytes), "shards": len(shards), "raw_read_s": _s(raw_s),
-            "swap_s": _s(swap_s), "swap_gb_per_s": _rate(nbytes, swap_s), "ratio": round(raw_s / swap_s, 3)}
+    return {"format": "manifest", "gb": gb(nbytes), "shards": len(shards), "raw_read_s": secs(raw_s),
+            "swap_s": secs(swap_s), "swap_gb_per_s": rate(nbytes, swap_s), "ratio": round(raw_s / swap_s, 3)}
 
 
-async def _time_vllm_swaps(engine: Engine, manifests: list[WeightManifest]) -> float:
+async def _time_vllm_swaps(engine: Engine, published: list[tuple[BlobRef, WeightManifest]]) -> float:
     """Best seconds from update_weights (verify, then every worker verifies and streams) to the first
     sample under the new version, with requests decoding meanwhile."""
     best = float("inf")
     async with engine:
-        await engine.update_weights(manifests[0], 0)
-        for version, manifest in enumerate(manifests[1:], start=1):
+        await engine.update_weights(published[0][1], 0, ref=published[0][0])
+        for version, (ref, manifest) in enumerate(published[1:], start=1):
             decoding = asyncio.create_task(engine.generate(PROMPT, BACKGROUND))
             await asyncio.sleep(0.2)
             start = time.perf_counter()
-            await engine.update_weights(manifest, version)
+            await engine.update_weights(manifest, version, ref=ref)
             probe, = await engine.generate(PROMPT, PROBE)
             best = min(best, time.perf_counter() - start)
             if probe.spans != [(0, version)]:
                 raise RuntimeError(f"after the swap to version {version} vLLM sampled under {probe.spans}")
             await decoding
     return best
-
-
-# ---- measuring ------------------------------------------------------------------------------------
-
-
-class _RssPeak:
-    """Peak rise of this process's resident memory over its level at `with` entry, across uses (MB)."""
-
-    def __init__(self) -> None:
-        self.peak_mb = 0.0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> _RssPeak:
-        self._base = _rss()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak_mb = max(self.peak_mb, round((_rss() - self._base) / 1e6, 1))
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _best(rounds: int, run: Callable[[], object]) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        started = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
-def _s(seconds: float) -> float:
-    return round(seconds, 4)
-
-
-def _gb(nbytes: int) -> float:
-    return round(nbytes / 1e9, 3)
-
-
-def _rate(nbytes: int, seconds: float) -> float:
-    return round(nbytes / 1e9 / seconds, 2)

@@ -152,7 +152,7 @@ class BuiltinEngine(Engine):
         return await request.future
 
     async def update_weights(self, weights: Mapping[str, torch.Tensor] | BlobRef | WeightManifest,
-                             version: int) -> None:
+                             version: int, *, ref: BlobRef | None = None) -> None:
         if isinstance(weights, (BlobRef, WeightManifest)) and self.blobs is None:
             raise EngineError("update_weights got weights in a blob store but the engine has none")
         if isinstance(weights, BlobRef):

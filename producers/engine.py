@@ -115,12 +115,15 @@ class Engine(abc.ABC):
         """`params.n` completions of the prompt, in sample order, once all of them have finished."""
 
     @abc.abstractmethod
-    async def update_weights(self, weights: Mapping[str, torch.Tensor] | BlobRef, version: int) -> None:
+    async def update_weights(self, weights: Mapping[str, torch.Tensor] | BlobRef, version: int, *,
+                             ref: BlobRef | None = None) -> None:
         """Swap in new weights (HF tensor names) between two decode steps; returns once they are live.
 
         A BlobRef is a safetensors blob in the engine's blob store; its sha256 is verified before use.
-        A WeightManifest (bus/weight_manifest.py; the built-in engine) is verified shard by shard before
-        anything is copied: a bad shard raises WeightLoadError and the old version keeps serving.
+        A WeightManifest (bus/weight_manifest.py) is verified shard by shard before anything is copied:
+        a bad shard raises WeightLoadError and the old version keeps serving. `ref` is where that
+        manifest is stored (WeightsPublished.weights): an engine whose workers read versions from the
+        store by hash (vLLM) names it to them, and refuses a manifest without it.
         Running requests continue under `version` from their next token; none is dropped or restarted.
         """
 

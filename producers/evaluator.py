@@ -197,7 +197,7 @@ class EvalRole:
             self.engine = await asyncio.to_thread(make_engine, self.config, init_dir(self.run_dir), blobs)
             await self.engine.start()
         loaded = await asyncio.to_thread(engine_weights, blobs, weights.weights, weights.format)
-        await self.engine.update_weights(loaded, weights.version)
+        await self.engine.update_weights(loaded, weights.version, ref=weights.weights)
         scores = await score(self.engine, self.env, self.prompts, self.config)
         skipped, self.skipped, self.evaluated = self.skipped, [], weights.version
         log.info("eval: version %d mean reward %.3f pass@1 %.3f", weights.version, scores.mean_reward, scores.pass_at_1)
@@ -246,7 +246,7 @@ def main_cli(args: argparse.Namespace) -> int:
         await engine.start()
         try:
             loaded = weights if fmt == "file" else await asyncio.to_thread(engine_weights, blobs, weights, fmt)
-            await engine.update_weights(loaded, max(version, 0))
+            await engine.update_weights(loaded, max(version, 0), ref=None if fmt == "file" else weights)
             return await score(engine, env, prompts, config)
         finally:
             await engine.close()

@@ -328,7 +328,7 @@ class RolloutWorker:
                     await self.engine.start()
                 started = time.monotonic()
                 try:
-                    await self.engine.update_weights(await self._weights_of(event), event.version)
+                    await self.engine.update_weights(await self._weights_of(event), event.version, ref=event.weights)
                 except WeightLoadError as exc:  # the engine keeps serving the version it has
                     self.refused = event.version
                     await dead_letter_read(self.publisher.redis, self.run_name, lane, entry_id, event,

@@ -23,7 +23,10 @@ How Reel's contract maps onto vLLM:
   a manifest's shards streamed, or one safetensors blob), and resumes. A manifest version is
   verified here first, while the old version serves: a corrupted, missing or outside shard, or one
   whose tensors are not the model's, is a WeightLoadError (the rollout worker dead-letters it) and
-  the workers are never asked. A delta version loads its full shards.
+  the workers are never asked. A delta version is checked by its full shards (what a worker that
+  does not hold its base, or whose delta fails, loads); a worker that holds the base applies the delta
+  itself (producers/vllm_worker.py). The workers read the manifest by the hash it is stored under
+  (`update_weights(..., ref=)`, WeightsPublished.weights) and say what they loaded (logged).
   Spans come from vLLM's `weight_versions` where this vLLM has them; otherwise a sample gets the
   version it started under for all its tokens (its staleness is then over-estimated, never under).
 
@@ -51,7 +54,7 @@ import torch
 
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import BlobRef
-from reel.bus.weight_manifest import WeightManifest, encode_manifest
+from reel.bus.weight_manifest import WeightManifest
 from reel.producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
 from reel.producers.vllm_worker import LOAD_MANIFEST, LOAD_WEIGHTS
 from reel.runtime.launch.vllm_args import (
@@ -136,16 +139,20 @@ class VLLMEngineBase(Engine):
         self._spans_assumed = 0  # samples vLLM returned without weight_versions (spans assumed)
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
 
-    async def _load_call(self, weights: Mapping[str, torch.Tensor] | BlobRef | WeightManifest) -> tuple[str, list[str]]:
-        """(worker method, its args) that load `weights`: a manifest by its hash in the run's store,
-        verified here first (WeightLoadError: the workers are never asked), else one safetensors blob."""
+    async def _load_call(self, weights: Mapping[str, torch.Tensor] | BlobRef | WeightManifest,
+                         ref: BlobRef | None) -> tuple[str, list[str]]:
+        """(worker method, its args) that load `weights`: a manifest by the hash it is stored under
+        (`ref`), verified here first (WeightLoadError: the workers are never asked), else one
+        safetensors blob."""
         if self.blobs is None:
             raise EngineError("the vLLM engine needs a blob store to hand weights to its workers")
         blobs = self.blobs
         if isinstance(weights, WeightManifest):
             await self._verify(weights)
-            # The published manifest's own bytes: the store holds them already, under the same hash.
-            ref = await asyncio.to_thread(blobs.put, encode_manifest(weights))
+            if ref is None:
+                raise EngineError(f"version {weights.version}: vLLM's workers read a manifest from the run's store "
+                                  "by hash; pass update_weights(..., ref=) the manifest's BlobRef "
+                                  "(WeightsPublished.weights)")
             return LOAD_MANIFEST, [ref.sha256]
         if not isinstance(weights, BlobRef):
             from safetensors.torch import save
@@ -156,6 +163,14 @@ class VLLMEngineBase(Engine):
         if not path.is_file():
             raise EngineError(f"weights blob {weights.sha256} is not at {path}, where vLLM's workers read it")
         return LOAD_WEIGHTS, [str(path), weights.sha256]
+
+    def _loaded(self, version: int, reports: list[Any] | None) -> None:
+        """Logs what each worker says it loaded (reel_load_manifest's dicts; a blob load says nothing)."""
+        for worker, report in enumerate(reports or ()):
+            if isinstance(report, dict):
+                log.info("version %d on worker %d: %s load, %d tensors, %.1f MB of shards read%s", version, worker,
+                         report.get("how"), report.get("tensors", 0), report.get("read_bytes", 0) / 1e6,
+                         f" (not as a delta: {report['why_full']})" if report.get("why_full") else "")
 
     async def _verify(self, manifest: WeightManifest) -> None:
         """WeightLoadError unless every shard the workers would load is whole and the model's (a delta:
@@ -325,12 +340,12 @@ class VLLMEngine(VLLMEngineBase):
                                 out.finish_reason, routing, spans, version, options["seed"])
 
     async def update_weights(self, weights: Mapping[str, torch.Tensor] | BlobRef | WeightManifest,
-                             version: int) -> None:
-        method, args = await self._load_call(weights)
+                             version: int, *, ref: BlobRef | None = None) -> None:
+        method, args = await self._load_call(weights, ref)
         await self.start()
         await self._llm.pause_generation(mode="keep", clear_cache=False)
         try:
-            await self._llm.collective_rpc(method, args=tuple(args))
+            self._loaded(version, await self._llm.collective_rpc(method, args=tuple(args)))
             await self._llm.update_weight_version(str(version))
             self.version = version
         finally:

@@ -286,17 +286,18 @@ class VLLMHTTPEngine(VLLMEngineBase):
                 log.warning("could not abort request %s: %s", request_id, result)
 
     async def update_weights(self, weights: Mapping[str, torch.Tensor] | BlobRef | WeightManifest,
-                             version: int) -> None:
+                             version: int, *, ref: BlobRef | None = None) -> None:
         await self.start()
         if not self.push_weights:
             if isinstance(weights, WeightManifest):  # what worker 0 refuses, this worker refuses too
                 await self._verify(weights)  # (rather than wait for a version the servers never get)
             self.version = await self._wait_for_version(version)
             return
-        method, args = await self._load_call(weights)
+        method, args = await self._load_call(weights, ref)
         try:
             await self._each("/pause", params={"mode": "keep", "clear_cache": "false"})
-            await self._each("/collective_rpc", body={"method": method, "args": args})
+            for answer in await self._each("/collective_rpc", body={"method": method, "args": args}):
+                self._loaded(version, _rpc_results(answer))
             await self._each("/update_weight_version", body={"new_version": str(version)})
             self.version = version
         finally:
@@ -326,14 +327,16 @@ class VLLMHTTPEngine(VLLMEngineBase):
         version = policy_version(info.weight_version)
         return -1 if version is None else version  # a fresh server says "default": no Reel version yet
 
-    async def _each(self, endpoint: str, *, body: Any = None, params: dict[str, str] | None = None) -> None:
-        """POST `endpoint` to every server at once; the first failure is raised after all have answered."""
+    async def _each(self, endpoint: str, *, body: Any = None, params: dict[str, str] | None = None) -> list[bytes]:
+        """POST `endpoint` to every server at once: their answers' bodies; the first failure is raised
+        after all have answered."""
         results = await asyncio.gather(*(self._call(s, endpoint, body=body, params=params,
                                                     timeout_s=self.control_timeout_s) for s in self.servers),
                                        return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
+        return results
 
     async def _call(self, server: str, endpoint: str, *, body: Any = None, params: dict[str, str] | None = None,
                     method: str = "POST", timeout_s: float | None) -> bytes:
@@ -365,3 +368,12 @@ class VLLMHTTPEngine(VLLMEngineBase):
         if self._client is not None:
             client, self._client = self._client, None
             await client.aclose()
+
+
+def _rpc_results(body: bytes) -> list[Any] | None:
+    """The workers' return values in a /collective_rpc answer (vLLM answers an empty body for none)."""
+    try:
+        answer = msgspec.json.decode(body) if body else None
+    except msgspec.DecodeError:
+        return None
+    return answer.get("results") if isinstance(answer, dict) else None

@@ -21,6 +21,7 @@ from reel.bus.weight_manifest import WeightManifest, WeightShard, encode_manifes
 from reel.runtime.config import Config
 from reel.runtime.distributed import World, gather_bytes
 from reel.runtime.model.model import MoEModel
+from reel.runtime.shard_hash import WRITE_HASH
 from reel.runtime.weight_delta import delta_manifest, delta_shards
 from reel.runtime.weight_publish import local_pieces, served_dtype, write_pieces
 
@@ -60,7 +61,7 @@ class RankPublisher:
         if rank != 0:
             return None
         every = [msgspec.msgpack.decode(data, type=RankShards) for data in sent]
-        manifest = WeightManifest(version=version, step=version, dtype=dtype,
+        manifest = WeightManifest(version=version, step=version, dtype=dtype, hash=WRITE_HASH,
                                   shards=[shard for mine in every for shard in mine.full])
         ref = blobs.put(encode_manifest(manifest))
         if all(mine.delta is not None for mine in every):

@@ -13,24 +13,31 @@ previous version (rows as in the full shards); a reader applies a piece's delta 
 Written against the previous version's full shards, read back through the store's maps (the page
 cache), so the trainer keeps no second copy of the weights. A delta pays where training moves few
 elements across a representable step: bf16 weights under a small learning rate.
+
+Two ways to read one: `apply_delta` changes a reader's live tensors in place (the built-in engine);
+`rebuilt_version` rebuilds the tensors from the base version's full shards in the store, for a reader
+whose live weights are not Hub tensors (a vLLM worker: fused, sharded, packed).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 
 import torch
 
 from reel.bus.blobs import BlobBackend, BlobError
 from reel.bus.events import BlobRef
 from reel.bus.weight_manifest import Rows, WeightManifest, WeightShard, encode_manifest, shard_rows
-from reel.runtime.weight_load import WeightLoadError, verified_map
-from reel.runtime.weight_publish import DTYPES, Piece, buckets, shard_of
-from reel.runtime.weight_shards import ShardFormatError, read_header, shard_parts, tensor_at
+from reel.runtime.shard_hash import WRITE_HASH
+from reel.runtime.weight_load import WeightLoadError, verified_map, verify_version
+from reel.runtime.weight_publish import DTYPES, Piece, buckets, put_shard, shard_of
+from reel.runtime.weight_shards import ShardFormatError, read_header, tensor_at
 
-__all__ = ["INDEX", "VALUE", "changed", "delta_shards", "delta_manifest", "publish_delta", "verify_delta", "full_of", "apply_delta"]
+__all__ = ["INDEX", "VALUE", "changed", "delta_shards", "delta_manifest", "publish_delta", "verify_delta", "full_of",
+           "apply_delta", "base_shards", "rebuilt_version"]
 
 INDEX, VALUE = "::index", "::value"
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -60,7 +67,7 @@ def _result_sha256(tensors: Iterable[torch.Tensor]) -> str:
 
 def _delta_shard(blobs: BlobBackend, group: list[Piece], base: WeightShard, dtype: torch.dtype,
                  rank: int) -> WeightShard | None:
-    mine = shard_of(base.blob, rank, group)
+    mine = shard_of(base.blob, base.digest, rank, group)
     if (base.tensors, base.rows) != (mine.tensors, mine.rows):
         raise ValueError("the previous version's shard holds other tensors: publish a full version")
     entries, touched = [], []
@@ -74,8 +81,8 @@ def _delta_shard(blobs: BlobBackend, group: list[Piece], base: WeightShard, dtyp
                 touched.append(piece._replace(tensor=new))
     if not touched:
         return None
-    ref = blobs.put_parts(shard_parts(entries))
-    return shard_of(ref, rank, touched, result_sha256=_result_sha256(p.tensor for p in touched))
+    ref, digest = put_shard(blobs, entries)
+    return shard_of(ref, digest, rank, touched, result_sha256=_result_sha256(p.tensor for p in touched))
 
 
 def delta_shards(blobs: BlobBackend, pieces: Iterable[Piece], base: list[WeightShard], dtype: str, *,
@@ -99,7 +106,7 @@ def delta_manifest(full: WeightManifest, base_version: int, shards: list[WeightS
     if sum(s.blob.nbytes for s in shards) >= sum(s.blob.nbytes for s in full.shards):
         return None
     return WeightManifest(version=full.version, step=full.step, dtype=full.dtype, shards=shards,
-                          base_version=base_version, full_shards=full.shards)
+                          base_version=base_version, full_shards=full.shards, hash=WRITE_HASH)
 
 
 def publish_delta(blobs: BlobBackend, tensors: Iterable[tuple[str, torch.Tensor]], base: WeightManifest,
@@ -120,7 +127,7 @@ def verify_delta(blobs: BlobBackend, manifest: WeightManifest, shapes: dict[str,
     dtype = DTYPES.get(manifest.dtype)
     for shard in manifest.shards:
         where = f"version {manifest.version} delta shard {shard.blob.sha256[:12]}"
-        with verified_map(blobs, shard, where) as data:
+        with verified_map(blobs, manifest.hash, shard, where) as data:
             entries = {entry.name: entry for entry in read_header(data)}
             for name, rows in shard_rows(shard).items():
                 shape = _piece_shape(where, name, rows, shapes)
@@ -174,11 +181,63 @@ def apply_delta(blobs: BlobBackend, manifest: WeightManifest, hub: dict[str, tor
         with blobs.mapped(shard.blob) as data:
             entries = {entry.name: entry for entry in read_header(data)}
             for name, target in targets.items():
-                if name in entries:
-                    target.copy_(tensor_at(data, entries[name]))
-                    continue
-                target.view(-1).index_copy_(0, tensor_at(data, entries[name + INDEX]).long(),
-                                            tensor_at(data, entries[name + VALUE]).to(target.dtype))
+                _apply(data, entries, name, target)
         if _result_sha256(t.to(dtype) for t in targets.values()) != shard.result_sha256:
             wrong.append(shard.blob.sha256[:12])
     return wrong
+
+
+def _apply(data: memoryview, entries: dict, name: str, target: torch.Tensor) -> None:
+    """One tensor's change from a delta shard (its map and header entries) written into `target`."""
+    if name in entries:
+        target.copy_(tensor_at(data, entries[name]))
+        return
+    target.view(-1).index_copy_(0, tensor_at(data, entries[name + INDEX]).long(),
+                                tensor_at(data, entries[name + VALUE]).to(target.dtype))
+
+
+def base_shards(base: WeightManifest, names: set[str]) -> list[WeightShard]:
+    """The shards of the full version `base` that hold any of `names`."""
+    return [shard for shard in base.shards if not names.isdisjoint(shard.tensors)]
+
+
+@contextmanager
+def rebuilt_version(blobs: BlobBackend, delta: WeightManifest, base: WeightManifest,
+                    needed: set[str]) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+    """The `needed` tensors of `delta`'s version, in `base`'s order, rebuilt on `base` (the full version
+    the reader holds): a tensor the delta changes is the base's, copied, with the change applied; any
+    other is a view of its base shard's map (a reader that slices it reads only its slice).
+
+    Checked before anything is yielded, so a failing delta changes nothing: the base shards holding
+    `needed` and every delta shard hash to their refs, the delta's entries fit the base's tensors, and
+    each delta shard's tensors, rebuilt, hash to its `result_sha256`. Any failure is a WeightLoadError
+    (the reader then loads the version's full shards). The maps stay open while the context is.
+    """
+    if any(shard.rows for shard in (*base.shards, *delta.shards)):  # tensors split by rows over ranks' shards
+        raise WeightLoadError(f"version {delta.version}: a version in pieces is not rebuilt from a delta here")
+    touched = {name for shard in delta.shards for name in shard.tensors}
+    shards = base_shards(base, needed | touched)
+    verify_version(blobs, WeightManifest(version=base.version, step=base.step, dtype=base.dtype, shards=shards,
+                                         hash=base.hash), None)
+    with ExitStack() as stack:
+        old = {}  # name -> a view of the base version's tensor
+        for shard in shards:
+            data = stack.enter_context(blobs.mapped(shard.blob))
+            old |= {entry.name: tensor_at(data, entry) for entry in read_header(data)}
+        verify_delta(blobs, delta, {name: t.shape for name, t in old.items()})
+        changes = {}  # name -> (its delta shard's map, that shard's header entries)
+        for shard in delta.shards:
+            data = stack.enter_context(blobs.mapped(shard.blob))
+            entries = {entry.name: entry for entry in read_header(data)}
+            changes |= {name: (data, entries) for name in shard.tensors}
+
+        def new(name: str) -> torch.Tensor:
+            target = old[name].clone()
+            _apply(*changes[name], name, target)
+            return target
+
+        wrong = [s.blob.sha256[:12] for s in delta.shards if _result_sha256(map(new, s.tensors)) != s.result_sha256]
+        if wrong:
+            raise WeightLoadError(f"version {delta.version}: delta shards {wrong} do not rebuild it on the held "
+                                  f"version {base.version}")
+        yield ((name, new(name) if name in touched else t) for name, t in old.items() if name in needed)

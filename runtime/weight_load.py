@@ -20,7 +20,6 @@ the extra memory is about one hash chunk or one tensor per thread.
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +35,7 @@ from reel.bus.blobs import BlobBackend, BlobError, BlobMissing
 from reel.bus.errors import ReelError
 from reel.bus.events import BlobRef
 from reel.bus.weight_manifest import Rows, WeightManifest, WeightShard, decode_manifest, shard_rows
+from reel.runtime.shard_hash import expected_digest, new_digest
 from reel.runtime.weight_shards import ShardFormatError, read_header, tensor_at
 
 __all__ = ["WeightLoadError", "VersionDeleted", "engine_weights", "read_manifest", "verified_map", "verify_version",
@@ -76,8 +76,10 @@ def verify_version(blobs: BlobBackend, manifest: WeightManifest, shapes: Mapping
     """Every shard hashes to its ref and the shards hold each tensor of `shapes` exactly once, whole or as
     pieces that tile its rows (`shapes` None: a reader that cannot name the model's tensors, such as a
     vLLM worker, checks hashes, headers and that each tensor's pieces tile the rows they name)."""
-    if manifest.hash != "sha256":
-        raise WeightLoadError(f"version {manifest.version}: unknown shard hash {manifest.hash!r} (this reader knows sha256)")
+    try:
+        new_digest(manifest.hash)
+    except ValueError as exc:
+        raise WeightLoadError(f"version {manifest.version}: {exc}") from exc
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="reel-verify") as pool:
         found = [item for items in pool.map(lambda s: _verify_shard(blobs, manifest, s, shapes), manifest.shards)
                  for item in items]
@@ -126,18 +128,18 @@ def release(data: memoryview, start: int, end: int) -> None:
 
 
 @contextmanager
-def verified_map(blobs: BlobBackend, shard: WeightShard, where: str) -> Iterator[memoryview]:
-    """The shard's map once its bytes hash to its ref; a store or format error becomes a WeightLoadError
-    that starts with `where`."""
+def verified_map(blobs: BlobBackend, algorithm: str, shard: WeightShard, where: str) -> Iterator[memoryview]:
+    """The shard's map once its bytes hash to its digest under `algorithm` (the manifest's `hash`); a
+    store or format error becomes a WeightLoadError that starts with `where`."""
     try:
         with blobs.mapped(shard.blob) as data:
-            digest = hashlib.sha256()
+            digest = new_digest(algorithm)
             for start in range(0, len(data), _CHUNK):
                 digest.update(data[start:start + _CHUNK])
                 release(data, start, start + _CHUNK)
             actual = digest.hexdigest()
-            if actual != shard.blob.sha256:
-                raise WeightLoadError(f"{where} is corrupted: its bytes hash to {actual}")
+            if actual != expected_digest(algorithm, shard):
+                raise WeightLoadError(f"{where} is corrupted: its bytes hash to {algorithm} {actual}")
             yield data
     except BlobError as exc:
         raise WeightLoadError(f"{where}: {exc}") from exc
@@ -152,7 +154,7 @@ def _verify_shard(blobs: BlobBackend, manifest: WeightManifest, shard: WeightSha
     if shard.rows and len(shard.rows) != len(shard.tensors):
         raise WeightLoadError(f"{where} lists {len(shard.rows)} row ranges for {len(shard.tensors)} tensors")
     rows = shard_rows(shard)
-    with verified_map(blobs, shard, where) as data:
+    with verified_map(blobs, manifest.hash, shard, where) as data:
         found = []
         for entry in read_header(data):
             if entry.name not in rows:

@@ -5,7 +5,8 @@
              Shard(0)), stacked experts as whole per-expert tensors, other parameters as row ranges
     bucket   the tensors (Hub names, in model order) into shards of about `shard_bytes`
     write    each shard on its own thread: cast to the served dtype, then header and tensor memory
-             straight into the blob store, which hashes each part as it writes it
+             straight into the blob store, which hashes each part (sha256, its key) as it writes
+             it; the shard's BLAKE3 digest (runtime/shard_hash.py) is taken in the same pass
     name     the manifest (shard refs, tensor names) as one more small blob
 
 Nothing holds the whole state in one buffer: a shard thread holds at most its bucket's cast tensors
@@ -29,10 +30,11 @@ from reel.bus.weight_manifest import Rows, WeightManifest, WeightShard, encode_m
 from reel.runtime.config import Config
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.state_dict_adapter import hub_rows
+from reel.runtime.shard_hash import WRITE_HASH, hashed, new_digest
 from reel.runtime.weight_shards import shard_parts
 
-__all__ = ["DTYPES", "Piece", "buckets", "local_pieces", "publish_version", "served_dtype", "write_pieces",
-           "write_shard"]
+__all__ = ["DTYPES", "Piece", "buckets", "local_pieces", "publish_version", "put_shard", "served_dtype",
+           "write_pieces", "write_shard"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # manifest.dtype -> torch dtype
 
@@ -105,9 +107,17 @@ def _local_rows(name: str, t: torch.Tensor) -> tuple[int, torch.Tensor | None]:
     return (offset[0] if local.dim() else 0), (local if local.dim() == 0 or local.shape[0] else None)
 
 
-def write_shard(blobs: BlobBackend, tensors: Sequence[Sequence], dtype: torch.dtype) -> BlobRef:
+def write_shard(blobs: BlobBackend, tensors: Sequence[Sequence], dtype: torch.dtype) -> tuple[BlobRef, str]:
+    """(the shard's ref, its WRITE_HASH digest) for (name, tensor, ...) items."""
     cast = [(item[0], item[1].detach().to("cpu", dtype)) for item in tensors]
-    return blobs.put_parts(shard_parts(cast))
+    return put_shard(blobs, cast)
+
+
+def put_shard(blobs: BlobBackend, tensors: list[tuple[str, torch.Tensor]]) -> tuple[BlobRef, str]:
+    """Writes `tensors` as one safetensors shard: (its ref, its WRITE_HASH digest, taken as it is written)."""
+    digest = new_digest(WRITE_HASH)
+    ref = blobs.put_parts(hashed(shard_parts(tensors), digest))
+    return ref, digest.hexdigest()
 
 
 def write_pieces(blobs: BlobBackend, pieces: Iterable[Piece], dtype: str, *, shard_bytes: int, rank: int = 0,
@@ -116,15 +126,16 @@ def write_pieces(blobs: BlobBackend, pieces: Iterable[Piece], dtype: str, *, sha
     torch_dtype = DTYPES[dtype]
     groups = buckets(pieces, shard_bytes, torch.empty(0, dtype=torch_dtype).element_size())
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="reel-publish") as pool:
-        refs = list(pool.map(lambda group: write_shard(blobs, group, torch_dtype), groups))
-    return [shard_of(ref, rank, group) for ref, group in zip(refs, groups)]
+        written = list(pool.map(lambda group: write_shard(blobs, group, torch_dtype), groups))
+    return [shard_of(ref, digest, rank, group) for (ref, digest), group in zip(written, groups)]
 
 
-def shard_of(ref: BlobRef, rank: int, pieces: Sequence[Piece], result_sha256: str = "") -> WeightShard:
+def shard_of(ref: BlobRef, digest: str, rank: int, pieces: Sequence[Piece], result_sha256: str = "") -> WeightShard:
     """The manifest's entry for a shard of `pieces` (rows listed only where some piece is not whole)."""
     split = any(p.rows is not None for p in pieces)
     rows = [p.rows or (0, p.tensor.shape[0], p.tensor.shape[0]) for p in pieces] if split else []
-    return WeightShard(blob=ref, rank=rank, tensors=[p.name for p in pieces], result_sha256=result_sha256, rows=rows)
+    return WeightShard(blob=ref, rank=rank, tensors=[p.name for p in pieces], result_sha256=result_sha256,
+                       digest=digest, rows=rows)
 
 
 def publish_version(blobs: BlobBackend, tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, step: int,
@@ -134,5 +145,5 @@ def publish_version(blobs: BlobBackend, tensors: Iterable[tuple[str, torch.Tenso
     (WeightsPublished.weights) and the manifest."""
     shards = write_pieces(blobs, (Piece(name, t, None) for name, t in tensors), dtype, shard_bytes=shard_bytes,
                           rank=rank, threads=threads)
-    manifest = WeightManifest(version=version, step=step, dtype=dtype, shards=shards)
+    manifest = WeightManifest(version=version, step=step, dtype=dtype, shards=shards, hash=WRITE_HASH)
     return blobs.put(encode_manifest(manifest)), manifest

@@ -186,6 +186,7 @@ def test_each_rank_writes_its_own_shards_and_the_engine_loads_the_gathered_bits(
     blobs = BlobStore(tmp_path / "blobs")
     refs = msgspec.json.decode((tmp_path / "published.json").read_bytes(), type=dict[str, BlobRef])
     mine, gathered = read_manifest(blobs, refs["ranks"]), read_manifest(blobs, refs["gathered"])
+    assert mine.hash == gathered.hash and all(s.digest for s in mine.shards)  # hashed as written, like one process's
     whole = sum(s.blob.nbytes for s in gathered.shards)
     written = [sum(s.blob.nbytes for s in mine.shards if s.rank == r) for r in range(ranks)]
     assert all(0 < n < 1.5 * whole / ranks for n in written), (written, whole)  # each its own share

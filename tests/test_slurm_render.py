@@ -128,8 +128,8 @@ def test_wide_ep_pd_vllm_command_lines(tmp_path: Path) -> None:
     assert len(prefill) == 2 and len(decode) == 2
     for pool, backend in ((prefill, "deepep_high_throughput"), (decode, "deepep_low_latency")):
         for node, argv in enumerate(pool):
-            serve = argv[argv.index("serve") - 1:]
-            assert serve[:3] == ["$VLLM", "serve", "/models/moe-fp8"]
+            serve = argv[argv.index("serve") - 3:]  # the job's Python runs vLLM's CLI, not a `vllm` on PATH
+            assert serve[:5] == ["$PYTHON", "-m", "vllm.entrypoints.cli.main", "serve", "/models/moe-fp8"]
             assert "--enable-expert-parallel" in serve
             assert flag(serve, "--data-parallel-size") == "16"
             assert flag(serve, "--data-parallel-size-local") == "8"
@@ -423,19 +423,24 @@ def test_vllm_servers_bind_their_node_and_get_the_runs_key_by_environment(tmp_pa
     assert "REEL_BLOBS_DIR=$RUN_DIR/blobs" in " ".join(server)
 
 
-def test_eval_role_gets_a_step_and_an_engine_of_its_own(tmp_path: Path) -> None:
+@pytest.fixture
+def eval_script(tmp_path: Path) -> str:
+    """The example's job script with an eval role scoring every 5th version (built-in engine)."""
+    return render(EXAMPLE.read_text() + "\n[eval]\nevery = 5\n", tmp_path)
+
+
+def test_eval_role_gets_a_step_and_an_engine_of_its_own(tmp_path: Path, eval_script: str) -> None:
     """[eval]: the eval role is started like the other roles; the job waits for it to score the last
     version before RunFinished, and its exit 0 is no failure. Built-in: on the first rollout node;
     vLLM: its own het group, in-process vLLM (the rollout's server URL is removed from its environment)."""
     plain = render(EXAMPLE.read_text(), tmp_path)
     assert not commands(plain, "eval") and "export ENDS_ITSELF=''" in plain
-    script = render(EXAMPLE.read_text() + "\n[eval]\nevery = 5\n", tmp_path)
-    bash_ok(script)
-    evaluator, = commands(script, "eval")
+    bash_ok(eval_script)
+    evaluator, = commands(eval_script, "eval")
     assert evaluator[:3] == ["start", "eval", "1"] and "--ntasks=1" in evaluator
     assert evaluator[-5:] == ["$REEL", "role", "eval", "--run", "$RUN_DIR"]
-    assert "export ENDS_ITSELF=eval" in script
-    assert "#SBATCH hetjob" in script and script.count("#SBATCH hetjob") == 2  # no group of its own
+    assert "export ENDS_ITSELF=eval" in eval_script
+    assert "#SBATCH hetjob" in eval_script and eval_script.count("#SBATCH hetjob") == 2  # no group of its own
     vllm = WIDE_EP_PD.replace("[trainer]", "[eval]\nevery = 10\n[trainer]").replace(
         "[engine]\n", "[engine]\nvllm_server = \"inprocess\"\n")
     script = render(vllm, tmp_path, gpus_per_node=8)
@@ -451,10 +456,9 @@ def test_eval_role_gets_a_step_and_an_engine_of_its_own(tmp_path: Path) -> None:
     assert trainer[:3] == ["start", "trainer", "4"]
 
 
-def test_a_component_that_ends_itself_is_awaited_before_run_finished(tmp_path: Path) -> None:
+def test_a_component_that_ends_itself_is_awaited_before_run_finished(tmp_path: Path, eval_script: str) -> None:
     """The job script's own supervision, run by bash with stand-ins for srun and the bus: the eval
     role's exit 0 is no failure, and `finish` waits for it before announcing RunFinished."""
-    script = render(EXAMPLE.read_text() + "\n[eval]\nevery = 5\n", tmp_path)
     order = tmp_path / "order"
     order.touch()
     stand_ins = f"""
@@ -466,7 +470,7 @@ start eval 1 {tmp_path}/eval.log -- bash -c 'sleep 2; echo eval >> {order}'
 start trainer 2 {tmp_path}/trainer.log -- bash -c 'echo trainer >> {order}'
 supervise
 """
-    job = script.split("# ---- This job's components")[0] + stand_ins
+    job = eval_script.split("# ---- This job's components")[0] + stand_ins
     done = subprocess.run(["bash", "-c", job], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "SLURM_JOB_ID": "1"})
     assert done.returncode == 0, done.stdout + done.stderr

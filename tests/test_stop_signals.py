@@ -1,6 +1,6 @@
 """SIGTERM and SIGHUP stop `reel run` as Ctrl-C does: under `timeout` (which passes on the signals
 it gets, as Slurm and systemd send them), every role and the embedded Redis stop, and the run
-resumes to its last step. How the run ended is in its log, so `reel top` tells a stopped run from a
+resumes to its last step (resumed after SIGTERM only: the record of a stop does not depend on the signal). How the run ended is in its log, so `reel top` tells a stopped run from a
 finished one (a failed one: tests/test_run_e2e.py), and a resume of it runs to the end."""
 
 from __future__ import annotations
@@ -90,6 +90,8 @@ def test_stop_signal_stops_every_process_and_the_run_resumes(tmp_path: Path, sig
     assert 1 <= stopped_at < STEPS
     assert _ends(run_dir) == [f"stopped: {sig.name}"]
     assert f"stopped after step {stopped_at} by {sig.name}, not finished" in _top(run_dir, capsys)
+    if sig != signal.SIGTERM:
+        return  # a stop is recorded alike whatever the signal: resuming it once (SIGTERM) is enough
 
     resumed = subprocess.run(["timeout", "-s", "TERM", "300", *argv, "--resume"], capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr

@@ -20,10 +20,10 @@ from reel.runtime.model.cached_forward import release_prepared
 from reel.runtime.model.kvcache import prepared_weights
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.state_dict_adapter import hub_rows
+from reel.runtime.shard_hash import WRITE_HASH
 from reel.runtime.weight_delta import delta_manifest, delta_shards
 from reel.runtime.weight_load import WeightLoadError, stream_version, verify_version, version_bytes
-from reel.runtime.weight_publish import Piece, local_pieces, write_pieces
-from reel.runtime.weight_shards import shard_parts
+from reel.runtime.weight_publish import Piece, local_pieces, put_shard, write_pieces
 from test_weight_sync import SMALL, _flat, _serving, _swapped, _trained, model, publish, tensors
 
 RANKS = 3  # head_dim 16 and hidden 32 split unevenly over 3 ranks; 4 experts leave one rank a single one
@@ -46,7 +46,7 @@ def rank_pieces(m: MoEModel, rank: int, ranks: int = RANKS) -> list[Piece]:
 def ranks_version(blobs: BlobStore, m: MoEModel, version: int, dtype: str = "float32") -> WeightManifest:
     shards = [s for rank in range(RANKS)
               for s in write_pieces(blobs, rank_pieces(m, rank), dtype, shard_bytes=4096, rank=rank)]
-    return WeightManifest(version=version, step=version, dtype=dtype, shards=shards)
+    return WeightManifest(version=version, step=version, dtype=dtype, shards=shards, hash=WRITE_HASH)
 
 
 def shapes(m: MoEModel) -> dict[str, torch.Size]:
@@ -102,8 +102,8 @@ def test_verify_refuses_rows_out_of_range(tmp_path: Path) -> None:
     m = model(1)
     manifest = ranks_version(blobs, m, 1)
     t = m.state_dict()["model.norm.weight"]
-    ref = blobs.put_parts(shard_parts([("model.norm.weight", t[:4])]))
-    bad = WeightShard(blob=ref, rank=0, tensors=["model.norm.weight"], rows=[(30, 34, 32)])
+    ref, digest = put_shard(blobs, [("model.norm.weight", t[:4])])
+    bad = WeightShard(blob=ref, rank=0, tensors=["model.norm.weight"], rows=[(30, 34, 32)], digest=digest)
     for checked in (shapes(m), None):
         with pytest.raises(WeightLoadError, match=r"rows 30\.\.34 of 32 do not fit model.norm.weight"):
             verify_version(blobs, msgspec.structs.replace(manifest, shards=manifest.shards + [bad]), checked)
@@ -183,7 +183,7 @@ def test_the_engine_refuses_an_expert_split_by_rows(tmp_path: Path) -> None:
               [Piece(n, t[1:], (1, t.shape[0], t.shape[0])) for n, t in tensors(model(1))]]
     shards = [s for rank, pieces in enumerate(halves)
               for s in write_pieces(blobs, pieces, "float32", shard_bytes=4096, rank=rank)]
-    manifest = WeightManifest(version=1, step=1, dtype="float32", shards=shards)
+    manifest = WeightManifest(version=1, step=1, dtype="float32", shards=shards, hash=WRITE_HASH)
     verify_version(blobs, manifest, shapes(model(1)))  # the pieces tile: vLLM could load it
     engine = BuiltinEngine(model(2), max_batch=2, blobs=blobs, version=0)
 

@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 from pathlib import Path
 
+import blake3
 import msgspec
 import pytest
 import torch
@@ -34,7 +35,7 @@ from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import hub_tensors, state_dict_bytes
 from reel.runtime.train_step import TrainState
 from reel.runtime.trainer_group import TrainerGroup
-from reel.runtime.weight_delta import publish_delta
+from reel.runtime.weight_delta import publish_delta, rebuilt_version
 from reel.runtime.weight_load import WeightLoadError, read_manifest, stream_version, verify_version, version_bytes
 from reel.runtime.weight_publish import buckets, publish_version
 from reel.runtime.weight_shards import canonical_sha256, read_header, shard_parts
@@ -99,6 +100,36 @@ def test_a_manifest_version_round_trips_into_the_engine(tmp_path: Path, dtype: s
     # Readers that want one blob (the mismatch split) get the same weights.
     whole = st_load(version_bytes(blobs, ref, "manifest"))
     assert all(torch.equal(whole[n], t.to(cast).float()) for n, t in tensors(source))
+
+
+def test_shards_are_checked_against_their_blake3_and_sha256_manifests_still_load(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path)
+    source = model(1)
+    _, manifest = publish(blobs, source, 3)
+    assert manifest.hash == "blake3"
+    for shard in manifest.shards:  # the store keys by sha256; the manifest names the BLAKE3 of the same bytes
+        data = blobs.path(shard.blob).read_bytes()
+        assert (shard.blob.sha256, shard.digest) == (hashlib.sha256(data).hexdigest(), blake3.blake3(data).hexdigest())
+    shapes = {n: t.shape for n, t in tensors(source)}
+    # A digest that does not match the bytes is refused, though the store key does match them.
+    forged = msgspec.structs.replace(manifest.shards[1], digest=blake3.blake3(b"other").hexdigest())
+    with pytest.raises(WeightLoadError, match="is corrupted: its bytes hash to blake3"):
+        verify_version(blobs, msgspec.structs.replace(manifest, shards=[manifest.shards[0], forged, *manifest.shards[2:]]),
+                       shapes)
+    # A manifest written before BLAKE3 (hash sha256, no digests) loads, checked against the store keys.
+    old = msgspec.structs.replace(manifest, hash="sha256",
+                                  shards=[msgspec.structs.replace(s, digest="") for s in manifest.shards])
+    verify_version(blobs, old, shapes)
+    engine = BuiltinEngine(model(2), max_batch=2, blobs=blobs, version=0)
+
+    async def swap() -> None:
+        async with engine:
+            await engine.update_weights(old, 3)
+    asyncio.run(swap())
+    assert all(torch.equal(engine.model.state_dict()[n], v) for n, v in source.state_dict().items())
+    _corrupt(blobs, old.shards[2].blob)
+    with pytest.raises(WeightLoadError, match="is corrupted: its bytes hash to sha256"):
+        verify_version(blobs, old, shapes)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -190,9 +221,8 @@ def _elsewhere(manifest: WeightManifest, tmp_path: Path) -> WeightManifest:
     outside.write_bytes(b"x")
     shard = manifest.shards[1]
     moved = BlobRef(uri=outside.as_uri(), sha256=shard.blob.sha256, nbytes=shard.blob.nbytes)
-    shards = [*manifest.shards[:1], type(shard)(blob=moved, rank=shard.rank, tensors=shard.tensors),
-              *manifest.shards[2:]]
-    return WeightManifest(version=manifest.version, step=manifest.step, dtype=manifest.dtype, shards=shards)
+    shards = [*manifest.shards[:1], msgspec.structs.replace(shard, blob=moved), *manifest.shards[2:]]
+    return msgspec.structs.replace(manifest, shards=shards)
 
 
 @pytest.mark.parametrize("damage, reason", [("corrupt", "is corrupted"), ("missing", "not found"),
@@ -375,6 +405,28 @@ def test_a_corrupted_delta_leaves_the_base_serving(tmp_path: Path) -> None:
     assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in before.items())
 
 
+def test_a_delta_rebuilt_from_the_base_shards_is_the_full_version_bitwise(tmp_path: Path) -> None:
+    """What a vLLM worker loads for a delta: the tensors it asks for, rebuilt on the base version's
+    shards; a base that is not the delta's, or a corrupted delta, fails before any tensor is given."""
+    blobs = BlobStore(tmp_path)
+    _, full0, _, delta, full1 = _delta_versions(blobs)
+    touched = {name for shard in delta.shards for name in shard.tensors}
+    untouched = next(name for shard in full0.shards for name in shard.tensors if name not in touched)
+    want = dict(stream_version(blobs, full1))
+    with rebuilt_version(blobs, delta, full0, touched | {untouched}) as rebuilt:
+        got = dict(rebuilt)
+    assert set(got) == touched | {untouched}
+    assert all(torch.equal(t, want[name]) for name, t in got.items())
+    _, other = publish(blobs, model(11), 0, dtype="bfloat16")
+    with pytest.raises(WeightLoadError, match="do not rebuild it on the held version 0"):
+        with rebuilt_version(blobs, delta, other, touched):
+            pass
+    _corrupt(blobs, delta.shards[0].blob)
+    with pytest.raises(WeightLoadError, match="delta shard .* is corrupted"):
+        with rebuilt_version(blobs, delta, full0, touched):
+            pass
+
+
 def test_no_delta_where_it_would_not_be_smaller(tmp_path: Path) -> None:
     blobs = BlobStore(tmp_path)
     v0, v1 = model(3), model(3)
@@ -393,8 +445,10 @@ def test_bench_swap_quick_reports_every_phase(monkeypatch: pytest.MonkeyPatch, c
     result = msgspec.json.decode(line)
     size = result["sizes"]["quick"]
     assert result["bench"] == "swap" and result["ratio"] == size["load"]["ratio"] > 0 and result["vllm"] is None
-    assert {"gather_s", "serialise_s", "hash_s", "raw_write_fdatasync_s", "pipeline_s"} <= set(size["publish"])
-    assert {"raw_read_s", "read_s", "verify_s", "copy_s", "update_s", "visible_s"} <= set(size["load"])
+    assert result["hash"] == "blake3" and result["loader_ratio"] == size["load"]["loader_ratio"] > 0
+    assert {"gather_s", "serialise_s", "key_sha256_s", "hash_s", "raw_write_fdatasync_s", "pipeline_s"} <= set(size["publish"])
+    assert {"raw_read_s", "read_s", "verify_s", "copy_s", "loader_s", "update_s", "visible_s",
+            "cold_raw_read_s", "cold_update_s"} <= set(size["load"]) and result["cold_ratio"] > 0
     assert size["publish"]["ratio"] > 0 and 0 <= size["delta"]["unchanged_share"] <= 1
 
 

@@ -298,8 +298,6 @@ def trainer_procs_per_node(c: Config, opts: JobOptions) -> int:
 def _binaries(c: Config) -> dict[str, str]:
     found = {"REEL": beside_python("reel"), "PYTHON": sys.executable, "TORCHRUN": beside_python("torchrun"),
              "REDIS_SERVER": service_redis_server(), "REDIS_CONF": str(REDIS_CONF)}
-    if c.engine.kind == "vllm":
-        found["VLLM"] = beside_python("vllm")
     if c.engine.pd_disaggregation:
         found["VLLM_ROUTER"] = beside_python("vllm-router")
     if c.engine.kv_connector == "MooncakeStoreConnector" or c.blobs.backend == "mooncake":

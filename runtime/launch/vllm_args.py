@@ -227,7 +227,10 @@ def serve_argv(c: Config, pool: Pool, node: int, addr: str) -> list[str]:
     """`vllm serve` for node `node` (from 0) of `pool`, bound to `addr` (the node's own address, not
     every interface); Expand words refer to the job's shell."""
     e = c.engine
-    argv = [Expand("$VLLM"), "serve", c.model.path, "--host", addr, "--port", str(API_PORT),
+    # Under the job's Python, as `reel run` starts its server: a `vllm` script elsewhere on PATH may import
+    # another Reel, without this run's worker extension and middleware.
+    argv = [Expand("$PYTHON"), "-m", "vllm.entrypoints.cli.main", "serve", c.model.path, "--host", addr,
+            "--port", str(API_PORT),
             *common_serve_args(c, c.model.path)]
     if e.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(e.tensor_parallel_size)]
