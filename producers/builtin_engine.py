@@ -9,8 +9,9 @@ sequences share its steps.
 
 Threading: the asyncio task `_serve` owns all queues; the math of a step (forward, sampling,
 bookkeeping of the running sequences) runs on one worker thread while the event loop keeps
-talking to Redis (torch ops and the C kernels release the GIL). Weight swaps run on the same thread
-between two steps, so a step never sees half-loaded weights.
+talking to Redis (torch ops and the C kernels release the GIL). Weight swaps
+(producers/builtin_weights.py) run on the same thread between two steps, so a step never sees
+half-loaded weights.
 
 Bursts: one hand-off to the worker thread runs one step over every pending token, then keeps
 decoding (tokens stay tensors; Python bookkeeping once per burst) until a sequence finishes or the
@@ -29,25 +30,21 @@ import collections
 import heapq
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-from safetensors.torch import save as st_save
 
 from reel.bus.blobs import BlobBackend
 from reel.bus.events import BlobRef
-from reel.bus.weight_manifest import WeightManifest, shard_rows
+from reel.bus.weight_manifest import WeightManifest
 from reel.producers.engine import Completion, Engine, EngineClosed, EngineError, EngineStats, SamplingParams, routing_dtype
+from reel.producers.builtin_weights import EngineWeights
 from reel.producers.sampling import Sampler, Uniforms
-from reel.runtime.model import state_dict_adapter
-from reel.runtime.model.cached_forward import forward_cached, release_prepared
-from reel.runtime.model.kvcache import Target, mark_current, new_cache, prepared_targets
+from reel.runtime.model.cached_forward import forward_cached
+from reel.runtime.model.kvcache import new_cache
 from reel.runtime.model.model import MoEModel
-from reel.runtime.model.weights import load_state_dict_bytes
-from reel.runtime.weight_delta import apply_delta, full_of, verify_delta
-from reel.runtime.weight_load import WeightLoadError, copy_version, verify_version
 
 __all__ = ["BuiltinEngine"]
 
@@ -101,7 +98,7 @@ class BuiltinEngine(Engine):
         self.device = next(model.parameters()).device
         self._routing_dtype = routing_dtype(model.config.num_experts)
         self._cache = new_cache(model, max_batch, self.max_seq_len)
-        self._hub = state_dict_adapter.to_hf(model.state_dict(), model.config)  # Hub name -> view of its parameter
+        self._weights = EngineWeights(model, blobs, self.max_seq_len)  # published versions, copied in place
         # The step thread's own torch thread count: an OpenMP team driven from a non-main thread was
         # 2x slower per decode step here at 2 threads than at 1 (tiny MoE, 2 cores); raise it for
         # models whose matmuls are big enough to split.
@@ -158,7 +155,7 @@ class BuiltinEngine(Engine):
         if isinstance(weights, BlobRef):
             weights = await asyncio.to_thread(self.blobs.get, weights)  # verifies sha256, off the step path
         elif isinstance(weights, WeightManifest):  # every shard verified while the old version serves
-            weights = await asyncio.to_thread(self._verified, weights)
+            weights = await asyncio.to_thread(self._weights.verified, weights, self.version)
         await self.start()
         done = asyncio.get_running_loop().create_future()
         self._updates.append((weights, version, done))
@@ -195,7 +192,7 @@ class BuiltinEngine(Engine):
             while True:
                 while self._updates:  # an update leaves the queue once live, so a failure reaches its caller
                     weights, version, done = self._updates[0]
-                    await loop.run_in_executor(self._executor, self._load, weights)
+                    await loop.run_in_executor(self._executor, self._weights.load, weights, self.version)
                     self.version = version
                     self._updates.pop(0)
                     if not done.done():
@@ -267,62 +264,6 @@ class BuiltinEngine(Engine):
         self._running, self._waiting, self._updates = [], collections.deque(), []
 
     # ---- the step thread --------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def _load(self, weights: Mapping[str, torch.Tensor] | bytes | WeightManifest) -> None:
-        # A full manifest goes straight into the parameters and the prepared weights, in place;
-        # anything else drops the prepared weights, rebuilt on the next step.
-        targets = prepared_targets(self.model, self.max_seq_len)
-        if not isinstance(weights, WeightManifest) or weights.base_version >= 0 or targets is None:
-            release_prepared(self.model)
-            targets = {}
-        if isinstance(weights, WeightManifest):  # verified: copied shard by shard from the store's maps
-            if weights.base_version >= 0 and not (wrong := apply_delta(self.blobs, weights, self._hub)):
-                return
-            if weights.base_version >= 0:
-                log.warning("delta of version %d did not reproduce shards %s; loading its full shards",
-                            weights.version, wrong)
-                weights = self._verified(full_of(weights))
-            copy_version(self.blobs, weights, self._copier(targets))
-            if targets:
-                mark_current(self.model, self.max_seq_len)
-            return
-        # A state dict takes the blob's path too (safetensors in memory), so both are checked alike.
-        load_state_dict_bytes(self.model, weights if isinstance(weights, bytes) else st_save(dict(weights)))
-
-    def _copier(self, targets: dict[str, list[Target]]) -> Callable[[str, torch.Tensor], None]:
-        """Copies a Hub tensor, or rows [start, start + len(t)) of it, into its parameter, then those
-        rows of the parameter into its prepared slices (narrowed to the rows on each slice's own dim)."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        config = self.model.config
-
-        @torch.inference_mode()  # on copy_version's threads: the prepared tensors are inference tensors
-        def copy(name: str, t: torch.Tensor, start: int) -> None:
-            rows = t.shape[0]
-            self._hub[name].narrow(0, start, rows).copy_(t)
-            for param, expert, _ in state_dict_adapter.param_slices(name, t, config):
-                for dest, value, row_dim in targets.get(param, ()):
-                    if expert is not None:  # a whole expert (experts are never split by rows)
-                        _copy(dest[expert], value(params[param])[expert])
-                    else:
-                        _copy(dest.narrow(row_dim, start, rows), value(params[param].narrow(0, start, rows)))
-        return copy
-
-    def _verified(self, manifest: WeightManifest) -> WeightManifest:
-        """The manifest to load, checked: a delta on the version held here, else the version's full shards."""
-        shapes = {n: t.shape for n, t in self._hub.items()}
-        if manifest.base_version >= 0 and manifest.base_version == self.version:
-            verify_delta(self.blobs, manifest, shapes)
-            return manifest
-        full = full_of(manifest) if manifest.base_version >= 0 else manifest
-        verify_version(self.blobs, full, shapes)
-        # The prepared weights take an expert as a whole (FSDP2 and EP shard over experts, so ranks write them so).
-        split = next((n for s in full.shards for n, rows in shard_rows(s).items()
-                      if rows is not None and state_dict_adapter.is_expert(n)), None)
-        if split is not None:
-            raise WeightLoadError(f"version {manifest.version} splits expert tensor {split} by rows; the built-in "
-                                  "engine loads whole experts")
-        return full
 
     def _interrupted(self) -> bool:
         """Whether the serving loop has work between two steps (read from the step thread)."""
@@ -406,16 +347,6 @@ class BuiltinEngine(Engine):
                 finished.append(seq)
         self._running = [s for s in seqs if not s.finish_reason]
         return finished
-
-
-def _copy(into: torch.Tensor, src: torch.Tensor, block: int = 32) -> None:
-    """into.copy_(src). A transposed source into a strided slice (the fused q/k/v, the gate/up halves)
-    is copy_'s slow path (16x slower here than blocked): copy it a few source rows at a time."""
-    if into.is_contiguous() or into.dim() != 2:
-        into.copy_(src)
-        return
-    for first in range(0, into.shape[1], block):
-        into[:, first:first + block].copy_(src[:, first:first + block])
 
 
 def _completion(seq: _Sequence) -> Completion:
