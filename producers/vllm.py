@@ -168,9 +168,9 @@ class VLLMEngineBase(Engine):
         """Logs what each worker says it loaded (reel_load_manifest's dicts; a blob load says nothing)."""
         for worker, report in enumerate(reports or ()):
             if isinstance(report, dict):
-                log.info("version %d on worker %d: %s load, %d tensors, %.1f MB of shards read%s", version, worker,
-                         report.get("how"), report.get("tensors", 0), report.get("read_bytes", 0) / 1e6,
-                         f" (not as a delta: {report['why_full']})" if report.get("why_full") else "")
+                log.info("version %d on worker %d: %s load, %d tensors, %.1f MB of shards read, seconds %s%s", version,
+                         worker, report.get("how"), report.get("tensors", 0), report.get("read_bytes", 0) / 1e6,
+                         report.get("seconds", {}), f" (not as a delta: {report['why_full']})" if report.get("why_full") else "")
 
     async def _verify(self, manifest: WeightManifest) -> None:
         """WeightLoadError unless every shard the workers would load is whole and the model's (a delta:

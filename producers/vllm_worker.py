@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -88,13 +89,14 @@ class ReelWorkerExtension:
                 why_full = str(exc)
                 log.warning("version %d: %s; loading its full shards", manifest.version, why_full)
             manifest = full_of(manifest)
+        started = time.perf_counter()
         verify_version(store, manifest, None)  # WeightLoadError before any weight changes
         names = {name for shard in manifest.shards for name in shard.tensors}
         self.reel_held = None
-        self._load(stream_version(store, manifest), names)
+        seconds = {"verify_s": round(time.perf_counter() - started, 3)} | self._load(stream_version(store, manifest), names)
         self.reel_held = manifest
         return {"version": manifest.version, "how": "full", "tensors": len(names), "why_full": why_full,
-                "read_bytes": sum(shard.blob.nbytes for shard in manifest.shards)}
+                "read_bytes": sum(shard.blob.nbytes for shard in manifest.shards), "seconds": seconds}
 
     def _load_delta(self, store: BlobStore, delta: WeightManifest) -> dict[str, Any]:
         """The delta rebuilt on the held version, its touched layers loaded whole; WeightLoadError before
@@ -107,30 +109,38 @@ class ReelWorkerExtension:
         needed = _whole_layers(model, [name for shard in held.shards for name in shard.tensors],
                                {name for shard in delta.shards for name in shard.tensors})
         read = sum(shard.blob.nbytes for shard in [*base_shards(held, needed), *delta.shards])
+        started = time.perf_counter()
         with rebuilt_version(store, delta, held, needed) as tensors:
             self.reel_held = None
-            self._load(tensors, needed)
+            seconds = {"verify_s": round(time.perf_counter() - started, 3)} | self._load(tensors, needed)
         self.reel_held = full_of(delta)
-        return {"version": delta.version, "how": "delta", "tensors": len(needed), "why_full": "", "read_bytes": read}
+        return {"version": delta.version, "how": "delta", "tensors": len(needed), "why_full": "", "read_bytes": read,
+                "seconds": seconds}
 
-    def _load(self, weights: Iterable[tuple[str, torch.Tensor]], names: set[str]) -> None:
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]], names: set[str]) -> dict[str, float]:
+        """Hands `weights` to vLLM's loaders; the seconds of each phase (what a swap's time is made of)."""
         runner = self.model_runner
         model = runner.get_model()  # the runner may wrap the model it serves
+        started = time.perf_counter()
         try:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
         except ImportError:  # older vLLM: unquantised models load in place directly
             model.load_weights(weights=iter(weights))
-            return
+            return {"load_s": round(time.perf_counter() - started, 3)}
         # Quantised (fp8) layers re-run their post-load processing after the raw weights are in.
         initialize_layerwise_reload(model)
         model.load_weights(weights=iter(weights))
         with _layers_left_alone():
             finalize_layerwise_reload(model, runner.model_config)
+        seconds = {"load_s": round(time.perf_counter() - started, 3)}
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
+            started = time.perf_counter()
             packed = _packed(model)
             _repack_cpu_experts(model, {_layer(name, packed) for name in names})
+            seconds["repack_s"] = round(time.perf_counter() - started, 3)
+        return seconds
 
 
 def _run_store() -> BlobStore:
