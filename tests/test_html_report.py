@@ -37,7 +37,8 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A short real `reel run` (every role a process), then two eval results as the eval role logs them."""
     tmp = tmp_path_factory.mktemp("report")
     run_dir = tmp / "run"
-    config = e2e_config(tmp / "c.toml", "reportrun", STEPS)
+    # WorkerStats every 0.2 s: a quick run still logs the rollout throughput and idle charts' points.
+    config = e2e_config(tmp / "c.toml", "reportrun", STEPS, {"rollout": {"stats_every_s": 0.2}})
     result = subprocess.run([sys.executable, "-m", "reel.runtime.launch.cli", "run", str(config), "--out", str(run_dir),
                              "--no-live"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
