@@ -20,8 +20,9 @@ import blake3
 
 from reel.bus.weight_manifest import WeightShard
 
-__all__ = ["WRITE_HASH", "Digest", "new_digest", "expected_digest", "hashed"]
+__all__ = ["HASHES", "WRITE_HASH", "Digest", "new_digest", "expected_digest", "hashed"]
 
+HASHES = ("blake3", "sha256")  # what a WeightManifest.hash may name
 WRITE_HASH = "blake3"  # what publish_version and publish_delta write
 
 
@@ -36,7 +37,7 @@ def new_digest(algorithm: str) -> Digest:
         return blake3.blake3()  # releases the GIL while hashing: loader threads hash in parallel
     if algorithm == "sha256":
         return hashlib.sha256()
-    raise ValueError(f"unknown shard hash {algorithm!r} (this reader knows blake3 and sha256)")
+    raise ValueError(f"unknown shard hash {algorithm!r} (this reader knows {', '.join(HASHES)})")
 
 
 def expected_digest(algorithm: str, shard: WeightShard) -> str:

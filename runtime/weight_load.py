@@ -5,9 +5,8 @@
              pieces of a tensor split by rows tile its rows exactly once), shards in parallel, while
              the engine keeps serving the old version
     copy     each shard's tensors (or pieces, into their rows) straight from its map into the target,
-             shards in parallel; the
-             engine runs this between two decode steps, so the version goes live when the last
-             shard is in
+             shards in parallel; the engine runs this between two decode steps, so the version goes
+             live when the last shard is in
 
 Why verify before any copy: a failing shard must leave the old version serving, and copying into the
 live weights first would leave a mix; a staging copy would cost a second model in memory. Both
@@ -35,7 +34,7 @@ from reel.bus.blobs import BlobBackend, BlobError, BlobMissing
 from reel.bus.errors import ReelError
 from reel.bus.events import BlobRef
 from reel.bus.weight_manifest import Rows, WeightManifest, WeightShard, decode_manifest, shard_rows
-from reel.runtime.shard_hash import expected_digest, new_digest
+from reel.runtime.shard_hash import HASHES, expected_digest, new_digest
 from reel.runtime.weight_shards import ShardFormatError, read_header, tensor_at
 
 __all__ = ["WeightLoadError", "VersionDeleted", "engine_weights", "read_manifest", "verified_map", "verify_version",
@@ -76,10 +75,9 @@ def verify_version(blobs: BlobBackend, manifest: WeightManifest, shapes: Mapping
     """Every shard hashes to its ref and the shards hold each tensor of `shapes` exactly once, whole or as
     pieces that tile its rows (`shapes` None: a reader that cannot name the model's tensors, such as a
     vLLM worker, checks hashes, headers and that each tensor's pieces tile the rows they name)."""
-    try:
-        new_digest(manifest.hash)
-    except ValueError as exc:
-        raise WeightLoadError(f"version {manifest.version}: {exc}") from exc
+    if manifest.hash not in HASHES:
+        raise WeightLoadError(f"version {manifest.version}: unknown shard hash {manifest.hash!r} "
+                              f"(this reader knows {', '.join(HASHES)})")
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="reel-verify") as pool:
         found = [item for items in pool.map(lambda s: _verify_shard(blobs, manifest, s, shapes), manifest.shards)
                  for item in items]
