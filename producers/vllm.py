@@ -148,11 +148,11 @@ class VLLMEngineBase(Engine):
             raise EngineError("the vLLM engine needs a blob store to hand weights to its workers")
         blobs = self.blobs
         if isinstance(weights, WeightManifest):
-            await self._verify(weights)
-            if ref is None:
+            if ref is None:  # refused before the shards are read
                 raise EngineError(f"version {weights.version}: vLLM's workers read a manifest from the run's store "
                                   "by hash; pass update_weights(..., ref=) the manifest's BlobRef "
                                   "(WeightsPublished.weights)")
+            await self._verify(weights)
             return LOAD_MANIFEST, [ref.sha256]
         if not isinstance(weights, BlobRef):
             from safetensors.torch import save
@@ -168,9 +168,10 @@ class VLLMEngineBase(Engine):
         """Logs what each worker says it loaded (reel_load_manifest's dicts; a blob load says nothing)."""
         for worker, report in enumerate(reports or ()):
             if isinstance(report, dict):
-                log.info("version %d on worker %d: %s load, %d tensors, %.1f MB of shards read, seconds %s%s", version,
-                         worker, report.get("how"), report.get("tensors", 0), report.get("read_bytes", 0) / 1e6,
-                         report.get("seconds", {}), f" (not as a delta: {report['why_full']})" if report.get("why_full") else "")
+                why = f" (not as a delta: {report['why_full']})" if report.get("why_full") else ""
+                log.info("version %d on worker %d: %s load, %d tensors, %.1f MB of shards read, seconds %s%s",
+                         version, worker, report.get("how"), report.get("tensors", 0),
+                         report.get("read_bytes", 0) / 1e6, report.get("seconds", {}), why)
 
     async def _verify(self, manifest: WeightManifest) -> None:
         """WeightLoadError unless every shard the workers would load is whole and the model's (a delta:
