@@ -299,10 +299,11 @@ async def test_http_a_bad_shard_is_refused_and_the_old_version_keeps_serving(mod
         await _push(engine, models[1], blobs, 60)
         _, manifest = _manifest(blobs, _model(7), 61)
         damaged = _damage(blobs, manifest, damage, tmp_path)
+        ref = blobs.put(encode_manifest(damaged))  # as published: WeightsPublished names the manifest's blob
         with pytest.raises(WeightLoadError, match=reason):  # what the rollout worker dead-letters
-            await engine.update_weights(damaged, 61)
+            await engine.update_weights(damaged, 61, ref=ref)
         with pytest.raises(WeightLoadError, match=reason):  # a follower does not wait for it
-            await follower.update_weights(damaged, 61)
+            await follower.update_weights(damaged, 61, ref=ref)
         assert await engine._server_version(server) == 60
         greedy, = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
     assert greedy.spans == [(0, 60)] and greedy.tokens == _greedy_tokens(models[1], PROMPT, 16)
