@@ -16,15 +16,13 @@ from safetensors.torch import load as st_load
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.weight_manifest import WeightManifest, WeightShard, decode_manifest, encode_manifest
 from reel.producers.builtin_engine import BuiltinEngine
-from reel.runtime.model.cached_forward import release_prepared
-from reel.runtime.model.kvcache import prepared_weights
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.state_dict_adapter import hub_rows
 from reel.runtime.shard_hash import WRITE_HASH
 from reel.runtime.weight_delta import delta_manifest, delta_shards
 from reel.runtime.weight_load import WeightLoadError, stream_version, verify_version, version_bytes
 from reel.runtime.weight_publish import Piece, local_pieces, put_shard, write_pieces
-from test_weight_sync import SMALL, _flat, _serving, _swapped, _trained, model, publish, tensors
+from test_weight_sync import SMALL, _serving, _swapped, _trained, model, publish, tensors
 
 RANKS = 3  # head_dim 16 and hidden 32 split unevenly over 3 ranks; 4 experts leave one rank a single one
 
@@ -125,9 +123,8 @@ def test_a_stream_puts_split_tensors_together_bitwise(tmp_path: Path) -> None:
     assert all(torch.equal(whole[name], t) for name, t in want.items())
 
 
-def test_pieces_copy_into_the_engine_and_its_prepared_weights_bitwise(tmp_path: Path) -> None:
-    """Rows land in their range of each parameter and of the prepared (fused, transposed, scaled)
-    weights: the bits of a one-process version, and of a rebuild."""
+def test_pieces_copy_into_the_engines_parameters_bitwise(tmp_path: Path) -> None:
+    """Rows land in their range of each parameter: the bits of a one-process version."""
     config = msgspec.structs.replace(SMALL, mlp_only_layers=[1])
     blobs = BlobStore(tmp_path)
     source = model(1, config)
@@ -135,15 +132,10 @@ def test_pieces_copy_into_the_engine_and_its_prepared_weights_bitwise(tmp_path: 
 
     async def swap() -> list[int]:
         async with engine:
-            await _serving(engine)  # the prepared weights exist: the swap updates them in place
+            await _serving(engine)
             await engine.update_weights(ranks_version(blobs, source, 3), 3)
             return (await _serving(engine))[0]
     tokens = asyncio.run(swap())
-    in_place = engine.model._prepared
-    assert prepared_weights(engine.model, engine.max_seq_len) is in_place  # current: no rebuild on the next step
-    release_prepared(engine.model)
-    for got, want in zip(_flat(in_place), _flat(prepared_weights(engine.model, engine.max_seq_len)), strict=True):
-        assert torch.equal(got, want)
     whole = _swapped(blobs, publish(blobs, source, 3)[1], start=model(2, config))
     for name, value in whole.model.state_dict().items():
         assert torch.equal(engine.model.state_dict()[name], value), name
@@ -175,25 +167,29 @@ def test_a_delta_of_pieces_applies_into_their_rows_bitwise(tmp_path: Path, caplo
     assert "did not reproduce" not in caplog.text  # applied, not replaced by the full shards
 
 
-def test_the_engine_refuses_an_expert_split_by_rows(tmp_path: Path) -> None:
-    """Ranks write experts whole (they shard over experts); a version that splits one is refused before
-    any weight changes, since an expert lands in the prepared weights as a whole."""
+def test_the_engine_loads_every_tensor_split_by_rows_experts_included(tmp_path: Path) -> None:
+    """Rows of any tensor, an expert's too, land in their rows of its parameter (the engine's kernels
+    read the parameters, so there is no other layout to fill)."""
     blobs = BlobStore(tmp_path)
-    halves = [[Piece(n, t[:1], (0, 1, t.shape[0])) for n, t in tensors(model(1))],
-              [Piece(n, t[1:], (1, t.shape[0], t.shape[0])) for n, t in tensors(model(1))]]
+    source = model(1)
+    halves = [[Piece(n, t[:1], (0, 1, t.shape[0])) for n, t in tensors(source)],
+              [Piece(n, t[1:], (1, t.shape[0], t.shape[0])) for n, t in tensors(source)]]
+    assert any(".experts." in p.name for p in halves[0])
     shards = [s for rank, pieces in enumerate(halves)
               for s in write_pieces(blobs, pieces, "float32", shard_bytes=4096, rank=rank)]
     manifest = WeightManifest(version=1, step=1, dtype="float32", shards=shards, hash=WRITE_HASH)
-    verify_version(blobs, manifest, shapes(model(1)))  # the pieces tile: vLLM could load it
     engine = BuiltinEngine(model(2), max_batch=2, blobs=blobs, version=0)
 
-    async def swap() -> None:
+    async def swap() -> list[int]:
         async with engine:
+            await _serving(engine)
             await engine.update_weights(manifest, 1)
-    with pytest.raises(WeightLoadError, match=r"splits expert tensor model\.layers\.\d+\.mlp\.experts\.\d+\..* by rows"):
-        asyncio.run(swap())
-    assert engine.version == 0 and torch.equal(engine.model.state_dict()["model.norm.weight"],
-                                               model(2).state_dict()["model.norm.weight"])
+            return (await _serving(engine))[0]
+    tokens = asyncio.run(swap())
+    assert engine.version == 1
+    for name, value in source.state_dict().items():
+        assert torch.equal(engine.model.state_dict()[name], value), name
+    assert tokens == asyncio.run(_fresh(source))
 
 
 def test_verify_refuses_pieces_that_disagree_on_the_rows(tmp_path: Path) -> None:

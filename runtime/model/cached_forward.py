@@ -7,7 +7,8 @@ fp32 on the CPU the whole call is one C function over the weights kvcache.py pre
 forward_cached.c), when a C compiler is there; otherwise, and for bf16/fp8 or other devices, the
 torch ops below, written for the small decode steps of a tiny model, whose cost is per-op overhead
 and memory traffic:
-- the weights are prepared once per parameter version and precision (kvcache.prepared_weights);
+- the weights are prepared once per parameter version and precision (kvcache.prepared_weights; in
+  fp32 they are the parameters);
 - attention is two batched matmuls over (slot, kv head) rows of the cache's layout (kvcache.KVCache):
   decode tokens read the range of slots they touch in place, one row per slot; chunks (prefills)
   gather their slots once per layer, padded to the longest chunk of their length bucket;
@@ -21,7 +22,7 @@ fp8 runs the reference GEMM (dequantised operands in fp32) on every device, Deep
 Shape legend: N flat tokens, H hidden, V vocab, h query heads, g kv heads, r = h / g, D head dim,
 S cache slots, P cache positions, R slots in the call's range, T tokens per slot row (padded),
 E experts, K top-k, A = N * K assignments, C rows per expert (padded), I expert width, J = 2 I,
-L MoE layers.
+L MoE layers, Q = h D, G = g D.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ def forward_cached(model: MoEModel, input_ids_N: torch.Tensor, slot_ids_N: torch
 
 
 def release_prepared(model: MoEModel) -> None:
-    """Drops the prepared weights (and the C plan over them) before a weight swap, so their rebuild
-    never holds two copies at once."""
+    """Drops the prepared weights (and the C plan over them) before a weight swap, so that a rebuild
+    (bf16 or fp8 copies) never holds two copies at once."""
     model._prepared = None
     native.forget(model)
 
@@ -75,8 +76,8 @@ def _act(x: torch.Tensor, precision: str) -> torch.Tensor:
     return x.bfloat16() if precision == "bf16" else x
 
 
-def _linear(x: torch.Tensor, w_IO: torch.Tensor, precision: str) -> torch.Tensor:
-    y = torch.mm(_act(x, precision), w_IO)
+def _linear(x: torch.Tensor, w_OI: torch.Tensor, precision: str) -> torch.Tensor:
+    y = torch.mm(_act(x, precision), w_OI.T)
     return y.float() if precision == "bf16" else y
 
 
@@ -90,10 +91,10 @@ def _rope(x_NxD: torch.Tensor, cos_N1D: torch.Tensor, sin_N1D: torch.Tensor) -> 
     return torch.addcmul(x_NxD * cos_N1D, x_NxD.roll(x_NxD.shape[-1] // 2, -1), sin_N1D)
 
 
-def _route(x_NH: torch.Tensor, router_HE: torch.Tensor, top_k: int, renormalise: bool, precision: str,
+def _route(x_NH: torch.Tensor, router_EH: torch.Tensor, top_k: int, renormalise: bool, precision: str,
            replay_NK: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """moe.Router: (gate weights [N, K], expert ids [N, K]); topk's values are the gathered scores."""
-    scores_NE = torch.softmax(_linear(x_NH, router_HE, unquantised(precision)), dim=-1)
+    scores_NE = torch.softmax(_linear(x_NH, router_EH, unquantised(precision)), dim=-1)
     if replay_NK is None:
         weights_NK, ids_NK = torch.topk(scores_NE, top_k, dim=-1)
     else:
@@ -204,11 +205,11 @@ def _attend(q_NhD, k_NgD, v_NgD, cache: KVCache, layer: int, slot_N, pos_N, grid
 _PADDED_ROWS_PER_EXPERT = 64
 
 
-def _experts(x_NH, ids_NK, weights_NK, token_A, experts_E, gate_up_EHJ, down_EIH, precision: str) -> torch.Tensor:
-    """Each assignment's row goes to its expert's block of C rows; two bmm, then back to its token.
+def _experts(x_NH, ids_NK, weights_NK, token_A, experts_E, gate_EIH, up_EIH, down_EHI, precision: str) -> torch.Tensor:
+    """Each assignment's row goes to its expert's block of C rows; batched matmuls, then back to its token.
 
     token_A: the token of each assignment (n // K), shared by every layer of the call."""
-    (N, K), (E, H, _) = ids_NK.shape, gate_up_EHJ.shape
+    (N, K), (E, _, H) = ids_NK.shape, gate_EIH.shape
     ids_A = ids_NK.flatten()
     mine_AE = ids_A[:, None] == experts_E
     seen_AE = mine_AE.cumsum(0)
@@ -217,8 +218,8 @@ def _experts(x_NH, ids_NK, weights_NK, token_A, experts_E, gate_up_EHJ, down_EIH
     # Padding rows read token 0 (any token would do): their outputs are never read back.
     token_EC = torch.zeros(E * C, dtype=torch.long, device=x_NH.device).index_copy_(0, row_A, token_A)
     x_ECH = _act(x_NH, precision).index_select(0, token_EC).view(E, C, H)
-    gate_ECI, up_ECI = torch.bmm(x_ECH, gate_up_EHJ).float().chunk(2, dim=-1)
-    y_ECH = torch.bmm(_act(F.silu(gate_ECI) * up_ECI, precision), down_EIH)
+    gate_ECI, up_ECI = (torch.bmm(x_ECH, w_EIH.transpose(1, 2)).float() for w_EIH in (gate_EIH, up_EIH))
+    y_ECH = torch.bmm(_act(F.silu(gate_ECI) * up_ECI, precision), down_EHI.transpose(1, 2))
     y_NKH = (y_ECH.float() if precision == "bf16" else y_ECH).view(E * C, H).index_select(0, row_A).view(N, K, H)
     return (y_NKH * weights_NK.unsqueeze(-1)).sum(1)
 
@@ -241,24 +242,25 @@ def _forward_torch(model: MoEModel, w: PreparedWeights, ids_N: torch.Tensor, slo
     token_A = torch.arange(N, device=ids_N.device).repeat_interleave(K) if padded_experts else None
     ids = []
     for i, lw in enumerate(w.layers):
-        qkv_NxD = _linear(_rms_norm(x_NH, lw.input_norm_H, w.eps_H), lw.qkv_HO, precision).view(N, -1, D)
+        xn_NH = _rms_norm(x_NH, lw.input_norm_H, w.eps_H)
+        qkv_NxD = torch.cat([_linear(xn_NH, p, precision) for p in (lw.q_QH, lw.k_GH, lw.v_GH)], -1).view(N, -1, D)
         qk_NxD = _rope(_rms_norm(qkv_NxD[:, :h + g], lw.qk_norm_D, w.eps_D), cos_N1D, sin_N1D)
         o_NhD = _attend(qk_NxD[:, :h], qk_NxD[:, h:], qkv_NxD[:, h + g:], cache, i, slot_N, pos_N, grids)
         if precision == "fp32":  # residual add inside the GEMM
-            x_NH = torch.addmm(x_NH, o_NhD.reshape(N, h * D), lw.o_OH)
+            x_NH = torch.addmm(x_NH, o_NhD.reshape(N, h * D), lw.o_HQ.T)
         else:
-            x_NH = x_NH + _linear(o_NhD.reshape(N, h * D), lw.o_OH, precision)
+            x_NH = x_NH + _linear(o_NhD.reshape(N, h * D), lw.o_HQ, precision)
         h_NH = _rms_norm(x_NH, lw.post_norm_H, w.eps_H)
-        if lw.router_HE is None:
+        if lw.router_EH is None:
             x_NH = x_NH + lw.mlp(h_NH, precision)
             continue
         replay_NK = None if replay_NLK is None else replay_NLK[:, len(ids)]
-        weights_NK, ids_NK = _route(h_NH, lw.router_HE, K, cfg.norm_topk_prob, precision, replay_NK)
+        weights_NK, ids_NK = _route(h_NH, lw.router_EH, K, cfg.norm_topk_prob, precision, replay_NK)
         if padded_experts:
-            x_NH = x_NH + _experts(h_NH, ids_NK, weights_NK, token_A, w.experts_E, lw.gate_up_EHJ, lw.down_EIH,
-                                   precision)
+            x_NH = x_NH + _experts(h_NH, ids_NK, weights_NK, token_A, w.experts_E, lw.gate_EIH, lw.up_EIH,
+                                   lw.down_EHI, precision)
         else:
             x_NH = x_NH + lw.mlp.experts(h_NH, ids_NK, weights_NK, precision)
         ids.append(ids_NK)
-    logits_NV = _linear(_rms_norm(x_NH, w.norm_H, w.eps_H), w.lm_head_HV, unquantised(precision))
+    logits_NV = _linear(_rms_norm(x_NH, w.norm_H, w.eps_H), w.lm_head_VH, unquantised(precision))
     return logits_NV, ids

@@ -7,7 +7,9 @@
  * other tokens share the call. Built by runtime/cbuild.py, called by runtime/model/native.py.
  *
  * Shapes: N tokens, H hidden, h query heads, g kv heads (r = h / g), D head dim, E experts, K top-k,
- * S cache slots, P cache positions, V vocab. Matrices are row-major [in, out] (x @ w).
+ * S cache slots, P cache positions, V vocab. Weights keep the parameters' row-major [out, in] layout
+ * (x @ w.T, as nn.Linear): in fp32 they are the parameters themselves, so a weight swap writes each
+ * weight once. The cache's keys and values are [in, out] operands (attend).
  */
 #include <math.h>
 #include <stdint.h>
@@ -21,13 +23,13 @@ typedef struct {
 
 typedef struct {
     const float *input_norm; /* [H], times sqrt(H) */
-    const float *qkv;        /* [H, (h + 2g) D] */
+    const float *q, *k, *v;  /* [h D, H], [g D, H], [g D, H] */
     const float *qk_norm;    /* [h + g, D]: q heads, then k heads times sqrt(D) */
-    const float *o;          /* [h D, H] */
+    const float *o;          /* [H, h D] */
     const float *post_norm;  /* [H], times sqrt(H) */
-    const float *router;     /* [H, E]; NULL: a dense MLP (one "expert" of weight 1) */
-    const float *gate_up;    /* [E, H, 2W]: gate then up */
-    const float *down;       /* [E, W, H] */
+    const float *router;     /* [E, H]; NULL: a dense MLP (one "expert" of weight 1) */
+    const float *gate, *up;  /* [E, W, H] */
+    const float *down;       /* [E, H, W] */
     int64_t experts, width;  /* E, W */
 } Layer;
 
@@ -93,9 +95,57 @@ static void matmul(Mat x, Mat w, float *restrict y, int64_t ldy, int64_t N, int6
         }
 }
 
-/* Contiguous rows: y[N, out] (+)= x[N, in] @ w[in, out]. */
-static void dense(const float *x, const float *w, float *y, int64_t N, int64_t in, int64_t out, int accumulate) {
-    matmul((Mat){x, in}, (Mat){w, out}, y, out, N, in, out, accumulate);
+static inline float lanes_sum(v8 v) { /* pairwise, in a fixed order: three vector adds */
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+
+/* y[rows, outs] (+)= x[rows, in] @ w[outs, in].T: per (row, output) eight lanes of partial sums, added
+ * in a fixed order at the end (a row's result never depends on the tile it was computed in). */
+static inline __attribute__((always_inline)) void dot_tile(Mat x, Mat w, float *restrict y, int64_t ldy, int64_t in,
+                                                           int rows, int outs, int accumulate) {
+    v8 acc[4][4];
+    for (int r = 0; r < rows; r++)
+        for (int o = 0; o < outs; o++) acc[r][o] = (v8){0};
+    int64_t j = 0;
+    for (; j + 8 <= in; j += 8) {
+        v8 wj[4];
+        for (int o = 0; o < outs; o++) wj[o] = load8(w.data + o * w.ld + j);
+        for (int r = 0; r < rows; r++) {
+            const v8 xr = load8(x.data + r * x.ld + j);
+            for (int o = 0; o < outs; o++) acc[r][o] += xr * wj[o];
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int o = 0; o < outs; o++) {
+            float s = lanes_sum(acc[r][o]);
+            for (int64_t t = j; t < in; t++) s += x.data[r * x.ld + t] * w.data[o * w.ld + t];
+            y[r * ldy + o] = accumulate ? y[r * ldy + o] + s : s;
+        }
+}
+
+#if defined(__AVX512F__)
+#define ROW_TILE_OUTS 4 /* 32 vector registers: 16 accumulators, 4 weight rows and an input row */
+#else
+#define ROW_TILE_OUTS 2 /* 16 vector registers */
+#endif
+
+/* y[N, out] (+)= x[N, in] @ w[out, in].T (x with row stride ldx, y with ldy): tiles of 4 rows by
+ * ROW_TILE_OUTS outputs (each weight row read once per 4 tokens), then 2 x 4 and 1 x 4 for the rows left. */
+static void linear(const float *x, int64_t ldx, const float *w, float *restrict y, int64_t ldy, int64_t N, int64_t in,
+                   int64_t out, int accumulate) {
+#define OUTS(ROWS, STEP)                                                                                     \
+    {                                                                                                        \
+        const Mat xn = {x + n * ldx, ldx};                                                                   \
+        int64_t o = 0;                                                                                       \
+        for (; o + STEP <= out; o += STEP)                                                                   \
+            dot_tile(xn, (Mat){w + o * in, in}, y + n * ldy + o, ldy, in, ROWS, STEP, accumulate);           \
+        for (; o < out; o++) dot_tile(xn, (Mat){w + o * in, in}, y + n * ldy + o, ldy, in, ROWS, 1, accumulate); \
+    }
+    int64_t n = 0;
+    for (; n + 4 <= N; n += 4) OUTS(4, ROW_TILE_OUTS)
+    for (; n + 2 <= N; n += 2) OUTS(2, 4)
+    for (; n < N; n++) OUTS(1, 4)
+#undef OUTS
 }
 
 /* x / hypot(|x|, eps_scaled) * w_scaled == RMSNorm(x) * w, as cached_forward._rms_norm computes it. */
@@ -140,7 +190,7 @@ static void attend(const Dims *d, const float *k_slot, const float *v_slot, cons
 static void route(const Dims *d, const Layer *l, const float *hn, const int64_t *replay, int64_t *ids,
                   float *weights, float *scores) {
     const int64_t E = l->experts, K = d->K;
-    dense(hn, l->router, scores, 1, d->H, E, 0);
+    linear(hn, d->H, l->router, scores, E, 1, d->H, E, 0);
     softmax_rows(scores, 1, E, E);
     for (int64_t k = 0; k < K; k++) {
         int64_t best = -1;
@@ -188,12 +238,13 @@ static void experts(const Dims *d, const Layer *l, int64_t N, const float *hn, c
                     b.weight[M++] = ids ? weights[n * K + k] : 1.0f;
                 }
         if (!M) continue;
-        dense(b.in, l->gate_up + e * H * 2 * W, b.mid, M, H, 2 * W, 0);
+        linear(b.in, H, l->gate + e * W * H, b.mid, 2 * W, M, H, W, 0);
+        linear(b.in, H, l->up + e * W * H, b.mid + W, 2 * W, M, H, W, 0);
         for (int64_t i = 0; i < M; i++) {
             float *gu = b.mid + i * 2 * W, *act = b.mid + i * W; /* in place: act[j] only reads gu[j], gu[W + j] */
             for (int64_t j = 0; j < W; j++) act[j] = silu(gu[j]) * gu[W + j] * b.weight[i];
         }
-        dense(b.mid, l->down + e * W * H, b.out, M, W, H, 0);
+        linear(b.mid, W, l->down + e * H * W, b.out, H, M, W, H, 0);
         for (int64_t i = 0; i < M; i++)
             for (int64_t c = 0; c < H; c++) b.sum[b.token[i] * H + c] += b.out[i * H + c];
     }
@@ -244,7 +295,9 @@ int reel_forward_cached(const Dims *d, const Layer *layers, int64_t L, const flo
         const Layer *lw = layers + l;
         float *k_layer = cache_k + l * S * g * D * P, *v_layer = cache_v + l * S * g * P * D;
         for (int64_t n = 0; n < N; n++) rms_norm(x + n * H, lw->input_norm, d->eps_H, hn + n * H, H);
-        dense(hn, lw->qkv, qkv, N, H, O, 0);
+        linear(hn, H, lw->q, qkv, O, N, H, h * D, 0);
+        linear(hn, H, lw->k, qkv + h * D, O, N, H, g * D, 0);
+        linear(hn, H, lw->v, qkv + (h + g) * D, O, N, H, g * D, 0);
         /* Every token's keys and values go in first, so a chunk's tokens see each other. */
         for (int64_t n = 0; n < N; n++) {
             float *t = qkv + n * O;
@@ -263,7 +316,7 @@ int reel_forward_cached(const Dims *d, const Layer *layers, int64_t L, const flo
         for (int64_t n = 0; n < N; n++)
             attend(d, k_layer + slots[n] * g * D * P, v_layer + slots[n] * g * P * D, qkv + n * O, pos[n],
                    att + n * h * D, scores);
-        dense(att, lw->o, x, N, h * D, H, 1);
+        linear(att, h * D, lw->o, x, H, N, h * D, H, 1);
         for (int64_t n = 0; n < N; n++) rms_norm(x + n * H, lw->post_norm, d->eps_H, hn + n * H, H);
         if (!lw->router) {
             experts(d, lw, N, hn, NULL, 0, NULL, x, b);
@@ -277,7 +330,7 @@ int reel_forward_cached(const Dims *d, const Layer *layers, int64_t L, const flo
         m++;
     }
     for (int64_t n = 0; n < N; n++) rms_norm(x + n * H, norm, d->eps_H, hn + n * H, H);
-    dense(hn, lm_head, logits, N, H, d->V, 0);
+    linear(hn, H, lm_head, logits, d->V, N, H, d->V, 0);
     free(x);
     return 0;
 }

@@ -34,8 +34,8 @@ class _Dims(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _f32p) for name in ("input_norm", "qkv", "qk_norm", "o", "post_norm", "router",
-                                           "gate_up", "down")] + [("experts", _i64), ("width", _i64)]
+    _fields_ = [(name, _f32p) for name in ("input_norm", "q", "k", "v", "qk_norm", "o", "post_norm", "router",
+                                           "gate", "up", "down")] + [("experts", _i64), ("width", _i64)]
 
 
 def _library() -> ctypes.CDLL | None:
@@ -76,10 +76,10 @@ def _plan(model: MoEModel, w: PreparedWeights) -> _Plan:
         return cached
     layers = (_Layer * len(w.layers))()
     for out, lw in zip(layers, w.layers):
-        out.input_norm, out.qkv, out.qk_norm = _ptr(lw.input_norm_H), _ptr(lw.qkv_HO), _ptr(lw.qk_norm_D)
-        out.o, out.post_norm, out.router = _ptr(lw.o_OH), _ptr(lw.post_norm_H), _ptr(lw.router_HE)
-        out.gate_up, out.down = _ptr(lw.gate_up_EHJ), _ptr(lw.down_EIH)
-        out.experts, out.width = lw.gate_up_EHJ.shape[0], lw.gate_up_EHJ.shape[2] // 2
+        out.input_norm, out.qk_norm, out.post_norm = (_ptr(t) for t in (lw.input_norm_H, lw.qk_norm_D, lw.post_norm_H))
+        out.q, out.k, out.v, out.o = (_ptr(t) for t in (lw.q_QH, lw.k_GH, lw.v_GH, lw.o_HQ))
+        out.router, out.gate, out.up, out.down = (_ptr(t) for t in (lw.router_EH, lw.gate_EIH, lw.up_EIH, lw.down_EHI))
+        out.experts, out.width = lw.gate_EIH.shape[0], lw.gate_EIH.shape[1]
     _plans[model] = plan = _Plan(w, layers)
     return plan
 
@@ -89,7 +89,7 @@ def forward_cached(model: MoEModel, w: PreparedWeights, ids_N: torch.Tensor, slo
     """cached_forward._forward_torch's result, from one C call."""
     cfg = model.config
     plan = _plan(model, w)
-    N, K, moe_layers = ids_N.shape[0], cfg.num_experts_per_tok, sum(lw.router_HE is not None for lw in w.layers)
+    N, K, moe_layers = ids_N.shape[0], cfg.num_experts_per_tok, sum(lw.router_EH is not None for lw in w.layers)
     dims = _Dims(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, K,
                  cfg.vocab_size, cache.slots, cache.max_len, int(cfg.norm_topk_prob), float(w.eps_H), float(w.eps_D))
     ids, slots, pos = (t.to(torch.int64).contiguous() for t in (ids_N, slot_N, pos_N))
@@ -97,7 +97,7 @@ def forward_cached(model: MoEModel, w: PreparedWeights, ids_N: torch.Tensor, slo
     logits_NV = torch.empty(N, cfg.vocab_size)
     routing_NLK = torch.empty(N, moe_layers, K, dtype=torch.int64)
     status = _library().reel_forward_cached(
-        ctypes.byref(dims), plan.layers, _i64(len(w.layers)), _ptr(w.embed_VH), _ptr(w.norm_H), _ptr(w.lm_head_HV),
+        ctypes.byref(dims), plan.layers, _i64(len(w.layers)), _ptr(w.embed_VH), _ptr(w.norm_H), _ptr(w.lm_head_VH),
         _ptr(w.cos_PD), _ptr(w.sin_PD), _ptr(cache.k), _ptr(cache.v), _i64(N),
         *(ctypes.cast(t.data_ptr(), _i64p) for t in (ids, slots, pos)),
         None if replay is None else ctypes.cast(replay.data_ptr(), _i64p),

@@ -43,11 +43,6 @@ def hub_rows(name: str, t: torch.Tensor, start: int, config: MoEConfig) -> list[
     return [(name, t, start)]
 
 
-def is_expert(name: str) -> bool:
-    """Whether Hub tensor `name` is one expert's (a row of a stacked Reel parameter)."""
-    return _PER_EXPERT.match(name) is not None
-
-
 def param_slices(name: str, t: torch.Tensor, config: MoEConfig) -> list[tuple[str, int | None, torch.Tensor]]:
     """Where one Hub tensor goes: [(Reel parameter, expert index or None for the whole, tensor)].
 
