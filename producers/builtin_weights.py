@@ -25,6 +25,7 @@ from reel.runtime.model import state_dict_adapter
 from reel.runtime.model.cached_forward import release_prepared
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import load_state_dict_bytes
+from reel.runtime.stream_copy import copy_into
 from reel.runtime.weight_delta import apply_delta, full_of, verify_delta
 from reel.runtime.weight_load import copy_version, verify_version
 
@@ -72,4 +73,4 @@ class EngineWeights:
     @torch.inference_mode()  # on copy_version's threads: the parameters are updated as inference tensors
     def _copy(self, name: str, t: torch.Tensor, start: int) -> None:
         """A Hub tensor, or rows [start, start + len(t)) of it, into its parameter."""
-        self.hub[name].narrow(0, start, t.shape[0]).copy_(t)
+        copy_into(self.hub[name].narrow(0, start, t.shape[0]), t)
