@@ -6,19 +6,20 @@ publish (runtime/weight_publish.py): gather (the tensors under their Hub names: 
   on the version's buckets, then the pipeline as the trainer runs it (shards in parallel, each hashed
   while written). Baseline in the same run: a raw write of the same bytes to one file + fdatasync.
 load (runtime/weight_load.py into the built-in engine): read (map every shard, touch its pages), verify
-  (BLAKE3 of every shard), copy (into the engine's parameters), each timed alone; `loader`: verify, then
-  copy into tensors of the shards' own dtype and layout (what an engine holding one copy of the weights in
-  the served dtype, as vLLM does, writes; the built-in engine writes each weight twice in fp32, as its
-  parameters and as its prepared, transposed kernel layout); then the swap as a rollout worker runs it: update (update_weights: read, verify, copy, overlapped across shards) and
-  visible (what the first request under the new version costs over the same request without a swap:
-  nothing left to rebuild, since the copy also fills the engine's prepared weights in place), with
-  requests decoding meanwhile at the small size.
+  (BLAKE3 of every shard), copy (torch's copy_ into the engine's parameters), each timed alone; `loader`:
+  verify, then copy into tensors of the shards' own dtype and layout (what an engine holding one copy of
+  the weights in the served dtype, as vLLM does, writes; the built-in engine holds one copy in fp32, its
+  parameters, which its kernels read); then the swap as a rollout worker runs it: update (update_weights:
+  verify while the old version serves, then the copy with streaming stores: runtime/stream_copy.py;
+  shards in parallel) and visible (what the first request under the new version costs over the same
+  request without a swap: the small derived vectors rebuilt), with requests decoding meanwhile at the
+  small size.
   Baseline: a raw read of the same bytes (every shard file, page cache warm) into one reused buffer.
   `cold_*`: the raw read and the update again with the shard files dropped from the page cache first
   (posix_fadvise DONTNEED), so both read the disk: the medium a node other than the trainer's reads.
 `ratio` = baseline seconds / pipeline seconds (1.0: as fast as the medium; `update_ratio` leaves out
 visible). Extra RSS: the most the process's resident memory rose above its level before the phase
-(sampled every 2 ms).
+(the kernel's high-water mark: bench_measure.RssPeak).
 Two sizes: `small` (~14M parameters, fp32 shards, what the built-in engine serves) and `large` (~550M
 parameters, bf16 shards, ~1.1 GB). Mooncake (one object per shard, a master and holder started here) and
 vLLM (`vllm serve` on CPU loading the manifest: producers/vllm_worker.py) get a row each at the small
@@ -216,10 +217,9 @@ def _load_phases(blobs: BlobStore, model: MoEModel, manifests: list[WeightManife
     hub = state_dict_adapter.to_hf(model.state_dict(), model.config)
     served = {n: torch.empty(t.shape, dtype=DTYPES[manifests[0].dtype]) for n, t in hub.items()}
     with torch.inference_mode():
-        copy_s = best(rounds, lambda: copy_version(blobs, manifests[0], lambda n, t, _: hub[n].copy_(t), THREADS))
+        copy_s = best(rounds, lambda: copy_version(blobs, manifests[0], _copier(hub), THREADS))
         loader_s = best(rounds, lambda: (verify_version(blobs, manifests[0], shapes, THREADS),
-                                          copy_version(blobs, manifests[0], lambda n, t, _: served[n].copy_(t),
-                                                       THREADS)))
+                                          copy_version(blobs, manifests[0], _copier(served), THREADS)))
     served.clear()  # freed before the swaps, whose extra RSS is measured
     engine = BuiltinEngine(model, max_batch=16, blobs=blobs, version=-1)
     swaps = asyncio.run(_time_swaps(engine, manifests, background))
@@ -240,6 +240,11 @@ def _load_phases(blobs: BlobStore, model: MoEModel, manifests: list[WeightManife
             "cold_ratio": round(raw_cold_s / cold_s["update_s"], 3)}
 
 
+def _copier(into: dict[str, torch.Tensor]) -> Callable[[str, torch.Tensor, int], None]:
+    """copy_version's sink: torch's copy_ of each block of rows into its rows of `into`."""
+    return lambda name, t, start: into[name].narrow(0, start, len(t)).copy_(t)
+
+
 def _raw_read(blobs: BlobStore, refs: list[BlobRef]) -> None:
     buffer = bytearray(max(ref.nbytes for ref in refs))
     for ref in refs:
@@ -257,8 +262,8 @@ async def _time_swaps(engine: Engine, manifests: list[WeightManifest], backgroun
     """Best seconds of update_weights (read, verify, copy) and of the extra the first request after it
     costs over the same request without a swap (the version made visible); the peak extra RSS of the
     update and of the whole swap, each over the level before the update."""
-    update, visible = float("inf"), float("inf")
-    updating, swapping = RssPeak(), RssPeak()
+    update, visible, update_rss_mb = float("inf"), float("inf"), 0.0
+    swapping = RssPeak()
     async with engine:
         await engine.update_weights(manifests[0], 0)
         await engine.generate(PROMPT, PROBE)
@@ -269,14 +274,14 @@ async def _time_swaps(engine: Engine, manifests: list[WeightManifest], backgroun
             if before is not None:
                 before(manifest)
             with swapping:
-                with updating:
-                    start = time.perf_counter()
-                    await engine.update_weights(manifest, version)
-                    update = min(update, time.perf_counter() - start)
+                start = time.perf_counter()
+                await engine.update_weights(manifest, version)
+                update = min(update, time.perf_counter() - start)
+                update_rss_mb = max(update_rss_mb, swapping.since_entry_mb())
                 visible = min(visible, await _probe(engine, version) - probe_s)
             if decoding is not None:
                 await decoding
-    return {"update_s": update, "visible_s": max(0.0, visible), "update_rss_mb": updating.peak_mb,
+    return {"update_s": update, "visible_s": max(0.0, visible), "update_rss_mb": update_rss_mb,
             "swap_rss_mb": swapping.peak_mb}
 
 

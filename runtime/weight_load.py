@@ -41,7 +41,7 @@ __all__ = ["WeightLoadError", "VersionDeleted", "engine_weights", "read_manifest
            "copy_version", "stream_version", "version_tensors", "version_bytes"]
 
 Sink = Callable[[str, torch.Tensor, int], None]  # (Hub name, rows [start, start + len) of it, start)
-_CHUNK = 8 << 20  # bytes hashed between two releases of the map's pages
+_CHUNK = 8 << 20  # bytes hashed, or rows copied, between two releases of the map's pages
 
 
 class WeightLoadError(ReelError):
@@ -177,7 +177,9 @@ def _verify_shard(blobs: BlobBackend, manifest: WeightManifest, shard: WeightSha
 
 
 def copy_version(blobs: BlobBackend, manifest: WeightManifest, sink: Sink, threads: int = 2) -> None:
-    """Hands every tensor of a verified version to `sink` (a view of the shard's map: copy it there)."""
+    """Hands every tensor of a verified version to `sink` as views of the shard's map, in blocks of
+    rows of at most _CHUNK bytes (a row may be more), each released once the sink returns: copy each
+    into its rows."""
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="reel-copy") as pool:
         list(pool.map(lambda s: _copy_shard(blobs, s, sink), manifest.shards))
 
@@ -188,10 +190,24 @@ def _copy_shard(blobs: BlobBackend, shard: WeightShard, sink: Sink) -> None:
         with blobs.mapped(shard.blob) as data:
             for entry in read_header(data):
                 piece = rows[entry.name]
-                sink(entry.name, tensor_at(data, entry), 0 if piece is None else piece[0])
-                release(data, entry.start, entry.start + entry.count * entry.dtype.itemsize)
+                for first, block, start, end in _row_blocks(tensor_at(data, entry), entry.start):
+                    sink(entry.name, block, first + (0 if piece is None else piece[0]))
+                    release(data, start, end)
     except (BlobError, ShardFormatError) as exc:
         raise WeightLoadError(f"shard {shard.blob.sha256[:12]} changed after it was verified: {exc}") from exc
+
+
+def _row_blocks(t: torch.Tensor, offset: int) -> Iterator[tuple[int, torch.Tensor, int, int]]:
+    """(first row, rows of t, their bytes' [start, end) in the map) in blocks of at most _CHUNK bytes
+    (a row may be more); a scalar or an empty tensor whole. `offset`: where t starts in the map."""
+    row_bytes = t[0].numel() * t.element_size() if t.dim() and len(t) else 0
+    if not row_bytes:
+        yield 0, t, offset, offset + t.numel() * t.element_size()
+        return
+    step = max(1, _CHUNK // row_bytes)
+    for first in range(0, len(t), step):
+        block = t[first:first + step]
+        yield first, block, offset + first * row_bytes, offset + (first + len(block)) * row_bytes
 
 
 def stream_version(blobs: BlobBackend, manifest: WeightManifest) -> Iterator[tuple[str, torch.Tensor]]:
