@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 CONFIG = """
 [run]
 name = "simulate_real"
-steps = 40  # ~12 s per run on an idle machine; fewer gave too few WorkerStats intervals to fit on
+steps = 80  # ~10 s per run on an idle machine (2026-12-03); 40 left 2-3 WorkerStats intervals to fit on
 {model}[init]
 warmup_steps = 30
 [env]

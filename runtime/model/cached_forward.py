@@ -21,8 +21,8 @@ fp8 runs the reference GEMM (dequantised operands in fp32) on every device, Deep
 
 Shape legend: N flat tokens, H hidden, V vocab, h query heads, g kv heads, r = h / g, D head dim,
 S cache slots, P cache positions, R slots in the call's range, T tokens per slot row (padded),
-E experts, K top-k, A = N * K assignments, C rows per expert (padded), I expert width, J = 2 I,
-L MoE layers, Q = h D, G = g D.
+E experts, K top-k, A = N * K assignments, C rows per expert (padded), I expert width, L MoE layers,
+Q = h D, G = g D.
 """
 
 from __future__ import annotations
@@ -205,8 +205,9 @@ def _attend(q_NhD, k_NgD, v_NgD, cache: KVCache, layer: int, slot_N, pos_N, grid
 _PADDED_ROWS_PER_EXPERT = 64
 
 
-def _experts(x_NH, ids_NK, weights_NK, token_A, experts_E, gate_EIH, up_EIH, down_EHI, precision: str) -> torch.Tensor:
-    """Each assignment's row goes to its expert's block of C rows; batched matmuls, then back to its token.
+def _experts(x_NH, ids_NK, weights_NK, token_A, experts_E, gate_EIH, up_EIH, down_EHI,
+             precision: str) -> torch.Tensor:
+    """Each assignment's row goes to its expert's block of C rows; three bmm, then back to its token.
 
     token_A: the token of each assignment (n // K), shared by every layer of the call."""
     (N, K), (E, _, H) = ids_NK.shape, gate_EIH.shape
