@@ -53,6 +53,29 @@ def test_put_get_upsert_and_verify(store: MooncakeService, tmp_path: Path) -> No
         blobs.close()
 
 
+def test_mapped_reads_into_one_writable_buffer_and_falls_back_to_the_run_copy(store: MooncakeService,
+                                                                               tmp_path: Path) -> None:
+    files = BlobStore(tmp_path / "blobs")
+    blobs = MooncakeBlobs(store.address, fallback=files, retry_s=1.0)
+    try:
+        data = os.urandom((5 << 20) + 3)
+        ref = blobs.put(data)
+        with blobs.mapped(ref) as view:
+            assert bytes(view) == data and not view.readonly  # tensors viewing a shard need it writable
+        smaller = blobs.put(data[:100])  # stored under another key: a ref claiming 200 bytes of it
+        with blobs.mapped(BlobRef(uri=smaller.uri, sha256=smaller.sha256, nbytes=200)) as view:
+            assert bytes(view) == data[:100]  # what the store holds, for the loader's digest to refuse
+        archived = files.put(b"only in the run directory")
+        lost = BlobRef(uri="mooncake://" + archived.sha256, sha256=archived.sha256, nbytes=archived.nbytes)
+        with blobs.mapped(lost) as view:
+            assert bytes(view) == b"only in the run directory"
+        with pytest.raises(BlobMissing, match="cannot be read"):
+            with blobs.mapped(BlobRef(uri="mooncake://" + "2" * 64, sha256="2" * 64, nbytes=7)):
+                pass
+    finally:
+        blobs.close()
+
+
 def test_delete_removes_the_blob_from_the_store_and_the_run_copy(store: MooncakeService, tmp_path: Path) -> None:
     files = BlobStore(tmp_path / "blobs")
     blobs = MooncakeBlobs(store.address, fallback=files, retry_s=1.0)
