@@ -2,7 +2,7 @@
 
     ReelError                 an error a user can cause or fix; str() is one sentence naming what
      ├── MalformedEvent       bytes that are not a valid event        (bus/events.py)
-     ├── ConfigError          a config key to fix                     (runtime/config.py)
+     ├── ConfigError          a config key to fix                     (runtime/config/run.py)
      └── ...                  one subclass per external boundary (Redis, log, blob store)
 
 `reel` prints str(error) on one line and exits non-zero; anything else is a bug and keeps its

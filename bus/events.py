@@ -104,7 +104,7 @@ class RunStarted(Event, tag="run_started"):
     model_config: dict[str, Any]
     config_hash: str = ""
     init_reward: float | None = None  # mean sampled reward of the warm-started policy (version 0)
-    # What replay compares besides config and code (runtime/environment.py): trainer.ranks,
+    # What replay compares besides config and code (runtime/train/environment.py): trainer.ranks,
     # expert_parallel, context_parallel; torch/cuda/nccl/vllm versions ("" = absent; {} = not recorded).
     layout: dict[str, int] = {}
     libraries: dict[str, str] = {}

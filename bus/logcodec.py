@@ -6,7 +6,7 @@ two apart by the first byte, a log written before this encoding (raw records onl
 and one stream may mix both. Unpacking gives back the exact bytes the bus delivered, so everything
 downstream (CRC-checked reads, the index, decoding, a newer producer's extra fields) is unaffected.
 A RoutingTrace's blob (a group too big to travel inline) is packed the same way by the rollout worker,
-and read either way (runtime/batch.py decode_routing).
+and read either way (runtime/train/batch.py decode_routing).
 
 Measured on the example's routing traces (docs/storage.md, "Routing traces at rest"): zstd-3 of a
 whole RoutingTrace event is 7x smaller at ~280 MB/s to encode and ~470 MB/s to decode; a group's 16

@@ -8,10 +8,10 @@ the whole state; readers stream shard by shard and verify each shard's hash as t
 On N trainer ranks a tensor may be split by rows (FSDP2 shards every parameter on dim 0): each
 rank writes the rows it holds as a piece, and `WeightShard.rows` says which rows of the whole tensor
 each entry is. The pieces of a tensor tile its rows exactly once; a reader checks that
-(runtime/weight_load.py) and copies a piece into the row range it names.
+(runtime/weights/load.py) and copies a piece into the row range it names.
 
 A version is either full (every tensor in its shards) or a delta against `base_version`: each shard
-then holds, per changed tensor, the flat indices and new values (runtime/weight_delta.py), and the
+then holds, per changed tensor, the flat indices and new values (runtime/weights/delta.py), and the
 shard's `result_sha256` checks what applying it produced. A delta also lists its version's full
 shards (`full_shards`): a reader that does not hold `base_version` takes those.
 
@@ -40,7 +40,7 @@ class WeightShard(msgspec.Struct, frozen=True):
     # Delta shards only: sha256 of the shard's tensors after the delta is applied (the manifest's dtype,
     # each tensor's bytes in `tensors` order), so a reader whose base differs finds out.
     result_sha256: str = ""
-    # The shard's digest under WeightManifest.hash (runtime/shard_hash.py); "" where that is sha256, whose
+    # The shard's digest under WeightManifest.hash (runtime/weights/shard_hash.py); "" where that is sha256, whose
     # digest is blob.sha256, the store's key.
     digest: str = ""
     # Per entry of `tensors`: the rows of the whole tensor the entry holds. Empty: every entry is a whole

@@ -48,8 +48,8 @@ def drop_reason_code(reason: str) -> str:
     return code if code in DROP_REASONS else "other"
 
 
-# StepCommitted.metrics keys the trainer writes for train/inference mismatch (runtime/loss.py).
-# numerics_k3 / drift_k3: the split of kl_k3 into engine numerics and policy drift (runtime/mismatch_split.py).
+# StepCommitted.metrics keys the trainer writes for train/inference mismatch (runtime/train/loss.py).
+# numerics_k3 / drift_k3: the split of kl_k3 into engine numerics and policy drift (runtime/train/mismatch_split.py).
 MISMATCH_KEYS = ("kl_k1", "kl_k2", "kl_k3", "numerics_k3", "drift_k3", "ratio_mean", "ratio_min", "ratio_max",
                  "ratio_frac_outside", "entropy")
 

@@ -389,7 +389,7 @@ def main(run_dir: Path, bus_url: str, run: str, partitions: int | str = 1, stop:
     import uvloop
 
     from reel.runtime.blob_store import run_blobs
-    from reel.runtime.config import load
+    from reel.runtime.config.run import load
 
     path = Path(run_dir) / "config.toml"
     config = load(path) if path.is_file() else None  # None: `reel bench bus`'s archiver

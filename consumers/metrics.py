@@ -35,7 +35,7 @@ from reel.bus.streams import BusError, connect, dead_letters_added
 from reel.bus.tail import Tail
 from reel.consumers.aggregates import MISMATCH_KEYS, RunAggregates, Snapshot, StepRow
 from reel.consumers.metric_views import SnapshotCollector, render
-from reel.runtime import config as run_config
+from reel.runtime.config import run as run_config
 from reel.runtime.fit_tables import fit
 
 __all__ = ["MetricsError", "RunSource", "Watcher", "locate", "log_events", "read_log", "serve", "export_jsonl",

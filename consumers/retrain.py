@@ -31,16 +31,16 @@ from reel.bus.errors import ReelError
 from reel.bus.events import AnyEvent, RunStarted, StepCommitted, StepTiming, WeightsPublished, encode
 from reel.bus.log import RunLog
 from reel.bus.retention import Retention, RetentionPolicy
-from reel.runtime import config as config_mod
-from reel.runtime import distributed
-from reel.runtime.batch import build_batch
-from reel.runtime.config import Config
-from reel.runtime.config_overrides import apply_sets, parse_sets
-from reel.runtime.groups import GroupLookup
-from reel.runtime.initial_policy import code_version, init_dir
+from reel.runtime.config import run as config_mod
+from reel.runtime.train import distributed
+from reel.runtime.train.batch import build_batch
+from reel.runtime.config.run import Config
+from reel.runtime.config.overrides import apply_sets, parse_sets
+from reel.runtime.train.groups import GroupLookup
+from reel.runtime.train.initial_policy import code_version, init_dir
 from reel.runtime.model.weights import load, save
-from reel.runtime.train_step import TrainState
-from reel.runtime.trainer_group import TrainerGroup, run_as_group
+from reel.runtime.train.step import TrainState
+from reel.runtime.train.trainer_group import TrainerGroup, run_as_group
 
 PRODUCER = "retrain:0"
 RESCORER = "reel.producers.envs.rescore:rescorer"  # reached by name: consumers/ never import producers/

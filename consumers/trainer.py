@@ -2,7 +2,7 @@
 
     wait    read the `trainer` group on trajectories + routing, join by group id, drop groups
             older than max_off_policy_steps (recorded), until batch_groups are ready
-    compute train_step (runtime/train_step.py), in a thread so the bus connection stays live
+    compute train_step (runtime/train/step.py), in a thread so the bus connection stays live
     commit  1. new weights -> blob store      2. checkpoint -> blob store (every checkpoint_every)
             3. WeightsPublished + StepCommitted in one MULTI/EXEC      4. ack the consumed entries
             5. delete the weight versions no worker or step can need any more (bus/retention.py)
@@ -14,7 +14,7 @@ the newest checkpoint plus re-execution of the committed steps after it (verifie
 hash), and acks, without training, any re-delivered group a commit already lists.
 
 On N ranks (trainer.ranks, started by torchrun) this loop runs on rank 0 only; every step,
-checkpoint and weight export goes through runtime/trainer_group.py to all ranks, which the
+checkpoint and weight export goes through runtime/train/trainer_group.py to all ranks, which the
 other ranks serve in `follow`. The commit protocol above is rank 0's and unchanged.
 """
 
@@ -43,19 +43,21 @@ from reel.bus.retention import Retention, RetentionPolicy
 from reel.bus.seqs import recover_seq
 from reel.bus.streams import FIELD, Delivery, GroupConsumer, Publisher, connect
 from reel.bus.trust import Order, SeqMarks, trusted
-from reel.runtime import distributed, environment, work_progress
-from reel.runtime.batch import Group, build_batch, decode_routing, routing_problem
+from reel.runtime import work_progress
+from reel.runtime.train import distributed
+from reel.runtime.train import environment
+from reel.runtime.train.batch import Group, build_batch, decode_routing, routing_problem
 from reel.runtime.blob_store import run_blobs
-from reel.runtime.config import Config, config_hash
-from reel.runtime.config import load as load_config
-from reel.runtime.data_files import dataset_sha256
-from reel.runtime.group_checks import group_problem
-from reel.runtime.groups import GroupLookup
-from reel.runtime.initial_policy import code_version, ensure_initial_policy, initial_reward
-from reel.runtime.mismatch_split import WeightHistory
-from reel.runtime.reexecute import catch_up, checkpoint_before
-from reel.runtime.train_step import TrainState
-from reel.runtime.trainer_group import TrainerGroup, run_as_group
+from reel.runtime.config.run import Config, config_hash
+from reel.runtime.config.run import load as load_config
+from reel.runtime.config.data_files import dataset_sha256
+from reel.runtime.train.group_checks import group_problem
+from reel.runtime.train.groups import GroupLookup
+from reel.runtime.train.initial_policy import code_version, ensure_initial_policy, initial_reward
+from reel.runtime.train.mismatch_split import WeightHistory
+from reel.runtime.train.reexecute import catch_up, checkpoint_before
+from reel.runtime.train.step import TrainState
+from reel.runtime.train.trainer_group import TrainerGroup, run_as_group
 
 log = logging.getLogger("reel.trainer")
 PRODUCER = "trainer:0"
@@ -112,7 +114,7 @@ class Trainer:
         self.weights = WeightHistory(self.blobs, keep=config.trainer.max_off_policy_steps + 1)
         self.retention = Retention(RetentionPolicy.of(config.rollout.async_level, config.trainer.max_off_policy_steps,
                                                       config.log.keep_weights_every), self.blobs)
-        # A loss window the launcher found on resume (runtime/bus_loss.py): recorded in the next commit.
+        # A loss window the launcher found on resume (runtime/launch/bus_loss.py): recorded in the next commit.
         self.bus_loss = {key: float(os.environ[env]) for key, env in (
             ("bus_lost_events", "REEL_BUS_LOST_EVENTS"), ("bus_lost_window_s", "REEL_BUS_LOST_WINDOW_S"))
             if os.environ.get(env)}

@@ -10,7 +10,7 @@ from mkdocs.structure.files import File, Files
 
 
 def on_files(files: Files, config) -> Files:
-    from reel.runtime.config_schema import markdown as config_reference
+    from reel.runtime.config.schema import markdown as config_reference
     from reel.runtime.launch.cli_reference import markdown as command_reference
 
     for src_uri, content in (("reference/config.md", config_reference()), ("reference/commands.md", command_reference())):

@@ -25,9 +25,9 @@ from reel.runtime.model import state_dict_adapter
 from reel.runtime.model.cached_forward import release_prepared
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import load_state_dict_bytes
-from reel.runtime.stream_copy import copy_into
-from reel.runtime.weight_delta import apply_delta, full_of, verify_delta
-from reel.runtime.weight_load import copy_version, verify_version
+from reel.runtime.weights.stream_copy import copy_into
+from reel.runtime.weights.delta import apply_delta, full_of, verify_delta
+from reel.runtime.weights.load import copy_version, verify_version
 
 __all__ = ["EngineWeights"]
 

@@ -45,10 +45,10 @@ from reel.producers.envs import Env, Prompt, make_env
 from reel.producers.episode import scored_group
 from reel.producers.rollout import make_engine
 from reel.runtime.blob_store import run_blobs
-from reel.runtime.config import Config, load
-from reel.runtime.initial_policy import init_dir
+from reel.runtime.config.run import Config, load
+from reel.runtime.train.initial_policy import init_dir
 from reel.runtime.tokenizer import load_tokenizer
-from reel.runtime.weight_load import engine_weights
+from reel.runtime.weights.load import engine_weights
 
 log = logging.getLogger("reel.eval")
 PRODUCER = "eval:0"

@@ -63,8 +63,8 @@ from reel.runtime.launch.vllm_args import (
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.state_dict_adapter import to_hf
-from reel.runtime.weight_delta import full_of
-from reel.runtime.weight_load import verify_version
+from reel.runtime.weights.delta import full_of
+from reel.runtime.weights.load import verify_version
 
 log = logging.getLogger("reel.vllm")
 

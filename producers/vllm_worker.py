@@ -43,8 +43,8 @@ from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import BlobRef
 from reel.bus.weight_manifest import WeightManifest
 from reel.runtime.launch.vllm_args import BLOBS_ENV
-from reel.runtime.weight_delta import base_shards, full_of, rebuilt_version
-from reel.runtime.weight_load import WeightLoadError, read_manifest, stream_version, verify_version
+from reel.runtime.weights.delta import base_shards, full_of, rebuilt_version
+from reel.runtime.weights.load import WeightLoadError, read_manifest, stream_version, verify_version
 
 log = logging.getLogger("reel.vllm_worker")
 

@@ -2,14 +2,14 @@
 
 Reads the log, the blob store, config.toml and init/ of a run directory; never the bus. A step is
 re-executed with the trainer's own `train_step` from the newest checkpoint before it
-(runtime/reexecute.py), then compared with its StepCommitted. Before the step runs, its batch is
+(runtime/train/reexecute.py), then compared with its StepCommitted. Before the step runs, its batch is
 scored by the same weights the trainer had (π_old), three ways:
 
     run settings        the run's trainer.router_replay and trainer.precision (what the step used)
     own routing         no router replay: the trainer's own top-k (also gives router agreement)
     bf16                the run's routing setting in bf16 (only when the run trained in fp8)
     sampling version    each token under the weights of the version that sampled it (the mismatch
-                        split of runtime/mismatch_split.py: numerics vs drift)
+                        split of runtime/train/mismatch_split.py: numerics vs drift)
 
 A step runs on the world size it was trained on (StepCommitted.world_size; `reel replay` starts
 that many ranks). On another world size it cannot land on the same bits: the report then gives
@@ -34,21 +34,21 @@ from reel.bus.errors import ReelError
 from reel.bus.events import StepCommitted
 from reel.bus.log import RunLog
 from reel.replay.versions import Versions
-from reel.runtime import loss as loss_mod
-from reel.runtime.batch import Batch, build_batch
-from reel.runtime.config import Config
-from reel.runtime.groups import GroupLookup
-from reel.runtime.distributed import LOCAL
+from reel.runtime.train import loss as loss_mod
+from reel.runtime.train.batch import Batch, build_batch
+from reel.runtime.config.run import Config
+from reel.runtime.train.groups import GroupLookup
+from reel.runtime.train.distributed import LOCAL
 from reel.runtime.launch.supervisor import load_run_config
-from reel.runtime.mismatch_split import WeightsOf, sampler_logprobs, split_metrics
+from reel.runtime.train.mismatch_split import WeightsOf, sampler_logprobs, split_metrics
 from reel.runtime.model.determinism import set_determinism
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import load_state_dict_bytes
 from reel.replay.integrity import tampering_note
-from reel.runtime.reexecute import ReplayMismatch, catch_up, check_reproduced, checkpoint_before
-from reel.runtime.train_step import StepResult, TrainState, completion_tokens, scored_tokens, split, token_logprobs
-from reel.runtime.trainer_group import TrainerGroup
-from reel.runtime.weight_digest import scheme_of
+from reel.runtime.train.reexecute import ReplayMismatch, catch_up, check_reproduced, checkpoint_before
+from reel.runtime.train.step import StepResult, TrainState, completion_tokens, scored_tokens, split, token_logprobs
+from reel.runtime.train.trainer_group import TrainerGroup
+from reel.runtime.weights.digest import scheme_of
 
 OnStep = Callable[[int], None]
 
@@ -58,7 +58,7 @@ class StepNotLogged(ReelError):
 
 
 class KL(msgspec.Struct, frozen=True):
-    """Estimators of KL(μ ‖ π) from tokens sampled by μ (runtime/loss.py mismatch_metrics)."""
+    """Estimators of KL(μ ‖ π) from tokens sampled by μ (runtime/train/loss.py mismatch_metrics)."""
 
     k1: float
     k2: float
@@ -380,7 +380,7 @@ def analyse_batch(state: TrainState, batch: Batch, config: Config,
             versions_N = completion_tokens(parts, "versions_BT")
 
             def numerics(precision: str, router_replay: bool, current_N: torch.Tensor):
-                """Each token under its sampling version's weights (runtime/mismatch_split.py)."""
+                """Each token under its sampling version's weights (runtime/train/mismatch_split.py)."""
                 model.precision = precision
                 return sampler_logprobs(model, lambda m: scored_tokens(m, parts, router_replay), current_N,
                                         versions_N, state.step, weights_of)

@@ -31,8 +31,8 @@ import msgspec
 from reel.bus.errors import ReelError
 from reel.bus.events import StepCommitted
 from reel.replay.analysis import OnStep, Run, analyse_batch, mismatch, reproduces, timed_step
-from reel.runtime.batch import build_batch
-from reel.runtime.train_step import scored_tokens, split
+from reel.runtime.train.batch import build_batch
+from reel.runtime.train.step import scored_tokens, split
 
 CAUSES = ("staleness", "routing", "numerics", "tail")
 STEP_FIGURES = ("loss", "grad_norm", "staleness_mean")  # metrics kept on StepCommitted itself

@@ -32,10 +32,10 @@ from reel.replay.analysis import OnStep, Run, replay_range, replay_step
 from reel.replay.bisect import bisect, locate
 from reel.replay.compare import compare
 from reel.replay.console import print_view
-from reel.runtime import distributed
+from reel.runtime.train import distributed
 from reel.runtime.launch.supervisor import load_run_config
-from reel.runtime.reexecute import CheckpointUnusable, ReplayMismatch, newest_checkpoint
-from reel.runtime.trainer_group import TrainerGroup, run_as_group
+from reel.runtime.train.reexecute import CheckpointUnusable, ReplayMismatch, newest_checkpoint
+from reel.runtime.train.trainer_group import TrainerGroup, run_as_group
 
 
 class RangeError(ReelError):

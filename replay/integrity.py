@@ -79,9 +79,9 @@ def _init_problem(run_dir: Path, blobs: BlobStore, version_zero: WeightsPublishe
     import torch  # torch: only when there is an init/
     from safetensors.torch import load as st_load
 
-    from reel.runtime.initial_policy import load_initial_model
+    from reel.runtime.train.initial_policy import load_initial_model
     from reel.runtime.model.weights import state_dict_bytes
-    from reel.runtime.weight_load import version_bytes
+    from reel.runtime.weights.load import version_bytes
 
     try:
         ours = state_dict_bytes(load_initial_model(run_dir))
@@ -106,7 +106,7 @@ def _init_problem(run_dir: Path, blobs: BlobStore, version_zero: WeightsPublishe
 
 
 def _dcp_problem(run_dir: Path, blobs: BlobStore, commit: StepCommitted) -> str | None:
-    from reel.runtime.sharded_checkpoint import verify_files
+    from reel.runtime.checkpoint.sharded import verify_files
 
     assert commit.checkpoint is not None
     try:

@@ -28,7 +28,7 @@ from reel.bus.events import Tensor, Trajectory
 from reel.bus.jsonout import json_line
 from reel.bus.log import LogError, RunLog
 from reel.replay.integrity import run_file_problems
-from reel.runtime import config
+from reel.runtime.config import run as config
 from reel.runtime.tokenizer import Tokenizer, load_tokenizer
 
 # Tensors up to this many elements are printed whole; bigger ones as a summary and a head.

@@ -19,7 +19,7 @@ from reel.bus.errors import ReelError
 from reel.bus.jsonout import print_json
 from reel.replay.console import print_view
 from reel.replay.rank_efficiency import rank_efficiency
-from reel.runtime.config_overrides import parse_sets
+from reel.runtime.config.overrides import parse_sets
 from reel.replay.simulate import Scenario, simulate
 from reel.replay.simulate_report import Row, caveats, compare, plot, view
 from reel.replay.workload import Pipeline, Workload, extract

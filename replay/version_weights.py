@@ -21,10 +21,10 @@ from reel.bus.errors import ReelError
 from reel.bus.events import StepCommitted, WeightsPublished
 from reel.bus.log import LogError, RunLog
 from reel.bus.weight_manifest import decode_manifest
-from reel.runtime.initial_policy import load_initial_model
+from reel.runtime.train.initial_policy import load_initial_model
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import load_tensors
-from reel.runtime.weight_load import version_tensors
+from reel.runtime.weights.load import version_tensors
 
 __all__ = ["VersionError", "VersionMissing", "Version", "find_version", "version_weights", "load_version"]
 

@@ -19,12 +19,12 @@ import torch
 
 from reel.bus.blobs import BlobBackend
 from reel.bus.events import AnyEvent, StepCommitted
-from reel.runtime.config import Config
-from reel.runtime.groups import GroupLookup
-from reel.runtime.mismatch_split import WeightHistory
-from reel.runtime.reexecute import catch_up, checkpoint_before, newest_checkpoint
-from reel.runtime.train_step import TrainState
-from reel.runtime.trainer_group import TrainerGroup
+from reel.runtime.config.run import Config
+from reel.runtime.train.groups import GroupLookup
+from reel.runtime.train.mismatch_split import WeightHistory
+from reel.runtime.train.reexecute import catch_up, checkpoint_before, newest_checkpoint
+from reel.runtime.train.step import TrainState
+from reel.runtime.train.trainer_group import TrainerGroup
 
 __all__ = ["Versions"]
 

@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from reel.runtime.config import cache_dir
+from reel.runtime.config.run import cache_dir
 
 __all__ = ["enabled", "load"]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from fsdp_peer import MICRO_BATCH_TOKENS, batches
-from reel.runtime import distributed
+from reel.runtime.train import distributed
 from reel.runtime.model.context_parallel import sequence_shard
 
 

@@ -8,7 +8,7 @@
                                   manifest (RUN/manifest.json) and the full state (OUT/state.safetensors)
     fsdp_peer.py load RUN OUT [EP] a fresh state loads RUN/manifest.json; rank 0 writes the full state
     fsdp_peer.py publish OUT [EP]  1 step, then every rank writes its own shards of version 1 into OUT/blobs
-                                  (runtime/rank_publish.py); then the full state is gathered and published
+                                  (runtime/weights/rank_publish.py); then the full state is gathered and published
                                   from rank 0 alone; then version 2 (a few elements changed) as each rank's
                                   delta; rank 0 writes the three refs to OUT/published.json
 """
@@ -25,16 +25,17 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from reel.bus.blob_backends.file import BlobStore
-from reel.runtime import distributed, sharded_checkpoint
-from reel.runtime.batch import build_batch
-from reel.runtime.config import Config
+from reel.runtime.train import distributed
+from reel.runtime.checkpoint import sharded as sharded_checkpoint
+from reel.runtime.train.batch import build_batch
+from reel.runtime.config.run import Config
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.parallelize import parallelize
 from reel.runtime.model.weights import hub_tensors
-from reel.runtime.rank_publish import RankPublisher
-from reel.runtime.train_step import TrainState, full_weights, make_optimizer, train_step
-from reel.runtime.weight_digest import CANONICAL, weights_digest
-from reel.runtime.weight_publish import publish_version
+from reel.runtime.weights.rank_publish import RankPublisher
+from reel.runtime.train.step import TrainState, full_weights, make_optimizer, train_step
+from reel.runtime.weights.digest import CANONICAL, weights_digest
+from reel.runtime.weights.publish import publish_version
 from test_train_step import MODEL, _config, _groups
 
 MICRO_BATCH_TOKENS = 24  # several micro-batches per rank, of different counts across ranks

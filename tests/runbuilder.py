@@ -31,15 +31,15 @@ from reel.bus.events import (
 )
 from reel.bus.log import RunLog
 from reel.producers.envs import Env, make_env
-from reel.runtime import checkpoint
-from reel.runtime import config as config_mod
-from reel.runtime.batch import Group, build_batch
-from reel.runtime.config import Config
-from reel.runtime.initial_policy import code_version, ensure_initial_policy, load_initial_model
-from reel.runtime.mismatch_split import WeightHistory
+from reel.runtime.checkpoint import single as checkpoint
+from reel.runtime.config import run as config_mod
+from reel.runtime.train.batch import Group, build_batch
+from reel.runtime.config.run import Config
+from reel.runtime.train.initial_policy import code_version, ensure_initial_policy, load_initial_model
+from reel.runtime.train.mismatch_split import WeightHistory
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import state_dict_bytes
-from reel.runtime.train_step import TrainState, make_optimizer, train_step
+from reel.runtime.train.step import TrainState, make_optimizer, train_step
 
 # The tiny MoE of the tests that start real `reel` processes (a TOML section for their configs).
 TINY_MODEL_TOML = """[model]

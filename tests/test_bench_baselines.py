@@ -10,7 +10,7 @@ import orjson
 import pytest
 import redis
 
-from reel.bus import bench
+from reel.runtime.bench.common import bus_pipeline as bench
 from reel.runtime.launch import cli
 
 FSDP_QUICK_RATIO_FLOOR = 1.3  # 1-process / 2-rank measured peak memory, `reel bench fsdp --quick` on CPU
@@ -57,8 +57,8 @@ def _allowed_cores(pid: int) -> set[int]:
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning splits at least two cores")
 def test_bench_async_pins_trainer_and_rollout_side_to_disjoint_cores(tmp_path: Path):
-    from reel.runtime.bench_async import PinnedSupervisor, role_cores
-    from reel.runtime.config import from_dict
+    from reel.runtime.bench.async_ import PinnedSupervisor, role_cores
+    from reel.runtime.config.run import from_dict
 
     trainer_cores, rollout_cores = role_cores()
     assert trainer_cores and rollout_cores and not trainer_cores & rollout_cores

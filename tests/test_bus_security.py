@@ -17,7 +17,7 @@ from reel.bus.events import RunFinished, StepCommitted
 from reel.bus.log import RunLog
 from reel.bus.streams import BusError, GroupConsumer, Publisher, boundary, connect, recover_next_seq, safe_trim
 from runbuilder import TINY_MODEL_TOML
-from reel.runtime import config as config_mod
+from reel.runtime.config import run as config_mod
 from reel.runtime.launch.bus_access import acl_setuser, bus_url
 
 PASSWORD = "s3cret-Pa55word-for-reel"

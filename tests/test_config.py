@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from reel.runtime import config
+from reel.runtime.config import run as config
 from reel.runtime.launch.cli import main
 
 EXAMPLES = sorted(Path(__file__).parent.parent.joinpath("examples").glob("*.toml"))

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from reel.runtime import config as config_mod
-from reel.runtime.config_bounds import machine_memory, memory_estimate
-from reel.runtime.config_keys import ConfigError
+from reel.runtime.config import run as config_mod
+from reel.runtime.config.bounds import machine_memory, memory_estimate
+from reel.runtime.config.keys import ConfigError
 from reel.runtime.launch.cli import main
 
 CASES = [

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 import fsdp_peer
-from reel.runtime.config import ConfigError, from_dict
-from reel.runtime.distributed import LOCAL, World, plan
+from reel.runtime.config.run import ConfigError, from_dict
+from reel.runtime.train.distributed import LOCAL, World, plan
 from reel.runtime.model.config import ModelError
 from reel.runtime.model.context_parallel import context_degree, mesh_shape, pad_positions
 from reel.runtime.model.model import MoEModel, positions_from_mask
-from reel.runtime.train_step import train_step
+from reel.runtime.train.step import train_step
 
 PEER = Path(__file__).with_name("cp_peer.py")
 

@@ -16,7 +16,7 @@ from reel.bus.streams import Publisher, connect
 from reel.consumers.aggregates import RunAggregates
 from reel.producers.draws import Draws, recover_draws
 from reel.producers.envs import make_env
-from reel.runtime.config import EnvSection
+from reel.runtime.config.run import EnvSection
 
 ROWS = 5
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from reel.runtime.config import Config
-from reel.runtime.config_help import HELP
-from reel.runtime.config_schema import field_comments, keys
+from reel.runtime.config.run import Config
+from reel.runtime.config.help import HELP
+from reel.runtime.config.schema import field_comments, keys
 from reel.runtime.launch.cli import _parser
 from reel.runtime.launch.cli_reference import commands
 
@@ -73,13 +73,13 @@ def test_every_config_key_has_a_type_a_default_and_help() -> None:
     docs = keys()
     assert len(docs) == len({d.key for d in docs}) > 50
     missing = [d.key for d in docs if not (d.type and d.default and d.help)]
-    assert not missing, f"config keys without help: {missing}; add a comment on the field in runtime/config.py"
+    assert not missing, f"config keys without help: {missing}; add a comment on the field in runtime/config/run.py"
     known = {d.key for d in docs}
-    assert set(HELP) <= known, f"runtime/config_help.py names keys the schema lacks: {set(HELP) - known}"
+    assert set(HELP) <= known, f"runtime/config/help.py names keys the schema lacks: {set(HELP) - known}"
     commented = {f"{s.encode_name}.{f.encode_name}" for s in msgspec.structs.fields(Config)
                  for name in field_comments(s.type) for f in msgspec.structs.fields(s.type) if f.name == name}
     assert not set(HELP) & commented, (f"{sorted(set(HELP) & commented)} have a comment on their field now; "
-                                       "remove them from runtime/config_help.py")
+                                       "remove them from runtime/config/help.py")
 
 
 def test_the_schema_reads_types_defaults_and_comments_from_the_source() -> None:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from reel.producers.envs import CharTokenizer, Continue, Finish, HFTokenizer, TokenizerError, make_env
 from reel.producers.envs.reverse_text import lcs_length
-from reel.runtime.config import ConfigError, EnvSection
+from reel.runtime.config.run import ConfigError, EnvSection
 
 TOK = CharTokenizer()
 

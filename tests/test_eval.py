@@ -22,10 +22,10 @@ from reel.consumers.metric_views import SnapshotCollector, render
 from reel.producers.draws import recover_draws
 from reel.producers.envs import make_env
 from reel.producers.evaluator import due, pass_at_k
-from reel.runtime.config import ConfigError, loads
+from reel.runtime.config.run import ConfigError, loads
 from reel.runtime.launch.cli import main
 from reel.runtime.tokenizer import CharTokenizer
-from reel.runtime.weight_load import version_bytes
+from reel.runtime.weights.load import version_bytes
 from runbuilder import TINY_MODEL_TOML
 
 pytest.importorskip("reasoning_gym", reason="the `tasks` extra (pip install '.[tasks]')")

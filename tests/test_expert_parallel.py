@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reel.runtime.config import ConfigError, from_dict
-from reel.runtime.distributed import World
+from reel.runtime.config.run import ConfigError, from_dict
+from reel.runtime.train.distributed import World
 from reel.runtime.model.expert_parallel import received_order
 from reel.runtime.model.moe import combine, sort_by_expert
 from reel.runtime.model.parallelize import expert_degree

@@ -12,7 +12,7 @@ from reel.bus.blob_backends.file import BlobStore
 from reel.producers.engine import SamplingParams
 from reel.producers.vllm_http import VLLMHTTPEngine
 from reel.replay.export import export
-from reel.runtime import config as config_mod
+from reel.runtime.config import run as config_mod
 from reel.runtime.launch.vllm_serve import local_vllm
 from reel.runtime.model.weights import load
 from runbuilder import build_run

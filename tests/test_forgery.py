@@ -1,6 +1,6 @@
 """Chaos by forgery: every forged event of issue 26 is published into a live `reel run`. The run
 completes, every step replays bitwise, each forgery is in the dead letters with its reason, and the
-groups a (role-valid) worker got wrong are dropped with theirs (bus/trust.py, runtime/group_checks.py)."""
+groups a (role-valid) worker got wrong are dropped with theirs (bus/trust.py, runtime/train/group_checks.py)."""
 
 from __future__ import annotations
 

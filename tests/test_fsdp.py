@@ -18,14 +18,14 @@ import fsdp_peer
 import msgspec
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import BlobRef
-from reel.runtime import sharded_checkpoint
+from reel.runtime.checkpoint import sharded as sharded_checkpoint
 from reel.runtime.model.model import MoEModel
-from reel.runtime.weight_delta import full_of
-from reel.runtime.weight_load import read_manifest
+from reel.runtime.weights.delta import full_of
+from reel.runtime.weights.load import read_manifest
 from test_weight_sync import _swapped
-from reel.runtime.distributed import LOCAL, World
+from reel.runtime.train.distributed import LOCAL, World
 from reel.runtime.model.weights import state_dict_bytes
-from reel.runtime.train_step import train_step
+from reel.runtime.train.step import train_step
 
 pytestmark = pytest.mark.slow
 PEER = Path(__file__).with_name("fsdp_peer.py")

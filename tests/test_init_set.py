@@ -14,7 +14,7 @@ import pytest
 from reel.bus.events import RunStarted, StepCommitted
 from reel.bus.log import RunLog
 from reel.replay.export import export
-from reel.runtime import config as config_mod
+from reel.runtime.config import run as config_mod
 from reel.replay.simulate_cli import _scenario
 from reel.replay.workload import Pipeline
 from reel.runtime.launch.cli import _parser, main

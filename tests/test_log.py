@@ -15,7 +15,7 @@ from reel.bus.events import BlobRef, RoutingTrace, Sample, Tensor, Trajectory, W
 from reel.bus.log import INDEX_EVERY, LogCorrupted, LogError, RunLog, StreamLog
 from reel.bus.logcodec import HEAD_BYTES, PACKED, pack, unpacked_size
 from reel.bus.logformat import Appender, check
-from reel.runtime.batch import decode_routing
+from reel.runtime.train.batch import decode_routing
 from reel.runtime.launch import cli
 
 

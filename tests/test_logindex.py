@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from reel.bus.bench_seek import _write
+from reel.runtime.bench.log_seek import _write
 from reel.bus.events import decode
 from reel.bus.log import LogCorrupted, RunLog
 from reel.bus.logindex import INDEX_FILE, LogIndex

@@ -1,4 +1,4 @@
-"""runtime/loss.py against hand-computed values on tiny tensors."""
+"""runtime/train/loss.py against hand-computed values on tiny tensors."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from reel.runtime.config import TrainerSection
-from reel.runtime.loss import (MISMATCH_KEYS, LossConfig, grpo_advantages, importance_weights, mismatch_metrics,
+from reel.runtime.config.run import TrainerSection
+from reel.runtime.train.loss import (MISMATCH_KEYS, LossConfig, grpo_advantages, importance_weights, mismatch_metrics,
                           policy_loss, staleness_histogram)
 
 torch.set_num_threads(1)

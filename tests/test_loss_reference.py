@@ -1,4 +1,4 @@
-"""runtime/loss.py held to small reference implementations of the published formulas.
+"""runtime/train/loss.py held to small reference implementations of the published formulas.
 
 Each reference works token by token in Python floats (double precision), written from the papers
 rather than from the module: GRPO (Shao et al. 2024) with population and Bessel std, Schulman's
@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from reel.runtime.loss import LossConfig, grpo_advantages, importance_weights, mismatch_metrics, policy_loss
+from reel.runtime.train.loss import LossConfig, grpo_advantages, importance_weights, mismatch_metrics, policy_loss
 
 torch.set_num_threads(1)
 EPS = 1e-6

@@ -14,7 +14,7 @@ import msgspec
 import orjson
 import pytest
 
-from reel.runtime import config as config_mod
+from reel.runtime.config import run as config_mod
 from reel.runtime.launch.cli import main as reel
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ from reel.runtime.launch.cli import main
 from reel.runtime.model import state_dict_adapter
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.tokenizer import HFTokenizer
-from reel.runtime.weight_load import version_bytes
+from reel.runtime.weights.load import version_bytes
 
 RUN = """
 [run]

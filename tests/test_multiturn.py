@@ -18,13 +18,13 @@ from reel.producers.envs import CharTokenizer, make_env
 from reel.producers.envs.registry import check_name
 from reel.producers.episode import run_group
 from reel.producers.rollout import _sample
-from reel.runtime import loss as loss_mod
-from reel.runtime.batch import Group, build_batch
-from reel.runtime.config import ConfigError, EnvSection, from_dict
+from reel.runtime.train import loss as loss_mod
+from reel.runtime.train.batch import Group, build_batch
+from reel.runtime.config.run import ConfigError, EnvSection, from_dict
 from reel.runtime.model import state_dict_adapter
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel
-from reel.runtime.train_step import token_logprobs
+from reel.runtime.train.step import token_logprobs
 from user_env_module import install
 
 torch.set_num_threads(2)

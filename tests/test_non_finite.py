@@ -18,14 +18,14 @@ from safetensors.torch import load as st_load
 from reel.bus.events import RunFinished, StepCommitted, Trajectory, WeightsPublished
 from reel.bus.log import RunLog
 from reel.producers.episode import Episode, non_finite
-from reel.runtime.batch import build_batch
+from reel.runtime.train.batch import build_batch
 from reel.runtime.blob_store import run_blobs
-from reel.runtime.config import load
-from reel.runtime.weight_load import version_bytes
-from reel.runtime.distributed import LOCAL
-from reel.runtime.finite import NonFiniteStep, check_weights
+from reel.runtime.config.run import load
+from reel.runtime.weights.load import version_bytes
+from reel.runtime.train.distributed import LOCAL
+from reel.runtime.train.finite import NonFiniteStep, check_weights
 from reel.runtime.launch.cli import main
-from reel.runtime.train_step import train_step
+from reel.runtime.train.step import train_step
 from runbuilder import e2e_config
 from test_train_step import _config, _groups, _state
 

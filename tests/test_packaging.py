@@ -13,7 +13,9 @@ import redis
 
 from reel.bus.server import service_redis_server
 from reel.producers import sampling
-from reel.runtime import cbuild, config, stream_copy
+from reel.runtime import cbuild
+from reel.runtime.config import run as config
+from reel.runtime.weights import stream_copy
 from reel.runtime.launch import examples, slurm
 from reel.runtime.launch.cli import main
 from reel.runtime.model import native

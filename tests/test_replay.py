@@ -18,7 +18,7 @@ import torch
 from reel.bus.log import LogCorrupted, RunLog
 from reel.replay.analysis import Run, StepNotLogged, replay_step
 from reel.runtime.launch.cli import main as reel
-from reel.runtime.reexecute import ReplayMismatch
+from reel.runtime.train.reexecute import ReplayMismatch
 from runbuilder import build_run
 
 torch.set_num_threads(1)

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from reel.bus.events import RunStarted, StepCommitted, StepTiming, decode, encode
-from reel.runtime import environment
-from reel.runtime.config import config_hash, from_dict
-from reel.runtime.initial_policy import code_version
-from reel.runtime.reexecute import ReplayMismatch, check_reproduced
-from reel.runtime.train_step import StepResult
+from reel.runtime.train import environment
+from reel.runtime.config.run import config_hash, from_dict
+from reel.runtime.train.initial_policy import code_version
+from reel.runtime.train.reexecute import ReplayMismatch, check_reproduced
+from reel.runtime.train.step import StepResult
 
 CONFIG = from_dict({"trainer": {"batch_groups": 2}, "rollout": {"concurrency": 2}})
 

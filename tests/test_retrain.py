@@ -11,7 +11,7 @@ import pytest
 from reel.bus.events import StepCommitted
 from reel.bus.log import RunLog
 from reel.bus.retention import RetentionPolicy
-from reel.runtime.config import load
+from reel.runtime.config.run import load
 from reel.runtime.launch.cli import main
 from runbuilder import build_run
 

@@ -22,8 +22,8 @@ from reel.bus.streams import BusError, Publisher, connect
 from faultproxy import FaultProxy
 from reel.producers import rollout
 from reel.producers.rollout import RolloutWorker
-from reel.runtime.batch import decode_routing
-from reel.runtime.config import load
+from reel.runtime.train.batch import decode_routing
+from reel.runtime.config.run import load
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import save, state_dict_bytes

@@ -14,7 +14,7 @@ import pytest
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import StepCommitted, WeightsPublished
 from reel.bus.log import RunLog
-from reel.runtime.weight_load import read_manifest
+from reel.runtime.weights.load import read_manifest
 
 pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "reverse_text.toml"

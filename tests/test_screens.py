@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from reel.bus.events import StepCommitted, StepTiming
-from reel.runtime import config as config_mod
+from reel.runtime.config import run as config_mod
 from reel.runtime.launch.cli import main
 from reel.runtime.launch.progress import Progress, tokens_per_s
 from runbuilder import build_run

@@ -22,7 +22,7 @@ from reel.replay.simulate import Scenario, SimulationError, simulate
 from reel.replay.simulate_cores import Cores
 from reel.replay.simulate_report import tv_distance
 from reel.replay.workload import WorkloadError, extract
-from reel.runtime import config as config_mod
+from reel.runtime.config import run as config_mod
 from reel.runtime.launch.cli import main as reel
 
 L, N, G, P = 6, 4, 4, 3  # tokens per sample, samples per group, groups per step, prompt tokens

@@ -16,7 +16,7 @@ import pytest
 
 from reel.bus.events import EvalResult, StepCommitted, encode
 from reel.bus.log import RunLog
-from reel.runtime.config import ConfigError, loads
+from reel.runtime.config.run import ConfigError, loads
 from runbuilder import build_run, e2e_config
 
 # The tracking extra is installed on the test path (ops/install.sh).

@@ -23,8 +23,9 @@ import redis
 
 from reel.bus.errors import ReelError
 from reel.bus.server import service_redis_server
-from reel.runtime import config, config_engine
-from reel.runtime.config import ConfigError
+from reel.runtime.config import run as config
+from reel.runtime.config import engine as config_engine
+from reel.runtime.config.run import ConfigError
 from reel.runtime.launch import role_users, slurm, supervisor, vllm_args
 from reel.runtime.launch.cli import main
 

@@ -91,7 +91,7 @@ def _launch(config: Path, run_dir: Path, samples: list[tuple[int, int, int]], *,
 
 def _newest_step(client: redis.Redis, config: Path) -> int:
     from reel.bus.events import StepCommitted, decode
-    from reel.runtime.config import load
+    from reel.runtime.config.run import load
 
     name = load(config).run.name
     newest = client.xrevrange(f"reel:{{{name}}}:steps", count=1)

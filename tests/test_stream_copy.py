@@ -1,11 +1,11 @@
-"""runtime/stream_copy.py: the swap's streaming copy gives torch's copy_ bits, wherever it starts and ends."""
+"""runtime/weights/stream_copy.py: the swap's streaming copy gives torch's copy_ bits, wherever it starts and ends."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from reel.runtime.stream_copy import _library, copy_into
+from reel.runtime.weights.stream_copy import _library, copy_into
 
 SPECIALS = [float("nan"), float("inf"), float("-inf"), -0.0, 1e-40, -3.0e38, 1.0 / 3.0]  # 1e-40: subnormal
 

@@ -11,7 +11,7 @@ import pytest
 from reel.producers.envs import Continue, Finish, make_env
 from reel.producers.envs.answers import extract_answer, fold
 from reel.producers.envs.rewards import RewardError, math_verify
-from reel.runtime.config import ConfigError, EnvSection, loads
+from reel.runtime.config.run import ConfigError, EnvSection, loads
 from reel.runtime.tokenizer import CharTokenizer
 
 reasoning_gym = pytest.importorskip("reasoning_gym", reason="the `tasks` extra (pip install '.[tasks]')")
@@ -150,8 +150,8 @@ def test_plain_layout_parquet_exact_and_math_verify(tmp_path):
 
 
 def test_dataset_sha256_changes_with_the_file(tmp_path):
-    from reel.runtime.config import from_dict
-    from reel.runtime.data_files import dataset_sha256
+    from reel.runtime.config.run import from_dict
+    from reel.runtime.config.data_files import dataset_sha256
 
     path = write_jsonl(tmp_path / "d.jsonl", VERL_ROWS)
     config = from_dict({"env": {"name": "dataset", "options": {"path": str(path)}}})

@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from reel.bus.events import Sample, Tensor, Trajectory
-from reel.runtime import checkpoint
-from reel.runtime.batch import Group, build_batch, micro_batches, routing_problem
-from reel.runtime.config import Config, from_dict
-from reel.runtime.distributed import World
-from reel.runtime.mismatch_split import SPLIT_KEYS
+from reel.runtime.checkpoint import single as checkpoint
+from reel.runtime.train.batch import Group, build_batch, micro_batches, routing_problem
+from reel.runtime.config.run import Config, from_dict
+from reel.runtime.train.distributed import World
+from reel.runtime.train.mismatch_split import SPLIT_KEYS
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import state_dict_bytes
-from reel.runtime.train_step import TrainState, make_optimizer, train_step, weights_sha256
+from reel.runtime.train.step import TrainState, make_optimizer, train_step, weights_sha256
 
 MODEL = MoEConfig(vocab_size=24, hidden_size=32, moe_intermediate_size=32, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2)

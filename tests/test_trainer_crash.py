@@ -25,9 +25,9 @@ from reel.bus.streams import DEAD, Publisher, connect, safe_trim
 from reel.consumers import trainer as trainer_mod
 from reel.consumers.archiver import Archiver
 from reel.consumers.trainer import CRASH_STAGES, STOPPED_EXIT
-from reel.runtime import config as config_mod
+from reel.runtime.config import run as config_mod
 from runbuilder import TINY_MODEL_TOML
-from reel.runtime.initial_policy import ensure_initial_policy, load_initial_model
+from reel.runtime.train.initial_policy import ensure_initial_policy, load_initial_model
 
 pytestmark = pytest.mark.slow
 

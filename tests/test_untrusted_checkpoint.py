@@ -1,4 +1,4 @@
-"""A run directory is untrusted input: DCP checkpoints (runtime/sharded_checkpoint.py, dcp_metadata.py).
+"""A run directory is untrusted input: DCP checkpoints (runtime/checkpoint/sharded.py, dcp_metadata.py).
 
 The attacker of these tests controls every byte of a copied run, the log included, so every hash
 the manifest and the commit name agree with the crafted files: only the checks themselves refuse."""
@@ -16,10 +16,10 @@ import pytest
 import fsdp_peer
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import StepCommitted, StepTiming
-from reel.runtime import sharded_checkpoint
-from reel.runtime.checkpoint import CheckpointError, checkpoint_bytes
-from reel.runtime.distributed import LOCAL
-from reel.runtime.reexecute import checkpoint_before
+from reel.runtime.checkpoint import sharded as sharded_checkpoint
+from reel.runtime.checkpoint.single import CheckpointError, checkpoint_bytes
+from reel.runtime.train.distributed import LOCAL
+from reel.runtime.train.reexecute import checkpoint_before
 
 
 class _Payload:

@@ -1,6 +1,6 @@
 """A checkpoint's shard index is untrusted input: its names never reach outside the checkpoint, and
 nothing is linked into a run's init/ before every name is checked (runtime/model/weights.py,
-runtime/initial_policy.py)."""
+runtime/train/initial_policy.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hf_checkpoint import make_checkpoint
-from reel.runtime.initial_policy import link_checkpoint
+from reel.runtime.train.initial_policy import link_checkpoint
 from reel.runtime.model.config import ModelError
 from reel.runtime.model.weights import load, shard_files
 

@@ -39,12 +39,12 @@ from reel.producers.vllm import known_spans
 from reel.producers.vllm_worker import LOAD_MANIFEST, LOAD_WEIGHTS, ReelWorkerExtension
 from reel.producers.vllm_auth import RequireKey
 from reel.producers.vllm_http import GENERATE, VLLMHTTPEngine, generate_body, parse_generate_response
-from reel.runtime import config
+from reel.runtime.config import run as config
 from reel.runtime.launch import vllm_args
 from reel.runtime.launch.vllm_args import Pool
 from reel.runtime.model.config import MoEConfig
-from reel.runtime.weight_load import WeightLoadError
-from reel.runtime.weight_publish import publish_version
+from reel.runtime.weights.load import WeightLoadError
+from reel.runtime.weights.publish import publish_version
 from vllm_peer import K, L, Peer, vllm_response
 
 

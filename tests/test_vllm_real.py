@@ -30,15 +30,15 @@ from reel.bus.weight_manifest import WeightManifest, encode_manifest
 from reel.producers.engine import Completion, EngineError, SamplingParams
 from reel.producers.vllm import VLLMEngine
 from reel.producers.vllm_http import VLLMHTTPEngine
-from reel.runtime import config as config_mod
+from reel.runtime.config import run as config_mod
 from reel.runtime.launch import vllm_args
 from reel.runtime.launch.vllm_serve import local_vllm
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import hub_tensors, save, state_dict_bytes
-from reel.runtime.weight_delta import full_of, publish_delta
-from reel.runtime.weight_load import WeightLoadError
-from reel.runtime.weight_publish import publish_version
+from reel.runtime.weights.delta import full_of, publish_delta
+from reel.runtime.weights.load import WeightLoadError
+from reel.runtime.weights.publish import publish_version
 from test_weight_pieces import ranks_version
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from reel.runtime import config
+from reel.runtime.config import run as config
 from reel.runtime.launch import slurm, vllm_args
 from reel.runtime.launch.supervisor import beside_python, free_port
 

@@ -18,10 +18,10 @@ from reel.bus.weight_manifest import WeightManifest, WeightShard, decode_manifes
 from reel.producers.builtin_engine import BuiltinEngine
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.state_dict_adapter import hub_rows
-from reel.runtime.shard_hash import WRITE_HASH
-from reel.runtime.weight_delta import delta_manifest, delta_shards
-from reel.runtime.weight_load import WeightLoadError, stream_version, verify_version, version_bytes
-from reel.runtime.weight_publish import Piece, local_pieces, put_shard, write_pieces
+from reel.runtime.weights.shard_hash import WRITE_HASH
+from reel.runtime.weights.delta import delta_manifest, delta_shards
+from reel.runtime.weights.load import WeightLoadError, stream_version, verify_version, version_bytes
+from reel.runtime.weights.publish import Piece, local_pieces, put_shard, write_pieces
 from test_weight_sync import SMALL, _serving, _swapped, _trained, model, publish, tensors
 
 RANKS = 3  # head_dim 16 and hidden 32 split unevenly over 3 ranks; 4 experts leave one rank a single one

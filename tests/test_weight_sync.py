@@ -23,21 +23,21 @@ from reel.bus.weight_manifest import WeightManifest, WeightShard, blob_refs, enc
 from reel.producers.builtin_engine import BuiltinEngine
 from reel.producers.engine import SamplingParams
 from reel.producers.rollout import RolloutWorker
-from reel.runtime import config as config_mod
-from reel.runtime.config import load as load_config
-from reel.runtime.distributed import LOCAL
+from reel.runtime.config import run as config_mod
+from reel.runtime.config.run import load as load_config
+from reel.runtime.train.distributed import LOCAL
 from reel.runtime.launch import cli
 from reel.runtime.model import state_dict_adapter
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.kvcache import prepared_weights
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import hub_tensors, state_dict_bytes
-from reel.runtime.train_step import TrainState
-from reel.runtime.trainer_group import TrainerGroup
-from reel.runtime.weight_delta import publish_delta, rebuilt_version
-from reel.runtime.weight_load import WeightLoadError, read_manifest, stream_version, verify_version, version_bytes
-from reel.runtime.weight_publish import buckets, publish_version
-from reel.runtime.weight_shards import canonical_sha256, read_header, shard_parts
+from reel.runtime.train.step import TrainState
+from reel.runtime.train.trainer_group import TrainerGroup
+from reel.runtime.weights.delta import publish_delta, rebuilt_version
+from reel.runtime.weights.load import WeightLoadError, read_manifest, stream_version, verify_version, version_bytes
+from reel.runtime.weights.publish import buckets, publish_version
+from reel.runtime.weights.shards import canonical_sha256, read_header, shard_parts
 from test_rollout import initial_model, make_run, stream_events, wait_for
 
 torch.set_num_threads(2)

@@ -18,8 +18,8 @@ import msgspec
 from reel.consumers.metrics import locate
 from reel.consumers.sinks.base import EXTRA, Sink
 from reel.consumers.sinks.feed import Feed, run_meta
-from reel.runtime import config as run_config
-from reel.runtime.config import MetricsSection
+from reel.runtime.config import run as run_config
+from reel.runtime.config.run import MetricsSection
 
 __all__ = ["check_available", "main", "make_sink", "role_main"]
 

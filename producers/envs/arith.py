@@ -12,7 +12,7 @@ import random
 import re
 
 from reel.producers.envs.base import Env, Prompt
-from reel.runtime.config import ConfigError, EnvSection
+from reel.runtime.config.run import ConfigError, EnvSection
 from reel.runtime.tokenizer import Tokenizer
 
 NAMES = ("ann", "bob", "eve", "sam", "kim", "tom", "liz", "max")

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from reel.runtime.config import ConfigError, EnvSection
+from reel.runtime.config.run import ConfigError, EnvSection
 from reel.runtime.tokenizer import Tokenizer
 
 

@@ -19,7 +19,7 @@ import re
 
 from reel.producers.envs.base import Continue, Env, Finish, Prompt, Reply
 from reel.producers.envs.calc_lang import CalcError, evaluate
-from reel.runtime.config import ConfigError, EnvSection
+from reel.runtime.config.run import ConfigError, EnvSection
 from reel.runtime.tokenizer import Tokenizer
 
 CALL = "call:"

@@ -17,7 +17,7 @@ message's content. With the character tokenizer the prompt is folded into its al
 The reward: "exact" and "math_verify" score the extracted answer (producers/envs/answers.py); a
 function gets the whole model turn as verl's `solution_str`, since verl functions extract their own.
 A function that raises or returns a non-number makes that group dead-lettered with the reason
-(producers/envs/rewards.py). The file's sha256 is recorded in RunStarted (runtime/data_files.py)
+(producers/envs/rewards.py). The file's sha256 is recorded in RunStarted (runtime/config/data_files.py)
 and each Trajectory's meta holds the row's data_source, ground truth, extra_info and row index, so
 the log can be re-scored offline.
 
@@ -40,8 +40,8 @@ import orjson
 from reel.producers.envs import rewards
 from reel.producers.envs.answers import extract_answer, fold
 from reel.producers.envs.base import Env, Prompt
-from reel.runtime.config import ConfigError, EnvSection
-from reel.runtime.data_files import data_files, files_sha256
+from reel.runtime.config.run import ConfigError, EnvSection
+from reel.runtime.config.data_files import data_files, files_sha256
 from reel.runtime.tokenizer import CharTokenizer, Tokenizer
 
 KEY = "env.options"

@@ -14,7 +14,7 @@ import importlib.util
 import re
 from collections.abc import Callable
 
-from reel.runtime.config import ConfigError, EnvSection
+from reel.runtime.config.run import ConfigError, EnvSection
 from reel.runtime.tokenizer import Tokenizer
 
 BUILTIN: dict[str, str] = {

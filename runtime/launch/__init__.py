@@ -9,7 +9,8 @@
     vllm_args.py    `vllm serve` command lines for a run
     vllm_serve.py   a local `vllm serve` for one model directory (benches, tests)
 
-What a training step computes lives beside this package in runtime/ (model/, loss, batch,
-train_step, checkpoint, reexecute); the run schema both sides read is runtime/config.py.
-Roles are reached by name ("reel.consumers.trainer:main"): runtime/ never imports producers/ or consumers/.
+    bus_loss.py     on resume: did Redis lose writes the log had already archived
+
+This is the shell: it sits above producers/ and consumers/ and starts them. What a training step
+computes lives beside it in runtime/train/, the run schema both sides read in runtime/config/.
 """

@@ -22,7 +22,7 @@ from pathlib import Path
 from urllib.parse import quote, urlencode, urlsplit
 
 from reel.bus.events import stream_key
-from reel.runtime.config import Config, ConfigError, load
+from reel.runtime.config.run import Config, ConfigError, load
 
 __all__ = ["bus_url", "acl_setuser", "key_patterns", "read_commands", "REEL_COMMANDS", "WRITE_COMMANDS", "PASSWORD_ENV"]
 
@@ -75,7 +75,7 @@ def read_commands() -> list[str]:
 
 def key_patterns(run: str) -> list[str]:
     """The run's keys: its own slot's (reel:{RUN}:...) and every partition's (reel:{RUN:P}:...,
-    bus/partitions.py). Run names hold no glob characters and no ':' (runtime/config.py)."""
+    bus/partitions.py). Run names hold no glob characters and no ':' (runtime/config/run.py)."""
     return [stream_key(run, "*"), f"reel:{{{run}:[0-9]*}}:*"]
 
 

@@ -15,21 +15,7 @@ import sys
 
 from reel.bus.errors import ReelError, printable
 from reel.bus.events import STREAMS
-
-# `reel bench NAME` -> handler; each prints one JSON line with a `ratio` key.
-BENCHES = {
-    "bus": "reel.bus.bench_cluster:bench_bus_any",
-    "log": "reel.bus.bench:bench_log",
-    "blobs": "reel.bus.blob_backends.bench:bench_blobs",
-    "r3": "reel.runtime.model.bench:bench_r3",
-    "fp8": "reel.runtime.model.bench:bench_fp8",
-    "engine": "reel.producers.bench:bench_engine",
-    "swap": "reel.producers.bench_swap:bench_swap",
-    "async": "reel.runtime.bench_async:bench_async",
-    "fsdp": "reel.runtime.bench_fsdp:bench_fsdp",
-    "log-seek": "reel.bus.bench_seek:bench_log_seek",
-}
-
+from reel.runtime.bench import bench_modules, module_of
 
 class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default unless it is None/False (their help says what absence means)."""
@@ -111,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     schema = _command(config_sub, "schema", "every config key with its type, default and help (Markdown; "
                       "docs/reference/config.md is this output)", "reel config schema", "reel config schema --json")
     schema.add_argument("--json", action="store_true", help="one JSON list of {key, type, default, help}")
-    schema.set_defaults(handler="reel.runtime.config_schema:main")
+    schema.set_defaults(handler="reel.runtime.config.schema:main")
 
     log = _command(sub, "log", "inspect a run's on-disk event log", "reel log verify --run runs/reverse_text")
     log_sub = log.add_subparsers(dest="log_command", required=True, metavar="COMMAND")
@@ -142,9 +128,12 @@ def _parser() -> argparse.ArgumentParser:
     du.add_argument("--tokens-per-step", type=int, default=1_000_000, help="trained tokens per extrapolated step")
     du.set_defaults(handler="reel.replay.du:du")
 
+    benches = bench_modules()
     bench = _command(sub, "bench", "run a benchmark; prints one JSON line with a `ratio` against its baseline",
                      "reel bench bus", "reel bench engine --quick")
-    bench.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
+    bench.description += "\n\nbenchmarks (runtime/bench/, one module each):\n" + "\n".join(
+        f"  {name:<10} {line}" for name, line in sorted(benches.items()))
+    bench.add_argument("name", choices=sorted(benches), help="which benchmark")
     bench.add_argument("--quick", action="store_true", help="smaller workload (smoke test)")
     bench.add_argument("--partitions", type=int, default=0, metavar="P",
                        help="bus only: the pipeline on a local 3-master Redis Cluster with 1 and P partitions")
@@ -376,14 +365,14 @@ def _call(target: str, args: argparse.Namespace) -> int:
 
 
 def config_show(args: argparse.Namespace) -> int:
-    from reel.runtime import config
+    from reel.runtime.config import run as config
 
     print(config.to_toml(config.load(args.config)), end="")
     return 0
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    return _call(BENCHES[args.name], args)
+    return _call(f"{module_of(args.name)}:run", args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _call(args.handler, args)
     except ReelError as exc:
-        from reel.runtime.config import ConfigError
+        from reel.runtime.config.run import ConfigError
 
         print(f"reel: {printable(str(exc))}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) or args.errors_exit_2 else 1

@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from reel.runtime import config as config_mod
-from reel.runtime.config_keys import ConfigError
+from reel.runtime.config import checks
+from reel.runtime.config import run as config_mod
+from reel.runtime.config.keys import ConfigError
 
 __all__ = ["main", "scaffold"]
 
@@ -76,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--from-model {args.from_model} has no config.json; pass an HF model directory")
     text = scaffold(args.task, args.from_model)
     config = config_mod.loads(text, source=f"the config for --task {args.task}")  # names a bad task
-    config_mod.check_model_path(config, text)
+    checks.check_model_path(config, text)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"wrote {out} (run {config.run.name!r}, task {args.task}); `reel run {out}` starts it, "

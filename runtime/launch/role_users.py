@@ -191,7 +191,7 @@ def _with_user(url: str, user: str, password: str) -> str:
 def main(argv: list[str]) -> int:
     """`python -m reel.runtime.launch.role_users RUN_DIR` (a Slurm job, REEL_BUS_URL set): make the role
     users and write each role's URL to RUN_DIR/bus_url.ROLE (0600), or say why every role shares one."""
-    from reel.runtime.config import load
+    from reel.runtime.config.run import load
 
     run_dir = Path(argv[0])
     config = load(run_dir / "config.toml")

@@ -10,7 +10,7 @@ submits it (with --dry-run it prints the script and touches nothing). One het gr
                  built-in engine the eval role runs on the first rollout node instead)
     last trainer one torchrun over its nodes = ONE logical trainer (`reel role trainer`): rank 0
                  alone talks to the bus (one producer id, one consumer), the other ranks follow
-                 it (runtime/trainer_group.py); ranks = nodes x (GPUs per node, or
+                 it (runtime/train/trainer_group.py); ranks = nodes x (GPUs per node, or
                  trainer.ranks / nodes on CPU nodes)
 The job id goes to RUN_DIR/slurm_job_id; `reel launch status|cancel --run RUN_DIR` wrap squeue/scancel.
 
@@ -33,9 +33,9 @@ from typing import NamedTuple
 
 from reel.bus.errors import ReelError
 from reel.bus.server import service_redis_server
-from reel.runtime import config as config_mod
-from reel.runtime.config import Config, ConfigError
-from reel.runtime.config_engine import PD_CONNECTORS
+from reel.runtime.config import run as config_mod
+from reel.runtime.config.run import Config, ConfigError
+from reel.runtime.config.engine import PD_CONNECTORS
 from reel.runtime.launch import vllm_args
 from reel.runtime.launch.supervisor import beside_python
 from reel.runtime.launch.vllm_args import Expand, Pool

@@ -37,11 +37,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from reel.bus.errors import ReelError
-from reel.runtime import config as config_mod
+from reel.runtime.config import checks
+from reel.runtime.config import run as config_mod
 from reel.runtime.blob_store import mooncake_for
-from reel.runtime.config import Config
-from reel.runtime.config_overrides import load_with_sets
-from reel.runtime.distributed import torchrun_argv
+from reel.runtime.config.run import Config
+from reel.runtime.config.overrides import load_with_sets
+from reel.runtime.train.distributed import torchrun_argv
 from reel.runtime.launch import resume as resume_mod
 from reel.runtime.launch import vllm_args
 from reel.runtime.launch.vllm_key import KEY_ENV, run_api_key
@@ -84,7 +85,7 @@ def _run(args: argparse.Namespace) -> int:
     if config.metrics.sinks:
         module, function = SINK_CHECK.split(":")
         getattr(importlib.import_module(module), function)(config.metrics.sinks)
-    config_mod.check_model_path(config, text)
+    checks.check_model_path(config, text)
     run_dir = Path(args.out) if args.out else Path(config.run.out_dir) / config.run.name
     changes = prepare_run_dir(run_dir, text, config, resume=args.resume)
     after = resume_mod.last_committed_step(run_dir) if args.resume else 0
@@ -106,7 +107,7 @@ def _run(args: argparse.Namespace) -> int:
         config_arg = run_dir / "config.toml" if args.set else args.config
         supervisor.resume_command = f"reel run {config_arg} --resume --out {run_dir}"
         if args.resume:  # before any role publishes: new entries would hide the gap
-            from reel.runtime.bus_loss import describe, find_loss_window
+            from reel.runtime.launch.bus_loss import describe, find_loss_window
 
             window = find_loss_window(url, config.run.name, run_dir, config.bus.partitions)
             if window is not None:
@@ -351,7 +352,7 @@ class Supervisor:
         """Start the local `vllm serve` once the trainer has written the version-0 weights it loads."""
         if self.vllm_port is None or "vllm" in self.roles:
             return
-        from reel.runtime.initial_policy import init_dir  # here: it imports the model (torch)
+        from reel.runtime.train.initial_policy import init_dir  # here: it imports the model (torch)
 
         weights = init_dir(self.run_dir)
         if not (weights / "config.json").is_file():

@@ -18,7 +18,7 @@ With a P/D connector, kv_offload_cpu_gib > 0 adds the OffloadingConnector (a Mul
 Offloaded blocks survive weight updates: Reel salts the prefix cache per policy version.
 
 Router replay needs vLLM's routed-expert capture (--enable-return-routed-experts), which
-rejects P/D connectors, so that combination is refused at config load (runtime/config.py).
+rejects P/D connectors, so that combination is refused at config load (runtime/config/run.py).
 
 Weight updates reach the servers over HTTP (producers/vllm_http.py): /pause, /collective_rpc into
 Reel's worker extension (--worker-extension-cls), /update_weight_version, /resume; those endpoints
@@ -38,8 +38,8 @@ import shlex
 from pathlib import Path
 from typing import NamedTuple
 
-from reel.runtime.config import Config, ConfigError
-from reel.runtime.config_engine import PD_CONNECTORS
+from reel.runtime.config.run import Config, ConfigError
+from reel.runtime.config.engine import PD_CONNECTORS
 
 # vLLM pools run on nodes of their own, so their ports are fixed.
 API_PORT = 8000

@@ -33,8 +33,8 @@ from typing import Iterator
 
 import torch
 
-from reel.runtime.batch import Batch
-from reel.runtime.distributed import World
+from reel.runtime.train.batch import Batch
+from reel.runtime.train.distributed import World
 from reel.runtime.model.config import ModelError
 from reel.runtime.model.model import positions_from_mask
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 
-from reel.runtime.distributed import World
+from reel.runtime.train.distributed import World
 from reel.runtime.model.config import ModelError
 from reel.runtime.model.context_parallel import context_degree
 from reel.runtime.model.model import MoEModel
