@@ -34,7 +34,7 @@ from reel.bus.retention import Retention, RetentionPolicy
 from reel.runtime.config import run as config_mod
 from reel.runtime.train import distributed
 from reel.runtime.train.batch import build_batch
-from reel.runtime.config.run import Config
+from reel.runtime.config.sections import Config
 from reel.runtime.config.overrides import apply_sets, parse_sets
 from reel.runtime.train.groups import GroupLookup
 from reel.runtime.train.initial_policy import code_version, init_dir

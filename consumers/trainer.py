@@ -48,7 +48,8 @@ from reel.runtime.train import distributed
 from reel.runtime.train import environment
 from reel.runtime.train.batch import Group, build_batch, decode_routing, routing_problem
 from reel.runtime.blob_store import run_blobs
-from reel.runtime.config.run import Config, config_hash
+from reel.runtime.config.sections import Config
+from reel.runtime.config.run import config_hash
 from reel.runtime.config.run import load as load_config
 from reel.runtime.config.data_files import dataset_sha256
 from reel.runtime.train.group_checks import group_problem

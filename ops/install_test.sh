@@ -3,10 +3,10 @@
 # service left started or enabled (ops/apt_install.sh):
 # - Debian's redis-server: the Redis every test session runs against (tests/conftest.py, checked to
 #   be Redis 7 by tests/test_packaging.py), and the Slurm job's (bus/server.py service_redis_server);
-# - prometheus: tests/test_prometheus.py scrapes `reel metrics serve` with a real one;
+# - prometheus: tests/consumers/test_prometheus.py scrapes `reel metrics serve` with a real one;
 # - slurm-wlm and munge: the single-host cluster of the `slurm` tests (ops/slurm/local_cluster.sh);
 # - libibverbs1: linked by Mooncake's transfer engine even over TCP (the `mooncake` extra's tests);
-# - chromium: tests/test_html_report.py renders `reel report` in a headless browser;
+# - chromium: tests/replay/test_html_report.py renders `reel report` in a headless browser;
 # - the `test`, `mooncake` and `pd` (vllm-router) extras, `tracking` (the W&B/TensorBoard/MLflow
 #   sinks), `docs` (mkdocs build --strict) and `tasks` (reasoning-gym, verifiers, math-verify,
 #   datasets), and the verifiers example's environment package (examples/vf_reverse.toml loads it by id).

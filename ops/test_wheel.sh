@@ -33,7 +33,7 @@ site = sysconfig.get_paths()["purelib"]
 assert reel.bus.__file__.startswith(site), f"reel.bus comes from {reel.bus.__file__}, not {site}"
 assert not reel.bus.__file__.startswith(sys.argv[1]), "reel.bus comes from the clone"
 from reel.producers import sampling
-from reel.runtime import stream_copy
+from reel.runtime.weights import stream_copy
 from reel.runtime.model import native
 for kernel in (sampling, stream_copy, native):  # C sources ship in the wheel, compiled on first use
     assert kernel._SOURCE.is_file() and str(kernel._SOURCE).startswith(site), kernel._SOURCE

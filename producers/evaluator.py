@@ -45,7 +45,8 @@ from reel.producers.envs import Env, Prompt, make_env
 from reel.producers.episode import scored_group
 from reel.producers.rollout import make_engine
 from reel.runtime.blob_store import run_blobs
-from reel.runtime.config.run import Config, load
+from reel.runtime.config.sections import Config
+from reel.runtime.config.run import load
 from reel.runtime.train.initial_policy import init_dir
 from reel.runtime.tokenizer import load_tokenizer
 from reel.runtime.weights.load import engine_weights

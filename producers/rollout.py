@@ -69,7 +69,8 @@ from reel.producers.episode import Episode, non_finite, run_group
 from reel.producers.outstanding import outstanding_groups
 from reel.producers.envs.rewards import RewardError
 from reel.runtime.blob_store import run_blobs
-from reel.runtime.config.run import Config, load
+from reel.runtime.config.sections import Config
+from reel.runtime.config.run import load
 from reel.runtime.train.initial_policy import init_dir
 from reel.runtime.weights.load import WeightLoadError, engine_weights
 

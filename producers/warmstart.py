@@ -38,7 +38,8 @@ from reel.producers.engine import SamplingParams
 from reel.producers.envs import Env, env_for
 from reel.producers.envs.rewards import RewardError
 from reel.producers.episode import scored_group
-from reel.runtime.config.run import Config, cache_dir, warmup_steps
+from reel.runtime.config.sections import Config
+from reel.runtime.config.run import cache_dir, warmup_steps
 from reel.runtime.train.initial_policy import code_version
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.determinism import set_determinism

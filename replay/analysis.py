@@ -36,7 +36,7 @@ from reel.bus.log import RunLog
 from reel.replay.versions import Versions
 from reel.runtime.train import loss as loss_mod
 from reel.runtime.train.batch import Batch, build_batch
-from reel.runtime.config.run import Config
+from reel.runtime.config.sections import Config
 from reel.runtime.train.groups import GroupLookup
 from reel.runtime.train.distributed import LOCAL
 from reel.runtime.launch.supervisor import load_run_config

@@ -14,7 +14,7 @@ from pathlib import Path
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.log import RunLog
 from reel.bus.retention import Retention, RetentionPolicy
-from reel.runtime.config.run import Config
+from reel.runtime.config.sections import Config
 from reel.runtime.launch.supervisor import load_run_config
 
 

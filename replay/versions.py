@@ -19,7 +19,7 @@ import torch
 
 from reel.bus.blobs import BlobBackend
 from reel.bus.events import AnyEvent, StepCommitted
-from reel.runtime.config.run import Config
+from reel.runtime.config.sections import Config
 from reel.runtime.train.groups import GroupLookup
 from reel.runtime.train.mismatch_split import WeightHistory
 from reel.runtime.train.reexecute import catch_up, checkpoint_before, newest_checkpoint

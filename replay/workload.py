@@ -40,7 +40,9 @@ from reel.bus.errors import ReelError
 from reel.bus.events import RunStarted, Sample, StepCommitted, Trajectory, WorkerStats
 from reel.bus.log import LogError, RunLog
 from reel.replay.simulate_cores import Cores, CpuRate, fit_cores
-from reel.runtime.config.run import Config, ConfigError, load
+from reel.runtime.config.sections import Config
+from reel.runtime.config.keys import ConfigError
+from reel.runtime.config.run import load
 
 __all__ = ["WorkloadError", "Pipeline", "GroupShape", "StepModel", "TrainerModel", "Measured", "Workload", "extract",
            "pipeline_of", "measured_of"]

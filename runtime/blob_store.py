@@ -19,7 +19,7 @@ from reel.bus.blob_backends import open_blobs
 from reel.bus.blob_backends.mooncake import MooncakeAddress
 from reel.bus.blob_backends.mooncake_service import MooncakeService
 from reel.bus.blobs import BlobBackend, BlobError
-from reel.runtime.config.run import Config
+from reel.runtime.config.sections import Config
 
 __all__ = ["run_blobs", "mooncake_address", "mooncake_for", "MOONCAKE_FILE"]
 

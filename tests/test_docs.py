@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from reel.runtime.config.run import Config
+from reel.runtime.config.sections import Config
 from reel.runtime.config.help import HELP
 from reel.runtime.config.schema import field_comments, keys
 from reel.runtime.launch.cli import _parser

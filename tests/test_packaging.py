@@ -29,7 +29,7 @@ def test_shipped_files_resolve_to_the_package_files():
     assert "appendonly yes" in slurm.REDIS_CONF.read_text()
     assert sampling._SOURCE.read_bytes() == (ROOT / "producers" / "sampling.c").read_bytes()
     assert native._SOURCE.read_bytes() == (ROOT / "runtime" / "model" / "forward_cached.c").read_bytes()
-    assert stream_copy._SOURCE.read_bytes() == (ROOT / "runtime" / "stream_copy.c").read_bytes()
+    assert stream_copy._SOURCE.read_bytes() == (ROOT / "runtime" / "weights" / "stream_copy.c").read_bytes()
     assert set(examples.examples()) == {p.stem for p in (ROOT / "examples").glob("*.toml")}
     for path in examples.examples().values():
         config.loads(path.read_text())  # every shipped example parses

@@ -19,7 +19,8 @@ from reel.consumers.metrics import locate
 from reel.consumers.sinks.base import EXTRA, Sink
 from reel.consumers.sinks.feed import Feed, run_meta
 from reel.runtime.config import run as run_config
-from reel.runtime.config.run import MetricsSection
+from reel.runtime.config.keys import ConfigError
+from reel.runtime.config.sections import MetricsSection
 
 __all__ = ["check_available", "main", "make_sink", "role_main"]
 
@@ -33,7 +34,7 @@ def check_available(sinks: list[str]) -> None:
     for sink in sinks:
         missing = [m for m in LIBRARIES[sink] if importlib.util.find_spec(m.split(".")[0]) is None]
         if missing:
-            raise run_config.ConfigError(f"the {sink} sink needs {', '.join(missing)}; install it with "
+            raise ConfigError(f"the {sink} sink needs {', '.join(missing)}; install it with "
                                          f"pip install 'reel-rl[{EXTRA}]' (or take {sink} out of metrics.sinks)")
 
 

@@ -23,10 +23,10 @@ PYTHONPATH=/tmp/site python3 -m pip install -q --no-index --no-deps --no-build-i
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name())"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -o "filterwarnings=ignore::DeprecationWarning" \
-    -m gpu tests/test_cuda.py tests/test_fp8.py tests/test_fsdp.py 2>&1 | tee "$OUT/gpu_tests.log"
+    -m gpu tests/runtime/model/test_cuda.py tests/runtime/model/test_fp8.py tests/runtime/train/test_fsdp.py 2>&1 | tee "$OUT/gpu_tests.log"
 if python3 -c "import vllm" 2>/dev/null; then
     timeout 500 python3 -m pytest -q -p no:cacheprovider -o "filterwarnings=ignore::DeprecationWarning" \
-        -m "gpu or vllm" tests/test_vllm_http.py tests/test_vllm_real.py 2>&1 | tee "$OUT/vllm_tests.log"
+        -m "gpu or vllm" tests/producers/test_vllm_http.py tests/producers/test_vllm_real.py 2>&1 | tee "$OUT/vllm_tests.log"
 else
     echo "vLLM is not installed here: routed-expert capture and the vllm tests not run" | tee "$OUT/vllm_tests.log"
 fi

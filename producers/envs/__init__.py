@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from reel.producers.envs import registry
 from reel.producers.envs.base import Continue, Env, Finish, Prompt, Reply, StringTask
-from reel.runtime.config.run import Config, EnvSection
+from reel.runtime.config.sections import Config, EnvSection
 from reel.runtime.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, TokenizerError, load_tokenizer
 
 

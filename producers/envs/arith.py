@@ -12,7 +12,8 @@ import random
 import re
 
 from reel.producers.envs.base import Env, Prompt
-from reel.runtime.config.run import ConfigError, EnvSection
+from reel.runtime.config.sections import EnvSection
+from reel.runtime.config.keys import ConfigError
 from reel.runtime.tokenizer import Tokenizer
 
 NAMES = ("ann", "bob", "eve", "sam", "kim", "tom", "liz", "max")

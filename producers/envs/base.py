@@ -19,7 +19,8 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from reel.runtime.config.run import ConfigError, EnvSection
+from reel.runtime.config.sections import EnvSection
+from reel.runtime.config.keys import ConfigError
 from reel.runtime.tokenizer import Tokenizer
 
 

@@ -19,7 +19,8 @@ import re
 
 from reel.producers.envs.base import Continue, Env, Finish, Prompt, Reply
 from reel.producers.envs.calc_lang import CalcError, evaluate
-from reel.runtime.config.run import ConfigError, EnvSection
+from reel.runtime.config.sections import EnvSection
+from reel.runtime.config.keys import ConfigError
 from reel.runtime.tokenizer import Tokenizer
 
 CALL = "call:"

@@ -40,7 +40,8 @@ import orjson
 from reel.producers.envs import rewards
 from reel.producers.envs.answers import extract_answer, fold
 from reel.producers.envs.base import Env, Prompt
-from reel.runtime.config.run import ConfigError, EnvSection
+from reel.runtime.config.sections import EnvSection
+from reel.runtime.config.keys import ConfigError
 from reel.runtime.config.data_files import data_files, files_sha256
 from reel.runtime.tokenizer import CharTokenizer, Tokenizer
 

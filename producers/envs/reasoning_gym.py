@@ -29,7 +29,8 @@ from typing import Any
 from reel.producers.envs.answers import extract_answer, fold
 from reel.producers.envs.base import Env, Prompt
 from reel.producers.envs.rewards import RewardError, as_reward
-from reel.runtime.config.run import ConfigError, EnvSection
+from reel.runtime.config.sections import EnvSection
+from reel.runtime.config.keys import ConfigError
 from reel.runtime.tokenizer import CharTokenizer, Tokenizer
 
 KEY = "env.options"

@@ -14,7 +14,8 @@ import importlib.util
 import re
 from collections.abc import Callable
 
-from reel.runtime.config.run import ConfigError, EnvSection
+from reel.runtime.config.sections import EnvSection
+from reel.runtime.config.keys import ConfigError
 from reel.runtime.tokenizer import Tokenizer
 
 BUILTIN: dict[str, str] = {

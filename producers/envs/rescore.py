@@ -14,7 +14,7 @@ from reel.bus.errors import ReelError
 from reel.bus.events import Trajectory
 from reel.producers.envs import Prompt, env_for
 from reel.producers.envs.rewards import RewardError
-from reel.runtime.config.run import Config
+from reel.runtime.config.sections import Config
 
 
 class RescoreError(ReelError):

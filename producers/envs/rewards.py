@@ -22,7 +22,7 @@ from typing import Any
 
 from reel.bus.errors import ReelError
 from reel.producers.envs.registry import import_callable
-from reel.runtime.config.run import ConfigError
+from reel.runtime.config.keys import ConfigError
 
 RewardFn = Callable[[str, str, str, dict[str, Any]], Any]  # verl's compute_score(data_source, solution, truth, info)
 _FUNCTION = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")

@@ -40,7 +40,8 @@ from typing import Any, TypeVar
 
 from reel.producers.envs.base import Continue, Env, Finish, Prompt, Reply
 from reel.producers.envs.rewards import as_reward
-from reel.runtime.config.run import ConfigError, EnvSection
+from reel.runtime.config.sections import EnvSection
+from reel.runtime.config.keys import ConfigError
 from reel.runtime.tokenizer import Tokenizer
 
 KEY = "env.options"

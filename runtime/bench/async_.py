@@ -33,7 +33,7 @@ from reel.bus.events import StepCommitted, WorkerStats
 from reel.bus.jsonout import print_json
 from reel.bus.log import RunLog
 from reel.runtime.config import run as config_mod
-from reel.runtime.config.run import Config
+from reel.runtime.config.sections import Config
 from reel.runtime.launch.supervisor import Supervisor, bus_for, prepare_run_dir
 
 # The agentic shape: mostly 3..6-character answers, 20% of prompts answering with max_tokens.

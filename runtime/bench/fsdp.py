@@ -36,7 +36,8 @@ from reel.bus.events import Sample, Tensor, Trajectory
 from reel.bus.jsonout import print_json
 from reel.runtime.train import distributed
 from reel.runtime.train.batch import Batch, Group, build_batch
-from reel.runtime.config.run import Config, from_dict
+from reel.runtime.config.sections import Config
+from reel.runtime.config.run import from_dict
 from reel.runtime.train.distributed import World
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel

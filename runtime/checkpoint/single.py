@@ -15,7 +15,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from reel.bus.errors import ReelError
-from reel.runtime.config.run import TrainerSection
+from reel.runtime.config.sections import TrainerSection
 from reel.runtime.model.model import MoEModel
 from reel.runtime.train.step import TrainState, make_optimizer
 

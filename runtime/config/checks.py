@@ -11,14 +11,12 @@ import importlib
 import re
 import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from reel.runtime.config.bounds import validate_bounds
 from reel.runtime.config.engine import validate_engine
 from reel.runtime.config.keys import ConfigError, require
 
-if TYPE_CHECKING:  # run.py imports this module to validate what it decodes
-    from reel.runtime.config.run import Config, TrainerSection
+from reel.runtime.config.sections import Config, TrainerSection
 
 # env.name is checked against the env registry, reached by name (runtime/ never imports producers/).
 ENV_NAME_CHECK = "reel.producers.envs.registry:check_name"

@@ -9,7 +9,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from reel.runtime.config.run import Config, ConfigError
+from reel.runtime.config.sections import Config
+from reel.runtime.config.keys import ConfigError
 
 SUFFIXES = (".jsonl", ".parquet")
 

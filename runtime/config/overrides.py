@@ -13,6 +13,7 @@ from typing import Any
 import tomli_w
 
 from reel.runtime.config.keys import ConfigError
+from reel.runtime.config.sections import RunSection
 
 __all__ = ["parse_sets", "apply_sets", "with_sets", "load_with_sets"]
 
@@ -76,7 +77,7 @@ def load_with_sets(path: str, items: list[str] | None, *, allow_empty: bool = Fa
     except tomllib.TOMLDecodeError:
         empty = False  # loads() below names the TOML error
     if empty and not allow_empty:
-        raise ConfigError(f"{path} sets no key, so every key would take its default (a {config_mod.RunSection().steps}-"
-                          f"step run named {config_mod.RunSection().name!r}); write the keys of your run "
+        raise ConfigError(f"{path} sets no key, so every key would take its default (a {RunSection().steps}-"
+                          f"step run named {RunSection().name!r}); write the keys of your run "
                           f"(`reel init` writes a starting config) or pass --defaults to run the defaults")
     return config_mod.loads(text, source=path), text

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import tomli_w
 
-from reel.runtime.config.run import Config
+from reel.runtime.config.sections import Config
 from reel.runtime.config.help import HELP
 
 __all__ = ["KeyDoc", "field_comments", "keys", "markdown", "main"]

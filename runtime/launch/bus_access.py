@@ -22,7 +22,9 @@ from pathlib import Path
 from urllib.parse import quote, urlencode, urlsplit
 
 from reel.bus.events import stream_key
-from reel.runtime.config.run import Config, ConfigError, load
+from reel.runtime.config.sections import Config
+from reel.runtime.config.keys import ConfigError
+from reel.runtime.config.run import load
 
 __all__ = ["bus_url", "acl_setuser", "key_patterns", "read_commands", "REEL_COMMANDS", "WRITE_COMMANDS", "PASSWORD_ENV"]
 

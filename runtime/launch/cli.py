@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _call(args.handler, args)
     except ReelError as exc:
-        from reel.runtime.config.run import ConfigError
+        from reel.runtime.config.keys import ConfigError
 
         print(f"reel: {printable(str(exc))}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) or args.errors_exit_2 else 1

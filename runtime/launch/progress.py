@@ -16,7 +16,7 @@ from rich.live import Live
 from rich.table import Table
 
 from reel.bus.events import MalformedEvent, RunStarted, StepCommitted, decode, stream_key
-from reel.runtime.config.run import Config
+from reel.runtime.config.sections import Config
 from reel.runtime.fit_tables import fit
 from reel.runtime.work_progress import Work, describe, read
 

@@ -18,7 +18,7 @@ import msgspec
 
 from reel.bus.errors import ReelError
 from reel.bus.log import LogError, RunLog
-from reel.runtime.config.run import Config
+from reel.runtime.config.sections import Config
 
 __all__ = ["SAFE_TO_CHANGE", "ResumeError", "config_changes", "check_changes", "safe_keys", "last_committed_step",
            "record_resume"]

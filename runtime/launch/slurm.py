@@ -34,7 +34,8 @@ from typing import NamedTuple
 from reel.bus.errors import ReelError
 from reel.bus.server import service_redis_server
 from reel.runtime.config import run as config_mod
-from reel.runtime.config.run import Config, ConfigError
+from reel.runtime.config.sections import Config
+from reel.runtime.config.keys import ConfigError
 from reel.runtime.config.engine import PD_CONNECTORS
 from reel.runtime.launch import vllm_args
 from reel.runtime.launch.supervisor import beside_python

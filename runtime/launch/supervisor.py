@@ -40,7 +40,7 @@ from reel.bus.errors import ReelError
 from reel.runtime.config import checks
 from reel.runtime.config import run as config_mod
 from reel.runtime.blob_store import mooncake_for
-from reel.runtime.config.run import Config
+from reel.runtime.config.sections import Config
 from reel.runtime.config.overrides import load_with_sets
 from reel.runtime.train.distributed import torchrun_argv
 from reel.runtime.launch import resume as resume_mod

@@ -38,7 +38,8 @@ import shlex
 from pathlib import Path
 from typing import NamedTuple
 
-from reel.runtime.config.run import Config, ConfigError
+from reel.runtime.config.sections import Config
+from reel.runtime.config.keys import ConfigError
 from reel.runtime.config.engine import PD_CONNECTORS
 
 # vLLM pools run on nodes of their own, so their ports are fixed.

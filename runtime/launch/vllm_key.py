@@ -13,7 +13,7 @@ import stat
 import sys
 from pathlib import Path
 
-from reel.runtime.config.run import ConfigError
+from reel.runtime.config.keys import ConfigError
 
 __all__ = ["KEY_FILE", "KEY_ENV", "run_api_key"]
 

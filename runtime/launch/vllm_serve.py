@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from reel.bus.errors import ReelError
-from reel.runtime.config.run import Config
+from reel.runtime.config.sections import Config
 from reel.runtime.launch import vllm_args
 from reel.runtime.launch.vllm_key import KEY_ENV
 

@@ -15,7 +15,7 @@ import os
 import torch
 
 from reel.bus.events import StepCommitted
-from reel.runtime.config.run import Config
+from reel.runtime.config.sections import Config
 
 LAYOUT_KEYS = ("ranks", "expert_parallel", "context_parallel")  # of [trainer]
 

@@ -18,7 +18,8 @@ import tempfile
 from pathlib import Path
 
 from reel.bus.errors import ReelError
-from reel.runtime.config.run import Config, warmup_steps
+from reel.runtime.config.sections import Config
+from reel.runtime.config.run import warmup_steps
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import contained, load, save, shard_files
 from reel.runtime.work_progress import PROGRESS_FILE, reporting_to

@@ -30,7 +30,7 @@ import msgspec
 import torch
 from torch import Tensor
 
-from reel.runtime.config.run import Objective, TrainerSection
+from reel.runtime.config.sections import Objective, TrainerSection
 
 # Mismatch metrics report the share of tokens whose ratio π_old/μ falls outside this band.
 RATIO_BAND = (0.5, 2.0)

@@ -19,7 +19,8 @@ from reel.runtime.checkpoint import single as checkpoint
 from reel.runtime.train import environment
 from reel.runtime.checkpoint import sharded as sharded_checkpoint
 from reel.runtime.train.batch import build_batch
-from reel.runtime.config.run import Config, config_hash
+from reel.runtime.config.sections import Config
+from reel.runtime.config.run import config_hash
 from reel.runtime.train.distributed import LOCAL, World
 from reel.runtime.train.groups import GroupLookup
 from reel.runtime.train.initial_policy import code_version, load_initial_model

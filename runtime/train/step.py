@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from reel.runtime.train import loss as loss_mod
 from reel.runtime.train.batch import Batch, MicroBatch, micro_batches, take
-from reel.runtime.config.run import Config, TrainerSection
+from reel.runtime.config.sections import Config, TrainerSection
 from reel.runtime.train.distributed import (LOCAL, World, all_sum, clip_grad_norm, full_state_dict, gather_tokens, plan,
                                  sync_gradients)
 from reel.runtime.train.finite import check_update, check_weights

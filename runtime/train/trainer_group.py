@@ -28,7 +28,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from reel.runtime.train.batch import Batch
-from reel.runtime.config.run import Config
+from reel.runtime.config.sections import Config
 from reel.bus.blobs import BlobBackend
 from reel.bus.events import BlobRef
 from reel.runtime.blob_store import run_blobs

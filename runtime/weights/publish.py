@@ -27,7 +27,7 @@ from torch import nn
 from reel.bus.blobs import BlobBackend
 from reel.bus.events import BlobRef
 from reel.bus.weight_manifest import Rows, WeightManifest, WeightShard, encode_manifest
-from reel.runtime.config.run import Config
+from reel.runtime.config.sections import Config
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.state_dict_adapter import hub_rows
 from reel.runtime.weights.shard_hash import WRITE_HASH, hashed, new_digest

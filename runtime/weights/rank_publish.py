@@ -18,7 +18,7 @@ import msgspec
 from reel.bus.blobs import BlobBackend
 from reel.bus.events import BlobRef
 from reel.bus.weight_manifest import WeightManifest, WeightShard, encode_manifest
-from reel.runtime.config.run import Config
+from reel.runtime.config.sections import Config
 from reel.runtime.train.distributed import World, gather_bytes
 from reel.runtime.model.model import MoEModel
 from reel.runtime.weights.shard_hash import WRITE_HASH

@@ -1,0 +1,231 @@
+"""The rollout worker on a real Redis: groups out, weights in, the async gate, crash and restart."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from reel.bus.blob_backends.file import BlobStore
+from reel.bus.events import (
+    RoutingTrace, StepCommitted, StepTiming, WeightsPublished, WorkerStats,
+)
+from reel.bus.streams import BusError, Publisher, connect
+from faultproxy import FaultProxy
+from reel.producers import rollout
+from reel.producers.rollout import RolloutWorker
+from reel.runtime.train.batch import decode_routing
+from reel.runtime.config.run import load
+from reel.runtime.model.model import MoEModel
+from reel.runtime.model.weights import state_dict_bytes
+from rollout_setup import initial_model, make_run, stream_events, wait_for
+
+torch.set_num_threads(2)
+
+
+async def publish_weights(url: str, run_dir: Path, version: int, model: MoEModel, *, commit: bool) -> None:
+    """What the trainer does after step `version`: WeightsPublished (+ StepCommitted) in one call."""
+    redis = connect(url)
+    try:
+        ref = BlobStore(run_dir / "blobs").put(state_dict_bytes(model))
+        trainer = Publisher(redis, run_dir.name, "trainer:0", next_seq=10 * version)
+        events = [trainer.stamp(WeightsPublished, version=version, step=version, weights=ref)]
+        if commit:
+            events.append(trainer.stamp(StepCommitted, step=version, version=version, groups=[], dropped=[], loss=0.0,
+                                        grad_norm=0.0, weights_sha256=ref.sha256, timing=StepTiming(0, 0, 0)))
+        await trainer.publish(events)
+    finally:
+        await redis.aclose()
+
+
+async def test_worker_publishes_whole_groups_with_their_routing(redis_url: str, run_name: str, tmp_path) -> None:
+    run_dir = make_run(tmp_path, run_name, async_level=1)
+    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    await asyncio.sleep(0.3)
+    assert worker.started == 0  # no weights yet: nothing is generated
+    await publish_weights(redis_url, run_dir, 0, initial_model(run_dir), commit=False)
+    groups = await wait_for(redis_url, run_name, 4)
+    await asyncio.sleep(0.3)
+    stop.set()
+    await asyncio.wait_for(task, 20)
+
+    traces = {t.group_id: t for t in await stream_events(redis_url, run_name, "routing")}
+    groups = await stream_events(redis_url, run_name, "trajectories")
+    assert len(groups) == 4 == worker.published  # async_level 1, rounds of 2: two rounds before a commit
+    assert len({g.group_id for g in groups}) == 4 and set(traces) == {g.group_id for g in groups}
+    for group in groups:
+        assert group.producer == "rollout:0" and group.worker == "rollout:0" and group.env == "reverse_text"
+        assert traces[group.group_id].seq == group.seq + 1  # published together
+        prompt = group.prompt.numpy()
+        assert prompt.dtype == np.int32 and len(group.samples) == 3
+        assert len({s.seed for s in group.samples}) == 3
+        for sample, experts in zip(group.samples, traces[group.group_id].experts):
+            tokens = sample.tokens.numpy()
+            assert tokens.dtype == np.int32 and sample.logprobs.numpy().dtype == np.float32
+            assert 1 <= len(tokens) <= 6 and len(sample.logprobs.numpy()) == len(tokens)
+            assert sample.spans == [(0, 0)] and 0.0 <= sample.reward <= 1.0
+            assert sample.finish_reason in ("stop", "length")
+            assert experts.dtype == "uint8" and experts.shape == [len(prompt) + len(tokens) - 1, 2, 2]
+    stats = [e for e in await stream_events(redis_url, run_name, "control") if isinstance(e, WorkerStats)]
+    assert stats and stats[-1].worker == "rollout:0" and stats[-1].policy_version == 0
+
+
+@pytest.mark.parametrize("async_level", [0, 1])
+async def test_async_gate(redis_url: str, run_name: str, tmp_path, async_level: int) -> None:
+    run_dir = make_run(tmp_path, run_name, async_level=async_level, concurrency=4, batch_groups=2)
+    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
+    assert worker.round_size == 2  # the worker's share of a batch, below concurrency
+    model = initial_model(run_dir)
+    await publish_weights(redis_url, run_dir, 0, model, commit=False)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    before_commit = 2 * (async_level + 1)
+    await wait_for(redis_url, run_name, before_commit)
+    await asyncio.sleep(0.5)
+    assert worker.started == before_commit and not worker.in_flight  # waiting for a commit
+
+    # New weights alone do not release the gate; their commit does.
+    await publish_weights(redis_url, run_dir, 1, model, commit=False)
+    await asyncio.sleep(0.5)
+    assert worker.started == before_commit
+    await publish_weights(redis_url, run_dir, 1, model, commit=True)
+    groups = await wait_for(redis_url, run_name, before_commit + 2)
+    await asyncio.sleep(0.5)
+    assert worker.started == before_commit + 2
+    stop.set()
+    await asyncio.wait_for(task, 20)
+    # The released round was sampled under version 1 (synchronous: on-policy for step 2).
+    assert all(s.spans == [(0, 1)] for g in groups[before_commit:] for s in g.samples)
+
+
+async def test_each_commit_releases_a_whole_batch_share(redis_url: str, run_name: str, tmp_path) -> None:
+    """concurrency 2 < batch_groups 3: rounds still hold a whole batch, so commits never starve the trainer."""
+    run_dir = make_run(tmp_path, run_name, async_level=1, concurrency=2, batch_groups=3, max_tokens=3)
+    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
+    model = initial_model(run_dir)
+    await publish_weights(redis_url, run_dir, 0, model, commit=False)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    await wait_for(redis_url, run_name, 6)  # two batches before any commit (async_level 1)
+    await asyncio.sleep(0.5)
+    assert worker.started == 6 and not worker.in_flight
+    await publish_weights(redis_url, run_dir, 1, model, commit=True)
+    await wait_for(redis_url, run_name, 9)  # one more batch per commit
+    await asyncio.sleep(0.5)
+    assert worker.started == 9
+    stop.set()
+    await asyncio.wait_for(task, 20)
+
+
+async def test_new_weights_reach_the_running_worker(redis_url: str, run_name: str, tmp_path) -> None:
+    run_dir = make_run(tmp_path, run_name, async_level=100)
+    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
+    model = initial_model(run_dir)
+    await publish_weights(redis_url, run_dir, 0, model, commit=False)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    await wait_for(redis_url, run_name, 2)
+    await publish_weights(redis_url, run_dir, 1, model, commit=False)
+    deadline = time.monotonic() + 20
+    while not any(s.spans[-1][1] == 1 for g in await stream_events(redis_url, run_name, "trajectories")
+                  for s in g.samples):
+        assert time.monotonic() < deadline, "no group was sampled under version 1"
+        await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(task, 20)
+
+
+async def test_big_routing_goes_to_the_blob_store(redis_url: str, run_name: str, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(rollout, "ROUTING_INLINE_BYTES", 0)
+    run_dir = make_run(tmp_path, run_name, async_level=0)
+    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
+    await publish_weights(redis_url, run_dir, 0, initial_model(run_dir), commit=False)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    (group, _) = await wait_for(redis_url, run_name, 2)
+    stop.set()
+    await asyncio.wait_for(task, 20)
+    trace = next(t for t in await stream_events(redis_url, run_name, "routing") if t.group_id == group.group_id)
+    assert trace.experts == [] and trace.blob is not None
+    routing = decode_routing(trace, BlobStore(run_dir / "blobs").get(trace.blob))  # as the trainer reads it
+    assert [r.shape[0] for r in routing] == [len(group.prompt.numpy()) + len(s.tokens.numpy()) - 1
+                                            for s in group.samples]
+
+
+async def test_stop_abandons_unfinished_groups_unpublished(redis_url: str, run_name: str, tmp_path,
+                                                           monkeypatch) -> None:
+    monkeypatch.setattr(rollout, "DRAIN_TIMEOUT_S", 0.0)
+    run_dir = make_run(tmp_path, run_name, async_level=0, max_tokens=200)
+    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
+    await publish_weights(redis_url, run_dir, 0, initial_model(run_dir), commit=False)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    while not worker.in_flight:
+        await asyncio.sleep(0.01)
+    stop.set()
+    await asyncio.wait_for(task, 20)
+    published = {g.group_id for g in await stream_events(redis_url, run_name, "trajectories")}
+    assert worker.abandoned and not set(worker.abandoned) & published
+    assert len(published) == worker.published
+
+
+async def test_killed_worker_loses_no_group_and_a_new_one_uses_fresh_seqs(redis_url: str, run_name: str,
+                                                                         tmp_path) -> None:
+    run_dir = make_run(tmp_path, run_name, async_level=100)
+    await publish_weights(redis_url, run_dir, 0, initial_model(run_dir), commit=False)
+    code = (f"from pathlib import Path; from reel.producers.rollout import main; "
+            f"main(Path({str(run_dir)!r}), {redis_url!r}, 0)")
+    with open(tmp_path / "worker.log", "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, REEL_TORCH_THREADS="1"),
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        await wait_for(redis_url, run_name, 3, timeout=40)
+    except AssertionError:
+        raise AssertionError((tmp_path / "worker.log").read_text()[-3000:]) from None
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    assert proc.returncode == -signal.SIGKILL
+    before = await stream_events(redis_url, run_name, "trajectories")
+    traces = await stream_events(redis_url, run_name, "routing")
+    assert {g.group_id for g in before} == {t.group_id for t in traces if isinstance(t, RoutingTrace)}
+    old_seqs = {e.seq for e in before + traces} | {e.seq for e in await stream_events(redis_url, run_name, "control")}
+
+    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    await wait_for(redis_url, run_name, len(before) + 2)
+    stop.set()
+    await asyncio.wait_for(task, 20)
+    after = (await stream_events(redis_url, run_name, "trajectories"))[len(before):]
+    assert worker.seq_base == max(old_seqs) + 1
+    assert all(g.seq > max(old_seqs) for g in after)
+    assert not {g.group_id for g in after} & {g.group_id for g in before}
+
+
+async def test_a_cut_connection_never_leaves_half_a_group(redis_url: str, run_name: str, tmp_path) -> None:
+    """The connection dies between a group's Trajectory and its RoutingTrace: Redis keeps neither."""
+    run_dir = make_run(tmp_path, run_name, async_level=0)
+    async with FaultProxy(redis_url) as proxy:
+        worker = RolloutWorker(run_dir, proxy.url, 0, load(run_dir / "config.toml"))
+        task = asyncio.create_task(worker.run(asyncio.Event()))
+        while worker.publisher is None:  # seq recovery reads the routing stream too: arm the cut after it
+            await asyncio.sleep(0.01)
+        proxy.cut_before(f"{{{run_name}}}:routing".encode())
+        await publish_weights(redis_url, run_dir, 0, initial_model(run_dir), commit=False)
+        with pytest.raises(BusError):  # the worker stops on the failed publish (the launcher restarts it)
+            await asyncio.wait_for(task, 60)
+        assert proxy.cuts == 1
+    groups = {t.group_id for t in await stream_events(redis_url, run_name, "trajectories")}
+    traces = {t.group_id for t in await stream_events(redis_url, run_name, "routing")}
+    assert groups == traces

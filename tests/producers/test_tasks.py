@@ -1,0 +1,312 @@
+"""Task adapters: reward parity with each library's own scoring (reasoning-gym, verifiers, math-verify,
+a verl compute_score), the answer-extraction rule, and bad input refused at config load."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from reel.producers.envs import Continue, Finish, make_env
+from reel.producers.envs.answers import extract_answer, fold
+from reel.producers.envs.rewards import RewardError, math_verify
+from reel.runtime.config.sections import EnvSection
+from reel.runtime.config.keys import ConfigError
+from reel.runtime.config.run import loads
+from reel.runtime.tokenizer import CharTokenizer
+
+reasoning_gym = pytest.importorskip("reasoning_gym", reason="the `tasks` extra (pip install '.[tasks]')")
+
+TOK = CharTokenizer()
+RG_TASKS = ("gcd", "spell_backward", "basic_arithmetic", "leg_counting", "count_bits")
+
+
+def ids(text: str, stop: bool = True) -> list[int]:
+    return TOK.encode(text) + ([TOK.eos_id] if stop else [])
+
+
+def env_config(name: str, options: str) -> str:
+    return f'[env]\nname = "{name}"\n[env.options]\n{options}\n'
+
+
+# ---- reasoning-gym ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("task", RG_TASKS)
+def test_reasoning_gym_reward_is_the_datasets_own_score(task):
+    env = make_env(EnvSection(name="reasoning_gym", options={"tasks": {task: 1.0}, "size": 40, "seed": 3}), 32)
+    reference = reasoning_gym.create_dataset(task, size=40, seed=3)  # the library, built independently
+    rng = random.Random(0)
+    for _ in range(8):
+        prompt = env.sample(rng)
+        entry = reference[prompt.meta["entry"]["metadata"]["source_index"]]
+        assert prompt.meta["entry"]["answer"] == entry["answer"] and prompt.meta["task"] == task
+        right, wrong = entry["answer"], str(int(entry["answer"]) + 1) if entry["answer"].lstrip("-").isdigit() else "x"
+        for answer in (right, wrong, "", f" {right} "):
+            assert env.reward(prompt, ids(answer)) == reference.score_answer(answer.strip(), entry)
+        assert env.reward(prompt, ids(right)) == 1.0 and env.reward(prompt, ids(wrong)) < 1.0
+
+
+def test_reasoning_gym_mixes_tasks_by_weight_and_folds_prompts_for_the_character_tokenizer():
+    env = make_env(EnvSection(name="reasoning_gym", options={
+        "tasks": {"spell_backward": 3.0, "gcd": {"weight": 1.0, "min_value": 1, "max_value": 30}}, "size": 50}), 32)
+    rng = random.Random(1)
+    prompts = [env.sample(rng) for _ in range(400)]
+    share = sum(p.meta["task"] == "spell_backward" for p in prompts) / len(prompts)
+    assert 0.68 < share < 0.82  # 3:1
+    assert all(TOK.decode(p.ids) == p.text and p.text == "<bos>" + fold(p.meta["entry"]["question"]) for p in prompts)
+    gcd = [p for p in prompts if p.meta["task"] == "gcd"]
+    assert all(max(p.meta["entry"]["metadata"]["numbers"]) <= 30 for p in gcd)  # the generator config passed through
+    held_out = env.held_out()
+    assert {p.meta["entry"]["question"] for p in prompts} != {held_out.sample(random.Random(i)).meta["entry"]["question"]
+                                                            for i in range(50)}
+
+
+def test_reasoning_gym_template_uses_entry_metadata():
+    env = make_env(EnvSection(name="reasoning_gym", options={"tasks": {"spell_backward": 1.0}, "size": 20,
+                                                             "template": "spell:{word}="}), 32)
+    prompt = env.sample(random.Random(2))
+    assert prompt.text == f"<bos>spell:{prompt.meta['entry']['metadata']['word']}="
+    with pytest.raises(ConfigError, match=r"env.options.template = 'x{nope}' cannot be filled.*word"):
+        make_env(EnvSection(name="reasoning_gym", options={"tasks": {"spell_backward": 1.0}, "template": "x{nope}"}), 32)
+
+
+@pytest.mark.parametrize("options, message", [
+    ("tasks = {spel_backward = 1.0}", r"env.options.tasks.spel_backward is not a reasoning-gym task \(did you mean "
+                                      r"spell_backward\?\)"),
+    ("tasks = {gcd = 0}", r"env.options.tasks.gcd: weight = 0 must be a number > 0"),
+    ("tasks = {gcd = {bogus = 3}}", r"env.options.tasks.gcd: reasoning-gym rejected its config \{'bogus': 3\}"),
+    ("tasks = {gcd = 1}\nsizes = 3", r"env.options.sizes is not an option of env reasoning_gym"),
+    ("size = 3", r"env.options.tasks must be a table"),
+])
+def test_reasoning_gym_bad_options_fail_at_config_load(options, message):
+    with pytest.raises(ConfigError, match=message):
+        loads(env_config("reasoning_gym", options))
+
+
+def test_answer_extraction_rule():
+    assert extract_answer("think... <answer> 42 </answer> more <answer>7</answer>") == "7"
+    assert extract_answer("so \\boxed{\\frac{1}{2}} done") == "\\frac{1}{2}"
+    assert extract_answer("<answer>a</answer> \\boxed{b}") == "a"  # the tag wins
+    assert extract_answer("  plain 12 ") == "plain 12"
+    assert extract_answer("\\boxed{unbalanced") == "\\boxed{unbalanced"
+
+
+# ---- math-verify and verl-style datasets ---------------------------------------------------------
+
+@pytest.mark.parametrize("truth, answer", [
+    ("$\\frac{1}{2}$", "$0.5$"), ("$\\frac{1}{2}$", "$\\frac{2}{4}$"), ("$3$", "$\\boxed{3}$"), ("$3$", "$4$"),
+    ("\\boxed{2}", "the answer is \\boxed{2}"), ("$x^2$", "$x \\cdot x$"), ("$7$", "no number"),
+])
+def test_math_verify_matches_the_library(truth, answer):
+    from math_verify import parse, verify
+
+    assert math_verify("", answer, truth) == float(verify(parse(truth), parse(answer)))
+
+
+def test_math_verify_reads_bare_latex_and_plain_numbers():
+    assert math_verify("", "0.5", "\\frac{1}{2}") == 1.0
+    assert math_verify("", "1.41421356", "\\sqrt{2}") == 1.0
+    assert math_verify("", "1+x", "x+1") == 1.0
+    assert math_verify("", "0.6", "\\frac{1}{2}") == 0.0
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+VERL_ROWS = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"what is {a} + {a}?"}],
+              "reward_model": {"style": "rule", "ground_truth": str(2 * a)}, "extra_info": {"index": a}}
+             for a in range(1, 9)]
+
+
+def test_verl_layout_with_a_verl_compute_score_unchanged(tmp_path):
+    import task_fixtures
+
+    path = write_jsonl(tmp_path / "train.jsonl", VERL_ROWS)
+    env = make_env(EnvSection(name="dataset", options={"path": str(path), "reward": "task_fixtures:compute_score"}), 16)
+    rng = random.Random(0)
+    for _ in range(6):
+        prompt = env.sample(rng)
+        row = VERL_ROWS[prompt.meta["index"]]
+        assert prompt.text == "<bos>" + row["prompt"][0]["content"]
+        assert prompt.meta["data_source"] == "openai/gsm8k" and prompt.meta["info"] == row["extra_info"]
+        truth = row["reward_model"]["ground_truth"]
+        for text in (f"so #### {truth}", f"#### {int(truth) + 1}", truth):
+            expected = task_fixtures.compute_score(row["data_source"], text, truth, row["extra_info"])
+            assert env.score(text, prompt.meta) == expected  # '#' is outside the character tokenizer
+        assert env.reward(prompt, ids(truth)) == 0.0  # the whole turn goes to the function: no "####"
+
+
+def test_plain_layout_parquet_exact_and_math_verify(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": "half of one?", "answer": "\\frac{1}{2}"}, {"prompt": "two and two?", "answer": "4"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet")
+    for reward, answer, expected in (("math_verify", "0.5", 1.0), ("exact", "0.5", 0.0), ("exact", "\\frac{1}{2}", 1.0)):
+        env = make_env(EnvSection(name="dataset", options={"path": str(tmp_path), "reward": reward}), 16)
+        prompt = next(p for p in (env.sample(random.Random(i)) for i in range(20)) if p.meta["index"] == 0)
+        assert env.score(answer, prompt.meta) == expected
+
+
+def test_dataset_sha256_changes_with_the_file(tmp_path):
+    from reel.runtime.config.run import from_dict
+    from reel.runtime.config.data_files import dataset_sha256
+
+    path = write_jsonl(tmp_path / "d.jsonl", VERL_ROWS)
+    config = from_dict({"env": {"name": "dataset", "options": {"path": str(path)}}})
+    before = dataset_sha256(config)
+    assert before == make_env(config.env, 16).sample(random.Random(0)).meta["dataset_sha256"]
+    write_jsonl(path, VERL_ROWS[:-1])
+    assert dataset_sha256(config) != before
+
+
+def test_reward_function_that_raises_or_returns_a_non_number_is_a_reward_error(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q", "answer": "a", "extra_info": {"bonus": 0.5}}])
+    env = make_env(EnvSection(name="dataset", options={"path": str(path), "reward": "task_fixtures:raising_score"}), 16)
+    prompt = env.sample(random.Random(0))
+    assert env.reward(prompt, ids("fine")) == 1.0
+    with pytest.raises(RewardError, match=r"reward function 'task_fixtures:raising_score' raised ZeroDivisionError: "
+                                          r"the user's scorer divided by zero"):
+        env.reward(prompt, ids("boom"))
+    env = make_env(EnvSection(name="dataset", options={"path": str(path), "reward": "task_fixtures:text_score"}), 16)
+    with pytest.raises(RewardError, match=r"returned 'yes' \(str\), not a number"):
+        env.reward(prompt, ids("a"))
+    env = make_env(EnvSection(name="dataset", options={"path": str(path), "reward": "task_fixtures:compute_score_dict"}), 16)
+    assert env.reward(prompt, ids("a")) == 1.5  # verl's dict form: its "score"
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"prompt": "q"}], r"d.jsonl row 0 has neither `answer` nor `reward_model.ground_truth`"),
+    ([{"question": "q", "answer": "a"}], r"d.jsonl row 0 has no `prompt` column"),
+    ([{"prompt": "q", "answer": "a"}, {"prompt": [{"role": "user", "content": "q"}], "reward_model": {"ground_truth": "1"}}],
+     r"d.jsonl row 1 has `reward_model` but no `data_source` column"),
+    ([{"prompt": [{"role": "system", "content": "s"}], "answer": "a"}], r"d.jsonl row 0: `prompt` must be a string or chat"),
+])
+def test_dataset_with_missing_columns_fails_at_config_load(tmp_path, rows, message):
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(ConfigError, match=message):
+        loads(env_config("dataset", f'path = "{path}"'))
+
+
+@pytest.mark.parametrize("options, message", [
+    ('path = "/nonexistent/x.jsonl"', r"env.options.path = '/nonexistent/x.jsonl' does not exist"),
+    ('path = "PATH"\nreward = "close_enough"', r"env.options.reward = 'close_enough' is unknown"),
+    ('path = "PATH"\nreward = "task_fixtures:nope"', r"'task_fixtures' has no attribute 'nope'"),
+    ('path = "PATH"\nshuffle = 1', r"env.options.shuffle is not an option of env dataset"),
+])
+def test_dataset_bad_options_fail_at_config_load(tmp_path, options, message):
+    path = write_jsonl(tmp_path / "d.jsonl", VERL_ROWS)
+    with pytest.raises(ConfigError, match=message):
+        loads(env_config("dataset", options.replace("PATH", str(path))))
+
+
+def test_an_env_returning_a_non_numeric_reward_is_a_reward_error():
+    import asyncio
+
+    import torch
+
+    from reel.producers.builtin_engine import BuiltinEngine
+    from reel.producers.engine import SamplingParams
+    from reel.producers.envs.reverse_text import ReverseText
+    from reel.producers.episode import run_group, scored_group
+    from reel.runtime.model.config import MoEConfig
+    from reel.runtime.model.model import MoEModel
+
+    class TextReward(ReverseText):  # a user's env with a bug: its reward is a string
+        def reward(self, prompt, completion_ids):
+            return "1.0"
+
+    env = TextReward(TOK, min_len=3, max_len=3)
+    torch.manual_seed(0)
+    model = MoEModel(MoEConfig(vocab_size=TOK.vocab_size)).eval()
+
+    async def go():
+        async with BuiltinEngine(model, max_batch=4) as engine:
+            prompt = env.sample(random.Random(0))
+            params = SamplingParams(n=2, max_tokens=3, stop_token_ids=TOK.stop_ids, seed=1)
+            assert await scored_group(engine, env, prompt, params, "test") is None  # left out, and logged
+            await run_group(engine, env, prompt, params)
+
+    with pytest.raises(RewardError, match=r"env reverse_text returned the reward '1.0' \(str\), not a number"):
+        asyncio.run(go())
+
+
+# ---- verifiers ------------------------------------------------------------------------------------
+
+pytest.importorskip("verifiers", reason="the `tasks` extra (pip install '.[tasks]')")
+
+
+def vf_env(kind: str, **options):
+    return make_env(EnvSection(name="verifiers", options={"id": "task_fixtures", "args": {"kind": kind}, **options}), 16)
+
+
+def test_verifiers_single_turn_reward_is_the_rubrics_weighted_score():
+    env = vf_env("single")
+    assert env.max_turns == 1
+    rng = random.Random(0)
+    for _ in range(4):
+        prompt = env.sample(rng)
+        answer = prompt.meta["answer"]
+        assert prompt.text == "<bos>" + env.rows[prompt.meta["index"]]["prompt"][0]["content"]
+        for text in (answer, "wrong", "wrongish"):
+            reply = env.respond(prompt, [ids(text)])
+            correct, short = float(text == answer), float(len(text) <= 4)  # the rubric's two functions
+            assert reply == Finish(1.0 * correct + 0.5 * short,
+                                   scores={"correct": correct, "short": short, "num_turns": 1.0})
+    assert not env._states  # every finished episode's state is released
+
+
+def test_verifiers_multi_turn_env_response_comes_back_as_continue_tokens():
+    env = vf_env("multi")
+    assert env.max_turns == 3
+    prompt = env.sample(random.Random(0))
+    turns = [ids("no")]
+    reply = env.respond(prompt, turns)
+    assert reply == Continue(TOK.turn_ids("user", "again"))
+    turns += [reply.ids, ids(prompt.meta["answer"])]
+    assert env.respond(prompt, turns) == Finish(1.0, scores={"correct": 1.0, "num_turns": 2.0})
+    turns = [ids("no")]
+    for _ in range(2):
+        reply = env.respond(prompt, turns)
+        turns += [reply.ids, ids("nope")]
+    assert env.respond(prompt, turns) == Finish(0.0, scores={"correct": 0.0, "num_turns": 3.0})  # max_turns
+
+
+def test_verifiers_tool_env_calls_the_tool_from_hermes_tool_call_text():
+    env = vf_env("tool")
+    prompt = env.sample(random.Random(0))
+    call = '<tool_call>{"name": "reverse", "arguments": {"text": "abc"}}</tool_call>'
+
+    class Wide:  # the character tokenizer cannot spell JSON; the env only decodes and renders
+        stop_ids = (0,)
+
+        def decode(self, ids, skip_special=False):
+            return call if ids == [1] else prompt.meta["answer"]
+
+        def turn_ids(self, role, text):
+            return [ord(c) for c in f"{role}:{text}"]
+
+    env.tokenizer = Wide()
+    turns = [[1, 0]]  # one list per episode, grown in place (as producers/episode.py does)
+    reply = env.respond(prompt, turns)
+    assert reply == Continue([ord(c) for c in "tool:cba"], tool_call=True)
+    turns += [reply.ids, [2, 0]]
+    assert env.respond(prompt, turns) == Finish(1.0, scores={"correct": 1.0, "num_turns": 2.0,
+                                                             "total_tool_calls": 1.0, "reverse_calls": 1.0})
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"args": {"kind": "group"}}, r"env.options.id = 'task_fixtures' is a EnvGroup \(EnvGroup needs a sandbox"),
+    ({"id": "no_such_env_pkg"}, r"env.options.id = 'no_such_env_pkg': no installed package provides module"),
+    ({"args": {"kind": "nope"}}, r"load_environment\(\{'kind': 'nope'\}\) failed: .*unknown kind 'nope'"),
+    ({"split": "test"}, r"env.options.split = 'test' must be \"train\" or \"eval\""),
+])
+def test_verifiers_unsupported_envs_fail_at_config_load(options, message):
+    options = {"id": "task_fixtures", **options}
+    text = "\n".join(f"{k} = {json.dumps(v) if not isinstance(v, dict) else '{' + ', '.join(f'{a} = {json.dumps(b)}' for a, b in v.items()) + '}'}"
+                     for k, v in options.items())
+    with pytest.raises(ConfigError, match=message):
+        loads(env_config("verifiers", text))
