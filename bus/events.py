@@ -231,6 +231,11 @@ class WorkerStats(Event, tag="worker_stats"):
     # CPU seconds of the worker process (all its threads) since it started: deltas over active wall
     # time give the cores the rollout side demands (the simulator's shared-hardware model). 0 = not recorded.
     cpu_s: float = 0.0
+    # Where the worker's wall time went since it started: busy_s (the engine decoding) + tool_wait_s
+    # (the engine idle while at least one episode waits on its env or tool) + idle_s (the engine idle
+    # with nothing waiting: no prompt admitted, held by the async gate) = wall seconds. 0 = not recorded.
+    tool_wait_s: float = 0.0
+    idle_s: float = 0.0
 
 
 class EvalResult(Event, tag="eval_result"):
