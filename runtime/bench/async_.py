@@ -34,7 +34,8 @@ from reel.bus.jsonout import print_json
 from reel.bus.log import RunLog
 from reel.runtime.config import run as config_mod
 from reel.runtime.config.sections import Config
-from reel.runtime.launch.supervisor import Supervisor, bus_for, prepare_run_dir
+from reel.runtime.launch.run_dir import bus_for, prepare_run_dir
+from reel.runtime.launch.supervisor import Supervisor
 
 # The agentic shape: mostly 3..6-character answers, 20% of prompts answering with max_tokens.
 WORKLOAD = {

@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="sink role: which tracker (default: none; a sink role needs it)")
     role.add_argument("--bus", default=None, help="Redis URL (default: REEL_BUS_URL, else the run dir's bus_url); "
                       "argv is visible to every user, so pass a URL with a password through REEL_BUS_URL")
-    role.set_defaults(handler="reel.runtime.launch.supervisor:main_role")
+    role.set_defaults(handler="reel.runtime.launch.roles:main_role")
 
     config = _command(sub, "config", "inspect a config", "reel config show examples/reverse_text.toml")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="COMMAND")

@@ -38,7 +38,7 @@ from reel.runtime.config.sections import Config
 from reel.runtime.config.keys import ConfigError
 from reel.runtime.config.engine import PD_CONNECTORS
 from reel.runtime.launch import vllm_args
-from reel.runtime.launch.supervisor import beside_python
+from reel.runtime.launch.role_process import beside_python
 from reel.runtime.launch.vllm_args import Expand, Pool
 from reel.runtime.package_files import ops_file
 
@@ -82,7 +82,7 @@ def main_submit(args: argparse.Namespace) -> int:
         print(script, end="")
         return 0
     _which("sbatch")
-    from reel.runtime.launch.supervisor import prepare_run_dir  # the run directory layout is the local launcher's
+    from reel.runtime.launch.run_dir import prepare_run_dir  # the run directory layout is the local launcher's
 
     prepare_run_dir(run_dir, Path(args.config).read_text(), config, resume=False)
     try:

@@ -26,7 +26,7 @@ from reel.consumers.aggregates import RunAggregates
 from reel.consumers.metric_views import SnapshotCollector
 from reel.consumers.metrics import MetricsError, RunSource, Watcher, locate, read_log, serve
 from reel.runtime.launch import cli
-from reel.runtime.launch.supervisor import announce_finished
+from reel.runtime.launch.run_dir import announce_finished
 from paths import REPO
 
 _seq = itertools.count()

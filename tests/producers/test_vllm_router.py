@@ -23,7 +23,7 @@ import pytest
 
 from reel.runtime.config import run as config
 from reel.runtime.launch import slurm, vllm_args
-from reel.runtime.launch.supervisor import beside_python, free_port
+from reel.runtime.launch.role_process import beside_python, free_port
 
 pytestmark = pytest.mark.slow
 

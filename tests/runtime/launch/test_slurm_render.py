@@ -26,7 +26,8 @@ from reel.bus.server import service_redis_server
 from reel.runtime.config import run as config
 from reel.runtime.config import engine as config_engine
 from reel.runtime.config.keys import ConfigError
-from reel.runtime.launch import role_users, slurm, supervisor, vllm_args
+from reel.runtime.launch import role_users, slurm, vllm_args
+from reel.runtime.launch import run_dir as run_dir_mod
 from reel.runtime.launch.cli import main
 from paths import REPO
 
@@ -363,7 +364,7 @@ def test_each_role_reads_its_own_redis_user_from_a_private_file(tmp_path: Path) 
             path = role_users.url_file(run_dir, role)
             assert path.stat().st_mode & 0o777 == 0o600
             assert f"//reel.roles.{role}:" in path.read_text() and "s3cret" not in path.read_text()
-        rollout = supervisor._read_bus_url(run_dir, "rollout")
+        rollout = run_dir_mod.read_bus_url(run_dir, "rollout")
         assert rollout == role_users.url_file(run_dir, "rollout").read_text().strip()
         with pytest.raises(redis.exceptions.NoPermissionError):
             redis.Redis.from_url(rollout).xadd("reel:{roles}:steps", {"e": b"x"})
