@@ -17,7 +17,7 @@ import pytest
 from reel.runtime.config.sections import Config
 from reel.runtime.config.help import HELP
 from reel.runtime.config.schema import field_comments, keys
-from reel.runtime.launch.cli import _parser
+from reel.runtime.launch.cli_commands import build_parser
 from reel.runtime.launch.cli_reference import commands
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +104,7 @@ def test_mkdocs_builds_strict_with_the_generated_references(tmp_path: Path) -> N
     config_page = (site / "reference" / "config" / "index.html").read_text()
     assert all(f"<code>{d.key}</code>" in config_page for d in keys())
     commands_page = (site / "reference" / "commands" / "index.html").read_text()
-    progs = [p.prog for p in commands(_parser())]
+    progs = [p.prog for p in commands(build_parser())]
     assert "reel metrics tensorboard" in progs and "reel report" in progs and "reel config schema" in progs
     assert all(f">{prog}<" in commands_page for prog in progs)
 
