@@ -333,7 +333,7 @@ def _retrain_commands(sub) -> None:
     retrain.add_argument("--rescore", action="store_true",
                          help="score every logged sample again with the env reward of the (--config overridden) "
                               "config before training, e.g. another env.options.reward (single-turn samples)")
-    retrain.set_defaults(handler="reel.consumers.retrain:main")
+    retrain.set_defaults(handler="reel.runtime.launch.retrain_cli:main")
 
     export = _command(sub, "export", "write a policy version as a Hugging Face model directory (transformers, vLLM)",
                       "reel export --run runs/reverse_text --out models/reverse_text",
