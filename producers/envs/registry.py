@@ -34,6 +34,7 @@ OPTION_CHECKS: dict[str, str] = {
     "dataset": "reel.producers.envs.dataset:check",
     "verifiers": "reel.producers.envs.verifiers_env:check",
 }
+VERIFIERS_PREFIX = "verifiers:"
 _PLUGIN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
@@ -41,6 +42,8 @@ def factory_path(name: str) -> str:
     """"module:attribute" for an env name; ConfigError for a name of neither form."""
     if name in BUILTIN:
         return BUILTIN[name]
+    if name.startswith(VERIFIERS_PREFIX):  # "verifiers:<id>": the verifiers adapter, the env id after the colon
+        return BUILTIN["verifiers"]
     if _PLUGIN.fullmatch(name):
         return name
     raise ConfigError(f"env.name = {name!r} is unknown; use one of {', '.join(BUILTIN)} or "
@@ -62,8 +65,9 @@ def check_name(name: str) -> None:
 def check_options(section: EnvSection) -> None:
     """env.name and, for the task adapters, env.options are usable; ConfigError otherwise."""
     check_name(section.name)
-    if section.name in OPTION_CHECKS:
-        module, function = OPTION_CHECKS[section.name].split(":")
+    adapter = "verifiers" if section.name.startswith(VERIFIERS_PREFIX) else section.name
+    if adapter in OPTION_CHECKS:
+        module, function = OPTION_CHECKS[adapter].split(":")
         getattr(importlib.import_module(module), function)(section)
 
 
