@@ -42,7 +42,7 @@ class GenerateRoute:
     model: str  # the served model's name
     max_tokens: int  # completion tokens at most (rollout.max_tokens): a client cannot ask for more
     max_model_len: int  # context length reported on /v1/models
-    sampled: dict[Key, Completion] = field(default_factory=dict)
+    sampled: dict[Key, list[Completion]] = field(default_factory=lambda: defaultdict(list))  # samples may repeat
     url: str = ""  # http://127.0.0.1:<port>, set by start
     _calls: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # seed -> calls so far
     _stride: dict[int, int] = field(default_factory=dict)  # seed -> seed step per call
@@ -72,7 +72,8 @@ class GenerateRoute:
 
     def take(self, prompt: list[int], completion: list[int]) -> Completion | None:
         """The completion sampled for `prompt` with these tokens, forgotten once taken."""
-        return self.sampled.pop((tuple(prompt), tuple(completion)), None)
+        same = self.sampled.get((tuple(prompt), tuple(completion)))
+        return same.pop() if same else None
 
     def _authorized(self, request: web.Request) -> bool:
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
@@ -97,7 +98,7 @@ class GenerateRoute:
             (c,) = await self.engine.generate(prompt, params)
         except EngineError as exc:
             return _error(400, str(exc))
-        self.sampled[(tuple(prompt), tuple(c.tokens))] = c
+        self.sampled[(tuple(prompt), tuple(c.tokens))].append(c)
         return web.json_response({
             "request_id": body.get("request_id") or uuid.uuid4().hex,
             "prompt_token_ids": prompt,

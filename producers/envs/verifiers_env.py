@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import logging
 import random
 from typing import Any
 
@@ -112,6 +113,11 @@ def load(env_id: str, args: dict[str, Any], harness: dict[str, Any] | None) -> A
     """vf.load_environment over the taskset `env_id` with `args`, refusing what Reel cannot run (docstring)."""
     check_version()
     import verifiers.v1 as vf
+
+    # verifiers, its HTTP clients and its interception server log a line per episode and request at INFO:
+    # thousands a minute in a role's log. Their warnings and errors still show.
+    for name in ("verifiers", "httpx", "aiohttp.access"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
     module = env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
     if importlib.util.find_spec(module) is None:

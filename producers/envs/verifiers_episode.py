@@ -58,10 +58,13 @@ class Runs:
         os.environ[KEY_VAR] = os.environ.get(KEY_ENV) or os.environ.get(KEY_VAR) or secrets.token_urlsafe(32)
         route = GenerateRoute(engine, os.environ[KEY_VAR], self.model, self.max_tokens, MAX_MODEL_LEN)
         await route.start()
+        known = known_context_length(route.url, self.model)
         try:
             async with self.env.vf_env.serving():
                 yield route
         finally:
+            for key in known:
+                _context_lengths().pop(key, None)
             await route.stop()
 
     def context(self, route: GenerateRoute, params: SamplingParams, seed: int) -> Any:
@@ -89,6 +92,22 @@ class Runs:
                 raise RewardError(f"{what}: a group's episodes ran past env.options.timeout_s = "
                                   f"{self.env.timeout_s:g} s") from None
             return [episode_of(what, route, prompt, seed, vf_episode) for seed, vf_episode in zip(seeds, done)]
+
+
+def _context_lengths() -> dict:
+    from renderers import client
+
+    return client._max_prompt_len_cache
+
+
+def known_context_length(url: str, model: str) -> list[tuple[str, str]]:
+    """Tell the renderers client the route's context length up front. It would otherwise ask GET /v1/models
+    once per (url, model) under a module-wide asyncio.Lock, which binds to the first event loop that waits
+    on it: the next loop in this process (the eval role's, a test's) would fail every model call."""
+    keys = [(f"{url}/v1/", model), (f"{url}/v1", model)]
+    for key in keys:
+        _context_lengths()[key] = MAX_MODEL_LEN
+    return keys
 
 
 def episode_of(what: str, route: GenerateRoute, prompt: Prompt, seed: int, vf_episode: Any) -> Episode:

@@ -8,6 +8,7 @@ tool, `peek(i)`, answers the task word's i-th letter (0-based).
 from __future__ import annotations
 
 import json
+import ssl
 
 import httpx
 import verifiers.v1 as vf
@@ -15,6 +16,10 @@ import verifiers.v1 as vf
 PEEK = {"type": "function", "function": {
     "name": "peek", "description": "the i-th letter of the word (0-based)",
     "parameters": {"type": "object", "properties": {"i": {"type": "integer"}}, "required": ["i"]}}}
+
+
+# One TLS context for every episode's client (building one per client costs ~50 ms of CPU; the endpoint is http).
+_TLS = ssl.create_default_context()
 
 
 class ChatHarnessConfig(vf.HarnessConfig):
@@ -33,7 +38,7 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt or []])
         tools = [PEEK] if getattr(data, "tools", False) else None
         url = endpoint.rstrip("/").removesuffix("/v1") + "/v1/chat/completions"  # the endpoint may name /v1
-        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {secret}"}, timeout=None) as http:
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {secret}"}, timeout=None, verify=_TLS) as http:
             for _ in range(self.config.max_turns):
                 body = {"model": ctx.model, "messages": messages, **({"tools": tools} if tools else {})}
                 reply = await http.post(url, json=body)

@@ -1,0 +1,137 @@
+"""verifiers 0.4 environments on Reel's engine: the train client's calls reach the engine through the
+generate route, episodes come back as the engine's own completions (tokens, logprobs, version spans,
+routing) with env turns masked, per-function rewards; a failed episode drops its group with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("verifiers.v1", reason="the `tasks` extra (pip install '.[tasks]')")
+
+from reel.producers.builtin_engine import BuiltinEngine  # noqa: E402
+from reel.producers.engine import SamplingParams  # noqa: E402
+from reel.producers.envs import make_env  # noqa: E402
+from reel.producers.envs.rewards import RewardError  # noqa: E402
+from reel.producers.envs.verifiers_renderer import tool_calls  # noqa: E402
+from reel.producers.episode import run_group  # noqa: E402
+from reel.producers.generate_route import GenerateRoute  # noqa: E402
+from reel.runtime.config.sections import EnvSection  # noqa: E402
+from reel.runtime.model.config import MoEConfig  # noqa: E402
+from reel.runtime.model.model import MoEModel  # noqa: E402
+from reel.runtime.tokenizer import CharTokenizer  # noqa: E402
+
+torch.set_num_threads(2)
+TOK = CharTokenizer()
+CFG = MoEConfig(vocab_size=49, initializer_range=0.1)
+
+
+def _model() -> MoEModel:
+    torch.manual_seed(0)
+    return MoEModel(CFG).eval()
+
+
+def _env(kind: str, **options):
+    return make_env(EnvSection(name="verifiers:vf-fixtures", options={"args": {"kind": kind}, **options}), 6)
+
+
+def _group(env, n=3, seed=11, swap_at=None):
+    """A group of the env's first prompt on the built-in engine, with the engine's own direct answers for
+    the same prompts and seeds (a second engine with the same weights)."""
+
+    async def go():
+        async with BuiltinEngine(_model(), max_batch=8, version=0) as engine:
+            prompt = env.sample(random.Random(2))
+            params = SamplingParams(n=n, max_tokens=6, stop_token_ids=TOK.stop_ids, seed=seed)
+            episodes = await run_group(engine, env, prompt, params)
+            direct = await engine.generate(prompt.ids, params)
+            return prompt, episodes, direct
+
+    return asyncio.run(go())
+
+
+def test_single_turn_episodes_are_the_engines_completions_with_per_function_rewards():
+    env = _env("single")
+    prompt, episodes, direct = _group(env)
+    assert prompt.ids == TOK.prompt_ids(f"reverse:{env.tasks[prompt.meta['index']].data.word}=")
+    assert prompt.answer == env.tasks[prompt.meta["index"]].data.answer
+    for i, (episode, c) in enumerate(zip(episodes, direct)):
+        # Sample i's seed is params.seed + i, as for native envs: the same tokens as a direct request.
+        assert episode.seed == 11 + i and episode.tokens == c.tokens and episode.logprobs == c.logprobs
+        assert episode.spans == [(0, 0)] and episode.env_spans == [] and episode.turn_lengths == [len(c.tokens)]
+        assert episode.routing.shape == (len(prompt.ids) + len(c.tokens) - 1, CFG.num_hidden_layers,
+                                         CFG.num_experts_per_tok)
+        np.testing.assert_array_equal(episode.routing, c.routing)
+        text = TOK.decode(c.tokens[:-1] if c.tokens[-1] in TOK.stop_ids else c.tokens, skip_special=True).strip()
+        correct, short = float(text == prompt.answer), float(len(text) <= 4)
+        assert episode.scores == {"correct": correct, "short": short}
+        assert episode.reward == pytest.approx(1.0 * correct + 0.5 * short)
+
+
+def test_multi_turn_env_turns_are_masked_prompt_tokens_between_the_engines_turns():
+    env = _env("multi")
+    prompt, episodes, _ = _group(env, n=2)
+    again = TOK.turn_ids("user", "again")
+    for episode in episodes:
+        first, second = episode.turn_lengths
+        assert len(episode.turns) == 3 and episode.turns[1] == again
+        assert episode.env_spans == [(first, first + len(again))]
+        assert episode.tokens == episode.turns[0] + again + episode.turns[2] and len(episode.turns[2]) == second
+        assert episode.logprobs[first:first + len(again)] == [0.0] * len(again)  # env tokens: never trained on
+        assert all(lp < 0 for lp in episode.logprobs[:first] + episode.logprobs[first + len(again):])
+        assert episode.routing.shape[0] == len(prompt.ids) + len(episode.tokens) - 1
+
+
+@pytest.mark.parametrize("kind, options, message", [
+    ("exits", {}, r"an episode failed: HarnessError: harness 'vf-fixtures' exited 3: the agent crashed"),
+    ("slow", {"timeout_s": 1}, r"a group's episodes ran past env.options.timeout_s = 1 s"),
+    ("nan", {}, r"reward function 'correct' returned nan"),
+])
+def test_a_failed_episode_drops_its_group_with_the_reason(kind, options, message):
+    with pytest.raises(RewardError, match=message):
+        _group(_env(kind, **options), n=2)
+
+
+def test_the_route_wants_the_run_key_and_answers_the_train_clients_request():
+    async def go():
+        async with BuiltinEngine(_model(), max_batch=4, version=0) as engine:
+            route = GenerateRoute(engine, "secret-key", "m", max_tokens=4, max_model_len=64)
+            await route.start()
+            try:
+                async with httpx.AsyncClient(base_url=route.url) as http:
+                    body = {"model": "m", "token_ids": TOK.prompt_ids("reverse:abc="),
+                            "sampling_params": {"max_tokens": 99, "seed": 5, "logprobs": 1}}
+                    refused = await http.post("/inference/v1/generate", json=body)
+                    answered = await http.post("/inference/v1/generate", json=body,
+                                               headers={"Authorization": "Bearer secret-key"})
+                    again = await http.post("/inference/v1/generate", json=body,
+                                            headers={"Authorization": "Bearer secret-key"})
+                return refused, answered.json(), again.json(), route
+            finally:
+                await route.stop()
+
+    refused, answered, again, route = asyncio.run(go())
+    assert refused.status_code == 401 and "the run's key is required" in refused.text
+    choice = answered["choices"][0]
+    assert 1 <= len(choice["token_ids"]) <= 4  # max_tokens capped at the route's
+    assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(math.isfinite(e["logprob"]) for e in choice["logprobs"]["content"])
+    # A second call with the same seed is the episode's next turn: it samples with the next seed.
+    assert sum(map(len, route.sampled.values())) == 2 and route.take(answered["prompt_token_ids"], choice["token_ids"]) is not None
+    assert again["choices"][0]["token_ids"] != choice["token_ids"] or len(choice["token_ids"]) == 1
+
+
+def test_tool_calls_are_read_in_hermes_form_or_compact_form_for_offered_tools():
+    peek = [{"type": "function", "function": {"name": "peek", "parameters": {
+        "type": "object", "properties": {"i": {"type": "integer"}}, "required": ["i"]}}}]
+    (hermes,) = tool_calls('<tool_call>{"name": "peek", "arguments": {"i": 2}}</tool_call>', peek)
+    assert (hermes.name, hermes.arguments) == ("peek", {"i": 2})
+    (compact,) = tool_calls("peek:3", peek)
+    assert (compact.name, compact.arguments) == ("peek", {"i": 3})
+    assert tool_calls("peek:3", []) == [] and tool_calls("cba", peek) == []
