@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from reel.producers.envs import Continue, Finish, make_env
+from reel.producers.envs import make_env
 from reel.producers.envs.answers import extract_answer, fold
 from reel.producers.envs.rewards import RewardError, math_verify
 from reel.runtime.config.sections import EnvSection

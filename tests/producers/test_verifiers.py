@@ -26,6 +26,7 @@ from reel.runtime.config.sections import EnvSection  # noqa: E402
 from reel.runtime.model.config import MoEConfig  # noqa: E402
 from reel.runtime.model.model import MoEModel  # noqa: E402
 from reel.runtime.tokenizer import CharTokenizer  # noqa: E402
+from paths import REPO  # noqa: E402
 
 torch.set_num_threads(2)
 TOK = CharTokenizer()
@@ -135,3 +136,43 @@ def test_tool_calls_are_read_in_hermes_form_or_compact_form_for_offered_tools():
     (compact,) = tool_calls("peek:3", peek)
     assert (compact.name, compact.arguments) == ("peek", {"i": 3})
     assert tool_calls("peek:3", []) == [] and tool_calls("cba", peek) == []
+
+
+class PeekFirst(BuiltinEngine):
+    """The built-in engine, except that each episode's first turn is the scripted text "peek:1" + eos (a tool
+    call in the compact form; a tiny random model would not call it), its logprobs and routing cut from a
+    real sample of the same prompt."""
+
+    async def generate(self, prompt_ids, params):
+        completions = await super().generate(prompt_ids, params)
+        if prompt_ids[-1] != TOK.encode("=")[0]:  # a later turn (after the tool result): sampled as is
+            return completions
+        script = TOK.encode("peek:1") + [TOK.eos_id]
+        for c in completions:
+            real = len(c.tokens)
+            c.tokens = script
+            c.logprobs = (c.logprobs * len(script))[:len(script)]
+            c.routing = np.concatenate([c.routing] + [c.routing[-1:]] * len(script))[:len(prompt_ids) + len(script) - 1]
+            c.finish_reason = "stop"
+            assert real >= 1
+        return completions
+
+
+def test_a_tool_call_runs_the_examples_tool_and_its_result_is_an_env_turn(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "examples" / "vf_reverse"))  # the example's package, installed or not
+    env = make_env(EnvSection(name="verifiers:vf-reverse", options={"args": {"num_examples": 20, "tools": True}}), 6)
+
+    async def go():
+        async with PeekFirst(_model(), max_batch=8, version=0) as engine:
+            prompt = env.sample(random.Random(2))
+            params = SamplingParams(n=2, max_tokens=6, stop_token_ids=TOK.stop_ids, seed=11)
+            return prompt, await run_group(engine, env, prompt, params)
+
+    prompt, episodes = asyncio.run(go())
+    word = env.tasks[prompt.meta["index"]].data.word
+    result = TOK.turn_ids("tool", word[1])  # peek(1): the word's second letter
+    for episode in episodes:
+        call = TOK.encode("peek:1") + [TOK.eos_id]
+        assert episode.turns[:2] == [call, result] and episode.tool_calls == 1
+        assert episode.env_spans == [(len(call), len(call) + len(result))] and len(episode.turn_lengths) == 2
+        assert episode.routing.shape[0] == len(prompt.ids) + len(episode.tokens) - 1
