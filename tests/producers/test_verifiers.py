@@ -176,3 +176,46 @@ def test_a_tool_call_runs_the_examples_tool_and_its_result_is_an_env_turn(monkey
         assert episode.turns[:2] == [call, result] and episode.tool_calls == 1
         assert episode.env_spans == [(len(call), len(call) + len(result))] and len(episode.turn_lengths) == 2
         assert episode.routing.shape[0] == len(prompt.ids) + len(episode.tokens) - 1
+
+
+@pytest.mark.slow
+def test_failed_episodes_dead_letter_their_groups_and_a_resumed_run_goes_on(tmp_path, monkeypatch):
+    from reel.bus.events import RunFinished, StepCommitted, Trajectory
+    from reel.bus.log import RunLog
+    from reel.runtime.launch.cli import main
+    from paths import SUPPORT
+
+    monkeypatch.setenv("PYTHONPATH", str(SUPPORT))  # the roles import vf_fixtures
+    config = tmp_path / "vf.toml"
+    config.write_text("""
+[run]
+name = "vf"
+steps = 3
+[init]
+warmup_steps = 20
+[env]
+name = "verifiers:vf-fixtures"
+[env.options]
+args = {kind = "flaky", rows = 6}
+[rollout]
+concurrency = 4
+group_size = 4
+max_tokens = 6
+[trainer]
+batch_groups = 4
+max_off_policy_steps = 2
+""")
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("REEL_CRASH_AT", "2:committed")  # stopped mid-run and resumed
+    assert main(["run", str(config), "--out", str(run_dir), "--no-live"]) == 1
+    monkeypatch.delenv("REEL_CRASH_AT")
+    assert main(["run", str(config), "--out", str(run_dir), "--no-live", "--resume"]) == 0
+    with RunLog(run_dir, readonly=True) as log:
+        commits = [e for _, e in log.events("steps") if isinstance(e, StepCommitted)]
+        finished = [e for _, e in log.events("control") if isinstance(e, RunFinished)]
+        logged = [e for _, e in log.events("trajectories") if isinstance(e, Trajectory)]
+    assert [c.step for c in commits] == [1, 2, 3] and finished[-1].dead_letters >= 1
+    assert logged and all(t.meta["index"] not in (0, 3) for t in logged)  # "abc", "moon": never trained on
+    assert all(set(s.scores) == {"correct", "short"} for t in logged for s in t.samples)
+    rollout_log = (run_dir / "roles" / "rollout-0.log").read_text()
+    assert "an episode failed: HarnessError: harness 'vf-fixtures' exited 3: the agent crashed" in rollout_log

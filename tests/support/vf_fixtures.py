@@ -1,7 +1,7 @@
 """A verifiers 0.4 environment for tests (verifiers id "vf-fixtures"): a taskset and an in-process harness.
 
 `kind` (a taskset config field) picks the behaviour: "single" (one model turn), "multi" (the user says
-"again" after the first answer: two model turns), "exits" (the harness exits 3), "slow" (the harness
+"again" after the first answer: two model turns), "exits" (the harness exits 3), "flaky" (it exits 3 on the words "abc" and "moon", one turn on the others), "slow" (the harness
 sleeps past any group timeout), "nan" (the `correct` reward returns NaN), "raises" (load() raises).
 Rewards: `correct` (weight 1.0: the answer is the word reversed), `short` (weight 0.5: at most 4 characters).
 """
@@ -53,7 +53,7 @@ class FixHarness(vf.Harness[vf.HarnessConfig]):
     NEEDS_CONTAINER = False
 
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, **kwargs) -> vf.ProgramResult:
-        if data.kind == "exits":
+        if data.kind == "exits" or (data.kind == "flaky" and data.word in ("abc", "moon")):
             return vf.ProgramResult(exit_code=3, stdout="", stderr="the agent crashed")
         if data.kind == "slow":
             await asyncio.sleep(60)
