@@ -94,6 +94,12 @@ class Verifiers(Env):
         """params.n episodes of the prompt's task, run by the verifiers env (producers/episode.py calls this)."""
         return await self._runs.group(engine, self.tasks[prompt.meta["index"]], prompt, params)
 
+    def reference(self, prompt: Prompt) -> list[int]:
+        if not prompt.answer:
+            raise ConfigError(f"init.warmup_steps trains on reference answers, and verifiers env {self.env_id!r} "
+                              "has none (its TaskData has no `answer` field); add one or set init.warmup_steps = 0")
+        return super().reference(prompt)
+
     def reward(self, prompt: Prompt, completion_ids: list[int]) -> float:
         raise RewardError(f"verifiers env {self.env_id!r} scores whole episodes (run by its harness), "
                           "not a completion on its own")

@@ -9,6 +9,7 @@ import math
 import random
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -22,6 +23,7 @@ from reel.producers.envs.rewards import RewardError  # noqa: E402
 from reel.producers.envs.verifiers_renderer import tool_calls  # noqa: E402
 from reel.producers.episode import run_group  # noqa: E402
 from reel.producers.generate_route import GenerateRoute  # noqa: E402
+from reel.runtime.config.keys import ConfigError  # noqa: E402
 from reel.runtime.config.sections import EnvSection  # noqa: E402
 from reel.runtime.model.config import MoEConfig  # noqa: E402
 from reel.runtime.model.model import MoEModel  # noqa: E402
@@ -73,6 +75,15 @@ def test_single_turn_episodes_are_the_engines_completions_with_per_function_rewa
         correct, short = float(text == prompt.answer), float(len(text) <= 4)
         assert episode.scores == {"correct": correct, "short": short}
         assert episode.reward == pytest.approx(1.0 * correct + 0.5 * short)
+
+
+def test_the_reference_answer_is_the_tasks_answer_field_and_none_is_refused_for_the_warm_start():
+    env = _env("single")
+    prompt = env.sample(random.Random(2))
+    assert env.reference(prompt) == TOK.encode(prompt.answer) + [TOK.eos_id]
+    with pytest.raises(ConfigError, match=r"init.warmup_steps trains on reference answers, and verifiers env "
+                                          r"'vf-fixtures' has none"):
+        env.reference(msgspec.structs.replace(prompt, answer=""))
 
 
 def test_multi_turn_env_turns_are_masked_prompt_tokens_between_the_engines_turns():
