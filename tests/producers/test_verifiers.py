@@ -230,3 +230,35 @@ max_off_policy_steps = 2
     assert all(set(s.scores) == {"correct", "short"} for t in logged for s in t.samples)
     rollout_log = (run_dir / "roles" / "rollout-0.log").read_text()
     assert "an episode failed: HarnessError: harness 'vf-fixtures' exited 3: the agent crashed" in rollout_log
+
+
+class SwapBeforeSecondRequest(BuiltinEngine):
+    """The built-in engine; policy version 1 goes live right before its second request (the episode's second turn)."""
+
+    def __init__(self, model: MoEModel, new_weights):
+        super().__init__(model, max_batch=8, version=0)
+        self.new_weights, self.requests = new_weights, 0
+
+    async def generate(self, prompt_ids, params):
+        self.requests += 1
+        if self.requests == 2:
+            await self.update_weights(self.new_weights, 1)
+        return await super().generate(prompt_ids, params)
+
+
+def test_a_weight_update_between_turns_starts_a_new_policy_span_where_the_next_turn_starts():
+    from reel.runtime.model import state_dict_adapter
+
+    env = _env("multi")
+    torch.manual_seed(1)
+    new = state_dict_adapter.to_hf(MoEModel(CFG).state_dict(), CFG)
+
+    async def go():
+        async with SwapBeforeSecondRequest(_model(), new) as engine:
+            prompt = env.sample(random.Random(2))
+            return await run_group(engine, env, prompt, SamplingParams(n=1, max_tokens=6, stop_token_ids=TOK.stop_ids,
+                                                                       seed=11))
+
+    (episode,) = asyncio.run(go())
+    first, again = episode.turn_lengths[0], len(episode.turns[1])
+    assert episode.spans == [(0, 0), (first + again, 1)]  # the second turn was sampled under version 1
