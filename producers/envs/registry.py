@@ -1,4 +1,5 @@
-"""Environments as plugins: `env.name` is a built-in name or "package.module:factory".
+"""Environments as plugins: `env.name` is a built-in name, "verifiers:<id>" (an installed verifiers
+environment, producers/envs/verifiers_env.py) or "package.module:factory".
 
 A factory is any callable `factory(section: EnvSection, tokenizer: Tokenizer, max_tokens: int) -> Env`
 (max_tokens = rollout.max_tokens, one model turn's budget); the attribute path after the colon
@@ -46,8 +47,8 @@ def factory_path(name: str) -> str:
         return BUILTIN["verifiers"]
     if _PLUGIN.fullmatch(name):
         return name
-    raise ConfigError(f"env.name = {name!r} is unknown; use one of {', '.join(BUILTIN)} or "
-                      "\"package.module:factory\" for your own environment")
+    raise ConfigError(f"env.name = {name!r} is unknown; use one of {', '.join(BUILTIN)}, "
+                      "\"verifiers:<id>\" for a verifiers environment or \"package.module:factory\" for your own")
 
 
 def check_name(name: str) -> None:
