@@ -84,7 +84,11 @@ def non_finite(episodes: list[Episode]) -> str | None:
 
 
 async def run_group(engine: Engine, env: Env, prompt: Prompt, params: SamplingParams) -> list[Episode]:
-    """params.n episodes of `prompt`, in sample order."""
+    """params.n episodes of `prompt`, in sample order. An env that runs its own episodes (a verifiers 0.4
+    env: producers/envs/verifiers_env.py) has a `drive_group` coroutine with this signature; it is used."""
+    drive = getattr(env, "drive_group", None)
+    if drive is not None:
+        return await drive(engine, prompt, params)
     firsts = await engine.generate(prompt.ids, params)
     return list(await asyncio.gather(*(_finish_episode(engine, env, prompt, params, i, c)
                                        for i, c in enumerate(firsts))))
