@@ -79,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     role = _command(sub, "role", "start one role of a run (multi-node use)",
                     "reel role trainer --run /shared/runs/r1 --bus redis://head:6379",
                     "reel role rollout --run /shared/runs/r1 --worker 2 --bus redis://head:6379")
-    role.add_argument("name", choices=["trainer", "rollout", "archiver", "sink", "eval"], help="which role to start")
+    role.add_argument("name", choices=["trainer", "rollout", "archiver", "sink", "eval", "mismatch"],
+                      help="which role to start")
     role.add_argument("--run", required=True, dest="run_dir", help="run directory")
     role.add_argument("--worker", type=int, default=0, help="rollout worker index")
     role.add_argument("--sink", choices=["wandb", "tensorboard", "mlflow"], default=None,
