@@ -60,7 +60,8 @@ class Sink(ABC):
 
     @abstractmethod
     def write_eval(self, step: int, points: dict[str, float]) -> None:
-        """An eval result's scores, at the trainer step of the version it scored."""
+        """An eval result's scores, at the trainer step of the version it scored; also the mismatch role's
+        split (mismatch/*), at its step: both arrive behind the steps already written."""
 
     @abstractmethod
     def flush(self) -> None:

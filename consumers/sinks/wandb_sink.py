@@ -3,7 +3,7 @@
 
 The W&B run id is derived from the Reel run name, so every restart of the sink writes another
 offline segment of the same W&B run. W&B steps only go forward, and evals run behind the trainer:
-eval scores are logged at the latest step written, with their own axis eval/step (define_metric),
+eval scores (and the mismatch role's split, mismatch/*) are logged at the latest step written, with their own axis eval/step (define_metric),
 one eval per W&B row (a second eval before the next step waits for that step's row).
 """
 
@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from reel.consumers.sinks.base import RunMeta, Sink, SinkError, require_library
-from reel.consumers.sinks.points import EVAL_PREFIX, EVAL_STEP_KEY
+from reel.consumers.sinks.points import EVAL_PREFIX, EVAL_STEP_KEY, SPLIT_PREFIX
 from reel.consumers.sinks.wandb_records import history_rows
 
 __all__ = ["WandbSink", "run_files", "wandb_id"]
@@ -60,6 +60,7 @@ class WandbSink(Sink):
         self._waiting: list[dict[str, float]] = []  # evals for the next rows
         self.run.define_metric(EVAL_STEP_KEY)
         self.run.define_metric(f"{EVAL_PREFIX}*", step_metric=EVAL_STEP_KEY)
+        self.run.define_metric(f"{SPLIT_PREFIX}*", step_metric=EVAL_STEP_KEY)  # lags the trainer like an eval
 
     def written(self) -> dict[str, int]:
         return dict(self._held)

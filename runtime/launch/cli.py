@@ -295,6 +295,8 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("-o", "--output", required=True, metavar="FILE.html", help="the HTML file to write")
     report.add_argument("--bisect", default=None, metavar="FILE.json",
                         help="include the findings of `reel replay bisect --json` (default: none)")
+    report.add_argument("--timeline", default=None, metavar="FILE.png",
+                        help="also write the timeline of trainer phases and worker busy/tool-wait/idle as a PNG")
     report.set_defaults(handler="reel.replay.html_report:main")
 
     retrain = _command(sub, "retrain", "train a new policy offline from a run's log",
