@@ -9,8 +9,9 @@
 
 The trainer never waits on it, so it may lag: it splits every due step in order and each event says
 how far behind it was (lag_steps, lag_s). A group already trimmed from the bus is read from the log
-(through its index). A step whose π_old weights retention has already deleted (a role lagging more
-than retention keeps) is passed over with a warning: `reel replay step N` re-derives those weights.
+(through its index). The blob store keeps mismatch.max_lag_steps more policy versions for it
+(bus/retention.py); a step whose π_old weights are gone all the same (the role lagged further) is
+passed over with a warning: `reel replay step N` re-derives those weights.
 On restart it goes on after the last step it published (its events in the log and on the bus), and
 it exits 0 once the last step (run.steps) is split. It needs the whole model in one process: on large
 models sample it (mismatch.every = K) or switch it off (0).
@@ -170,8 +171,9 @@ class MismatchRole:
         current = commit.step - 1
         weights = self.weights.get(current)
         if weights is None:
-            log.warning("step %d passed over: the weights of version %d are gone (retention deleted them while "
-                        "this role lagged); `reel replay step %d` re-derives them", commit.step, current, commit.step)
+            log.warning("step %d passed over: the weights of version %d are gone (retention deleted them: this role "
+                        "lagged more than mismatch.max_lag_steps = %d); `reel replay step %d` re-derives them",
+                        commit.step, current, self.config.mismatch.max_lag_steps, commit.step)
             return None
         if self.model is None:
             self.model = load_initial_model(self.run_dir)

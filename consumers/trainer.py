@@ -96,8 +96,9 @@ class Trainer:
         self.blobs = run_blobs(run_dir, config)
         self.group = group or TrainerGroup(distributed.LOCAL, run_dir, config)
         self.commit_s = 0.0
+        lag = config.mismatch.max_lag_steps if config.mismatch.every > 0 else 0  # the mismatch role's versions
         self.retention = Retention(RetentionPolicy.of(config.rollout.async_level, config.trainer.max_off_policy_steps,
-                                                      config.log.keep_weights_every), self.blobs)
+                                                      config.log.keep_weights_every, lag), self.blobs)
         # A loss window the launcher found on resume (runtime/launch/bus_loss.py): recorded in the next commit.
         self.bus_loss = {key: float(os.environ[env]) for key, env in (
             ("bus_lost_events", "REEL_BUS_LOST_EVENTS"), ("bus_lost_window_s", "REEL_BUS_LOST_WINDOW_S"))

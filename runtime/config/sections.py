@@ -188,6 +188,10 @@ class MismatchSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Split steps K, 2K, ... and the last; 1 = every step; 0 = no mismatch role (large models: the role
     # holds a whole copy of the model and scores each batch once per policy version it spans).
     every: int = 1
+    # How far (in steps) the role may fall behind the trainer and still find the weights it scores with: the
+    # blob store keeps this many more policy versions (bus/retention.py). A step further behind is passed over
+    # with a warning (`reel replay step N` still computes its split).
+    max_lag_steps: int = 8
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
