@@ -60,8 +60,12 @@ class Sink(ABC):
 
     @abstractmethod
     def write_eval(self, step: int, points: dict[str, float]) -> None:
-        """An eval result's scores, at the trainer step of the version it scored; also the mismatch role's
-        split (mismatch/*), at its step: both arrive behind the steps already written."""
+        """An eval result's scores, at the trainer step of the version it scored."""
+
+    def write_split(self, step: int, points: dict[str, float]) -> None:
+        """The mismatch role's split of step `step` (mismatch/*), which arrives behind the steps already
+        written; trackers that take points at any step write it with the step's figures."""
+        self.write(step, points)
 
     @abstractmethod
     def flush(self) -> None:

@@ -58,10 +58,10 @@ class Feed:
                 points = self._new(event.step, eval_points(event))
                 if points:
                     self.sink.write_eval(event.step, points)
-            case MismatchSplit():  # behind the trainer like an eval, so on the evals' own axis
+            case MismatchSplit():  # behind the steps already written
                 points = self._new(event.step, split_points(event))
                 if points:
-                    self.sink.write_eval(event.step, points)
+                    self.sink.write_split(event.step, points)
             case RunFinished():
                 self.finished = True
             case ConfigChanged():  # a --resume after that end: the run goes on

@@ -10,7 +10,8 @@ from reel.bus.events import EvalResult, MismatchSplit, StepCommitted
 from reel.consumers.aggregates import drop_reason_code, idle_share
 
 EVAL_PREFIX = "eval/"
-SPLIT_PREFIX = "mismatch/"  # the mismatch role's figures (MismatchSplit), written like evals: they lag the trainer
+SPLIT_PREFIX = "mismatch/"  # the mismatch role's figures (MismatchSplit): they lag the trainer, like evals
+SPLIT_STEP_KEY = "mismatch/step"  # W&B: their own x axis
 EVAL_STEP_KEY = "eval/step"  # W&B: the eval charts' own x axis (evals run behind the trainer)
 
 
