@@ -296,7 +296,8 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--bisect", default=None, metavar="FILE.json",
                         help="include the findings of `reel replay bisect --json` (default: none)")
     report.add_argument("--timeline", default=None, metavar="FILE.png",
-                        help="also write the timeline of trainer phases and worker busy/tool-wait/idle as a PNG")
+                        help="also write the timeline of trainer phases and worker busy/tool-wait/idle as a PNG "
+                        "(default: only in the HTML page)")
     report.set_defaults(handler="reel.replay.html_report:main")
 
     retrain = _command(sub, "retrain", "train a new policy offline from a run's log",
