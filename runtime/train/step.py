@@ -139,7 +139,7 @@ def train_step(state: TrainState, batch: Batch, config: Config, world: World = L
     model.precision = cfg.precision
     model.train()
     loss_cfg = loss_mod.LossConfig.from_trainer(cfg)
-    local, _ = plan(batch, cfg.micro_batch_tokens, world)
+    local = plan(batch, cfg.micro_batch_tokens, world).local
     total_tokens = max(1, batch.tokens)
     clock = PhaseClock()
 
