@@ -18,7 +18,7 @@ from reel.bus.errors import ReelError
 
 __all__ = [
     "BlobRef", "Tensor", "Event", "RunStarted", "WeightsPublished", "Sample", "Trajectory",
-    "RoutingTrace", "DroppedGroup", "StepTiming", "StepCommitted", "WorkerStats", "EvalResult",
+    "RoutingTrace", "DroppedGroup", "StepTiming", "StepCommitted", "MismatchSplit", "WorkerStats", "EvalResult",
     "ConfigChanged", "RunFinished",
     "AnyEvent", "MalformedEvent", "encode", "decode", "event_key", "STREAM_OF", "stream_key",
 ]
@@ -177,11 +177,21 @@ class DroppedGroup(msgspec.Struct, frozen=True, gc=False):
 
 
 class StepTiming(msgspec.Struct, frozen=True, gc=False):
-    """Wall seconds of one trainer step; idle = wait / (wait + compute + publish)."""
+    """Wall seconds of one trainer step; idle = wait / (wait + compute + publish).
 
-    wait: float
-    compute: float
-    publish: float
+    The phases follow each other: commit (of the previous step), wait, compute, publish; within compute,
+    score_old + forward_backward + optimizer <= compute (the rest of compute: batch assembly, the
+    weight digest, the thread hand-off). 0 = not recorded (logs before these fields)."""
+
+    wait: float  # reading the bus until batch_groups groups are ready
+    compute: float  # batch assembly + train_step
+    publish: float  # new weights (and the checkpoint when due) to the blob store
+    score_old: float = 0.0  # in compute: the batch scored by the weights before the update (pi_old)
+    forward_backward: float = 0.0  # in compute: the loss's forward and backward passes, every micro-batch
+    optimizer: float = 0.0  # in compute: gradient clipping, the finite checks, the optimizer step
+    # The previous step's commit protocol after its StepCommitted was stamped (the atomic publish, the
+    # acks, retention): it cannot time itself, so the next step records it; it ran just before `wait`.
+    commit: float = 0.0
 
 
 class StepCommitted(Event, tag="step_committed"):
@@ -206,6 +216,20 @@ class StepCommitted(Event, tag="step_committed"):
     # CPU seconds of the trainer process (all its threads) over timing.compute: with the wall
     # seconds, the cores the trainer demands (the simulator's shared-hardware model). 0 = not recorded.
     cpu_s: float = 0.0
+
+
+class MismatchSplit(Event, tag="mismatch_split"):
+    """Mismatch role (consumers/mismatch.py) -> metrics, sinks, report, replay: step `step`'s train/inference
+    mismatch split into engine numerics KL(mu || pi_v) and policy drift KL(pi_v || pi_old)
+    (runtime/train/mismatch_split.py), computed off the trainer's step; `reel replay step` recomputes it."""
+
+    step: int
+    figures: dict[str, float]  # mismatch_split.SPLIT_KEYS: numerics_k1..k3, drift_k1..k3, split_tokens
+    versions: list[int]  # the older policy versions whose weights the split scored the batch with
+    missing_versions: list[int] = []  # versions whose weights were gone (their tokens left out of split_tokens)
+    lag_steps: int = 0  # committed steps beyond `step` when this one was published (how far the role lags)
+    lag_s: float = 0.0  # seconds from the step's commit to this event
+    compute_s: float = 0.0  # wall seconds the role spent on this step
 
 
 class WorkerStats(Event, tag="worker_stats"):
@@ -272,7 +296,7 @@ class RunFinished(Event, tag="run_finished"):
 
 AnyEvent = Union[
     RunStarted, WeightsPublished, Trajectory, RoutingTrace, StepCommitted, WorkerStats, EvalResult,
-    ConfigChanged, RunFinished,
+    ConfigChanged, RunFinished, MismatchSplit,
 ]
 
 # Which stream each event type travels on (DESIGN.md "Events").
@@ -282,6 +306,7 @@ STREAM_OF: dict[type, str] = {
     Trajectory: "trajectories",
     RoutingTrace: "routing",
     StepCommitted: "steps",
+    MismatchSplit: "steps",
     WorkerStats: "control",
     EvalResult: "control",
     ConfigChanged: "control",

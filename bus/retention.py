@@ -4,10 +4,12 @@ A weight version is transient: the log keeps its WeightsPublished (version, hash
 replay re-derives the weights by re-execution from the nearest checkpoint (replay/versions.py). The
 store keeps a version while someone can still need its bytes:
 
-    window      the newest `window` versions, window = max(max_off_policy_steps, async_level) + 1:
+    window      the newest `window` versions, window = max(max_off_policy_steps, async_level) + 1 + lag:
                 a rollout worker is at most async_level versions ahead of the last commit, and the
-                trainer trains (and scores, for the mismatch split) no token older than
-                max_off_policy_steps, so no worker, in-flight group or trainer step reads an older one
+                trainer trains no token older than max_off_policy_steps, so no worker, in-flight group
+                or trainer step reads an older one; `lag` (mismatch.max_lag_steps while the mismatch
+                role runs) more, so that role, behind the trainer by up to that many steps, still
+                finds the versions a step's tokens were sampled by
     every K-th  versions divisible by log.keep_weights_every (0 = none), for analysis by hand
     delta base  the base_version of a kept delta version (transitively), or the delta cannot apply
 
@@ -40,8 +42,8 @@ class RetentionPolicy(msgspec.Struct, frozen=True):
     keep_every: int = 0  # also every version divisible by this (0 = none)
 
     @classmethod
-    def of(cls, async_level: int, max_off_policy_steps: int, keep_every: int = 0) -> RetentionPolicy:
-        return cls(window=max(async_level, max_off_policy_steps) + 1, keep_every=keep_every)
+    def of(cls, async_level: int, max_off_policy_steps: int, keep_every: int = 0, lag: int = 0) -> RetentionPolicy:
+        return cls(window=max(async_level, max_off_policy_steps) + 1 + lag, keep_every=keep_every)
 
     def keeps(self, version: int, newest: int) -> bool:
         return version > newest - self.window or (self.keep_every > 0 and version % self.keep_every == 0)

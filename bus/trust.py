@@ -25,8 +25,8 @@ from collections.abc import Iterable
 import redis.asyncio
 
 from reel.bus.events import (
-    AnyEvent, ConfigChanged, EvalResult, RoutingTrace, RunFinished, RunStarted, StepCommitted, Trajectory,
-    WeightsPublished, WorkerStats,
+    AnyEvent, ConfigChanged, EvalResult, MismatchSplit, RoutingTrace, RunFinished, RunStarted, StepCommitted,
+    Trajectory, WeightsPublished, WorkerStats,
 )
 from reel.bus.partitions import seq_keys
 
@@ -45,6 +45,7 @@ PRODUCERS: dict[type, frozenset[str]] = {
     RoutingTrace: frozenset({"rollout"}),
     WorkerStats: frozenset({"rollout"}),
     EvalResult: frozenset({"eval"}),
+    MismatchSplit: frozenset({"mismatch"}),
     ConfigChanged: frozenset({"launcher", "trainer"}),
     RunFinished: frozenset({"launcher", "trainer"}),
 }

@@ -9,7 +9,10 @@ Figures and where they come from:
     reward           Trajectory: one figure per group (mean sample reward); mean/p50/p90 over the
                      last `window_groups` groups; per step: metrics["reward_mean"] when the trainer
                      wrote it, else the mean over the step's groups this aggregate saw
-    mismatch         StepCommitted.metrics of the latest step (MISMATCH_KEYS; absent keys stay absent)
+    mismatch         StepCommitted.metrics of the latest step (MISMATCH_KEYS; absent keys stay absent); the
+                     numerics/drift split from the latest MismatchSplit (the mismatch role's, which lags
+                     the trainer: split_step, split_lag_steps), also merged into its step's row; logs
+                     from before that role carry the split in StepCommitted.metrics
     staleness        StepCommitted.staleness summed over steps (versions behind -> tokens)
     idle ratio       StepCommitted.timing: sum(wait) / sum(wait + compute + publish), last `window_steps`
     published        Trajectory events per worker: each is one group put on the bus
@@ -31,8 +34,8 @@ import msgspec
 import numpy as np
 
 from reel.bus.events import (
-    AnyEvent, ConfigChanged, EvalResult, RunFinished, StepCommitted, StepTiming, Trajectory, WeightsPublished,
-    WorkerStats, event_key,
+    AnyEvent, ConfigChanged, EvalResult, MismatchSplit, RunFinished, StepCommitted, StepTiming, Trajectory,
+    WeightsPublished, WorkerStats, event_key,
 )
 
 __all__ = ["DROP_REASONS", "MISMATCH_KEYS", "drop_reason_code", "end_of", "RunAggregates", "Snapshot", "StepRow",
@@ -49,7 +52,8 @@ def drop_reason_code(reason: str) -> str:
 
 
 # StepCommitted.metrics keys the trainer writes for train/inference mismatch (runtime/train/loss.py).
-# numerics_k3 / drift_k3: the split of kl_k3 into engine numerics and policy drift (runtime/train/mismatch_split.py).
+# numerics_k3 / drift_k3: the split of kl_k3 into engine numerics and policy drift (runtime/train/mismatch_split.py),
+# in MismatchSplit.figures (StepCommitted.metrics in logs from before the mismatch role).
 MISMATCH_KEYS = ("kl_k1", "kl_k2", "kl_k3", "numerics_k3", "drift_k3", "ratio_mean", "ratio_min", "ratio_max",
                  "ratio_frac_outside", "entropy")
 
@@ -112,6 +116,8 @@ class Snapshot(msgspec.Struct, frozen=True):
     dataset_epoch: int | None = None  # newest epoch of a dataset env's prompts (Trajectory.meta["epoch"])
     reward_by_task: dict[str, float] = {}  # mean group reward per task (Trajectory.meta task), last K groups each
     reward_parts: dict[str, float] = {}  # mean of each Sample.scores part (a verifiers rubric's functions), last K groups
+    split_step: int | None = None  # the step of the latest MismatchSplit (the mismatch role lags the trainer)
+    split_lag_steps: int | None = None  # how many committed steps it was behind when it published that one
 
 
 def end_of(reason: str | None) -> str | None:
@@ -194,6 +200,7 @@ class RunAggregates:
         self._task_rewards: dict[str, deque[float]] = {}
         self._dataset_epoch: int | None = None
         self._reward_parts: dict[str, deque[float]] = {}
+        self._split: MismatchSplit | None = None
 
     def apply(self, event: AnyEvent) -> StepRow | None:
         """Fold in one event; returns the step's figures when the event is a new StepCommitted."""
@@ -226,6 +233,12 @@ class RunAggregates:
                 self._dropped.update(row.dropped_by_reason)
                 self._bus_lost_events += int(event.metrics.get("bus_lost_events", 0))
                 return row
+            case MismatchSplit():
+                if self._split is None or event.step >= self._split.step:
+                    self._split = event
+                for i, row in enumerate(self._recent_steps):  # its step's row shows the split too
+                    if row.step == event.step:
+                        self._recent_steps[i] = msgspec.structs.replace(row, metrics={**row.metrics, **event.figures})
             case WeightsPublished():
                 self._policy_version = max(event.version, self._policy_version or 0)
             case WorkerStats():
@@ -270,7 +283,7 @@ class RunAggregates:
             reward_mean=float(rewards.mean()) if rewards.size else None, reward_p50=p50, reward_p90=p90,
             step_reward=last.reward if last else None, loss=last.loss if last else None,
             grad_norm=last.grad_norm if last else None,
-            mismatch={k: last.metrics[k] for k in MISMATCH_KEYS if k in last.metrics} if last else {},
+            mismatch=self._mismatch(last),
             idle_ratio=wait / (wait + busy) if wait + busy > 0 else None,
             staleness=dict(sorted(self._staleness.items())), dropped=dict(self._dropped),
             dead_letters=self._dead_letters, workers=workers,
@@ -279,4 +292,11 @@ class RunAggregates:
             dataset_epoch=self._dataset_epoch,
             reward_by_task={t: float(np.mean(r)) for t, r in sorted(self._task_rewards.items()) if r},
             reward_parts={p: float(np.mean(r)) for p, r in sorted(self._reward_parts.items()) if r},
+            split_step=self._split.step if self._split else None,
+            split_lag_steps=self._split.lag_steps if self._split else None,
         )
+
+    def _mismatch(self, last: StepRow | None) -> dict[str, float]:
+        """The latest step's MISMATCH_KEYS, the split from the latest MismatchSplit (an older step, the role lags)."""
+        figures = {**(last.metrics if last else {}), **(self._split.figures if self._split else {})}
+        return {k: figures[k] for k in MISMATCH_KEYS if k in figures}

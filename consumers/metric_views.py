@@ -43,6 +43,10 @@ _GAUGES: list[tuple[str, str, Callable[[Snapshot], float | None]]] = [
     ("reel_dataset_epoch", "Newest epoch (from 0) of a dataset env's training prompts.", lambda s: s.dataset_epoch),
     ("reel_staleness_mean_versions", "Token-weighted mean staleness of the latest step, in versions.",
      lambda s: s.recent_steps[-1].staleness_mean if s.recent_steps else None),
+    ("reel_mismatch_split_step", "Step of the latest numerics/drift split (the mismatch role runs behind the trainer).",
+     lambda s: s.split_step),
+    ("reel_mismatch_split_lag_steps", "Committed steps the mismatch role was behind when it published its latest split.",
+     lambda s: s.split_lag_steps),
 ]
 # The eval role's latest EvalResult (held-out prompts; producers/evaluator.py).
 _EVAL_GAUGES: list[tuple[str, str, Callable]] = [
@@ -58,9 +62,11 @@ _STEP_METRICS = {
     "kl_k2": ("reel_mismatch_kl_k2", "k2 estimator of the inference/trainer KL, latest step's sampled tokens."),
     "kl_k3": ("reel_mismatch_kl_k3", "k3 estimator of the inference/trainer KL, latest step's sampled tokens."),
     "numerics_k3": ("reel_mismatch_numerics_kl_k3",
-                    "k3 of KL(inference || trainer at the sampling version's weights): engine numerics only."),
+                    "k3 of KL(inference || trainer at the sampling version's weights): engine numerics only "
+                    "(the latest MismatchSplit, at reel_mismatch_split_step)."),
     "drift_k3": ("reel_mismatch_drift_kl_k3",
-                 "k3 of KL(sampling version || trainer before the step): policy drift from staleness."),
+                 "k3 of KL(sampling version || trainer before the step): policy drift from staleness "
+                 "(the latest MismatchSplit, at reel_mismatch_split_step)."),
     "ratio_mean": ("reel_importance_ratio_mean", "Mean trainer/inference importance ratio."),
     "ratio_min": ("reel_importance_ratio_min", "Smallest trainer/inference importance ratio."),
     "ratio_max": ("reel_importance_ratio_max", "Largest trainer/inference importance ratio."),

@@ -2,6 +2,7 @@
 
     wait    read the `trainer` group on trajectories + routing, join by group id, drop groups
             older than max_off_policy_steps (recorded), until batch_groups are ready
+            (consumers/trainer_batches.py)
     compute train_step (runtime/train/step.py), in a thread so the bus connection stays live
     commit  1. new weights -> blob store      2. checkpoint -> blob store (every checkpoint_every)
             3. WeightsPublished + StepCommitted in one MULTI/EXEC      4. ack the consumed entries
@@ -16,6 +17,11 @@ hash), and acks, without training, any re-delivered group a commit already lists
 On N ranks (trainer.ranks, started by torchrun) this loop runs on rank 0 only; every step,
 checkpoint and weight export goes through runtime/train/trainer_group.py to all ranks, which the
 other ranks serve in `follow`. The commit protocol above is rank 0's and unchanged.
+
+Nothing in the step depends on the rollout running ahead: the mismatch split of older tokens is the
+mismatch role's (consumers/mismatch.py), which follows the commits and never holds the trainer up.
+Each commit's StepTiming records where the step's wall time went (wait, score_old, forward_backward,
+optimizer, publish, and the previous step's commit).
 """
 
 from __future__ import annotations
@@ -25,37 +31,31 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis.asyncio as aioredis
 import torch
 
 from reel.bus.blobs import BlobBackend, BlobError
-from reel.bus.errors import ReelError
-from reel.bus.events import (
-    AnyEvent, DroppedGroup, MalformedEvent, RoutingTrace, RunStarted, StepCommitted, StepTiming, Trajectory,
-    WeightsPublished, decode,
-)
+from reel.bus.events import AnyEvent, MalformedEvent, RunStarted, StepCommitted, StepTiming, WeightsPublished, decode
 from reel.bus.log import LogCorrupted, LogError, RunLog
 from reel.bus.partitions import lane_key, lanes
 from reel.bus.retention import Retention, RetentionPolicy
 from reel.bus.seqs import recover_seq
-from reel.bus.streams import FIELD, Delivery, GroupConsumer, Publisher, connect
+from reel.bus.streams import FIELD, GroupConsumer, Publisher, connect
 from reel.bus.trust import Order, SeqMarks, trusted
+from reel.consumers.trainer_batches import BatchGatherer
 from reel.runtime import work_progress
 from reel.runtime.train import distributed
 from reel.runtime.train import environment
-from reel.runtime.train.batch import Group, build_batch, decode_routing, routing_problem
+from reel.runtime.train.batch import build_batch
 from reel.runtime.blob_store import run_blobs
 from reel.runtime.config.sections import Config
 from reel.runtime.config.run import config_hash
 from reel.runtime.config.run import load as load_config
 from reel.runtime.config.data_files import dataset_sha256
-from reel.runtime.train.group_checks import group_problem
 from reel.runtime.train.groups import GroupLookup
 from reel.runtime.train.initial_policy import code_version, ensure_initial_policy, initial_reward
-from reel.runtime.train.mismatch_split import WeightHistory
 from reel.runtime.train.reexecute import catch_up, checkpoint_before
 from reel.runtime.train.step import TrainState
 from reel.runtime.train.trainer_group import TrainerGroup, run_as_group
@@ -65,26 +65,12 @@ PRODUCER = "trainer:0"
 PUBLISHED_STREAMS = ("control", "weights", "steps")
 NEVER_RECLAIM_MS = 7 * 24 * 3600 * 1000
 # Test hook: REEL_CRASH_AT="<step>:<stage>" kills the trainer with SIGKILL at that point.
+# StepTiming's phases inside compute, timed by train_step (StepResult.phases).
+TRAIN_PHASES = ("score_old", "forward_backward", "optimizer")
 CRASH_STAGES = ("computed", "weights_written", "checkpoint_written", "committed", "acked")
 # Exit code of a trainer stopped (SIGTERM/SIGINT) before its last step: not a finished run, so
 # neither the launcher nor the Slurm job may announce RunFinished("completed").
 STOPPED_EXIT = 143
-
-
-@dataclass
-class PendingGroup:
-    trajectory: Delivery | None = None
-    routing: Delivery | None = None
-    resolved: Group | None = None  # routing decoded and checked, once both parts are here
-
-    def deliveries(self) -> list[Delivery]:
-        return [d for d in (self.trajectory, self.routing) if d is not None]
-
-
-@dataclass
-class Collected:
-    groups: list[tuple[str, PendingGroup]] = field(default_factory=list)
-    dropped: list[tuple[DroppedGroup, PendingGroup]] = field(default_factory=list)
 
 
 class Trainer:
@@ -96,12 +82,11 @@ class Trainer:
     group: TrainerGroup
     redis: aioredis.Redis
     consumer: GroupConsumer
+    batches: BatchGatherer  # the wait: the next batch from the consumer's deliveries
     publisher: Publisher
     state: TrainState
-    committed_groups: set[str]
-    pending: dict[str, PendingGroup]
-    weights: WeightHistory  # published versions, for the mismatch split of stale tokens
     retention: Retention  # which published versions the blob store may let go
+    commit_s: float  # the last step's commit protocol after its event was stamped (the next StepTiming.commit)
 
     def __init__(self, run_dir: Path, url: str, config: Config, group: TrainerGroup | None = None):
         self.config = config
@@ -110,11 +95,10 @@ class Trainer:
         self.run = config.run.name
         self.blobs = run_blobs(run_dir, config)
         self.group = group or TrainerGroup(distributed.LOCAL, run_dir, config)
-        self.committed_groups = set()
-        self.pending = {}
-        self.weights = WeightHistory(self.blobs, keep=config.trainer.max_off_policy_steps + 1)
+        self.commit_s = 0.0
+        lag = config.mismatch.max_lag_steps if config.mismatch.every > 0 else 0  # the mismatch role's versions
         self.retention = Retention(RetentionPolicy.of(config.rollout.async_level, config.trainer.max_off_policy_steps,
-                                                      config.log.keep_weights_every), self.blobs)
+                                                      config.log.keep_weights_every, lag), self.blobs)
         # A loss window the launcher found on resume (runtime/launch/bus_loss.py): recorded in the next commit.
         self.bus_loss = {key: float(os.environ[env]) for key, env in (
             ("bus_lost_events", "REEL_BUS_LOST_EVENTS"), ("bus_lost_window_s", "REEL_BUS_LOST_WINDOW_S"))
@@ -130,6 +114,7 @@ class Trainer:
             block_ms=self.config.bus.block_ms, claim_idle_ms=NEVER_RECLAIM_MS,
             max_deliveries=self.config.bus.max_deliveries, partitions=self.config.bus.partitions,
         )
+        self.batches = BatchGatherer(self.config, self.blobs, self.consumer)
         try:
             next_seq = await recover_seq(self.redis, self.run_dir, self.run, PRODUCER, PUBLISHED_STREAMS,
                                          self.config.bus.partitions)
@@ -144,19 +129,18 @@ class Trainer:
 
     async def _one_step(self, stop: asyncio.Event) -> None:
         started = time.perf_counter()
-        collected = await self._collect(stop)
+        collected = await self.batches.collect(stop, self.state.step, self.state.model.config)
         if stop.is_set():
             return
         waited = time.perf_counter() - started
         cpu_started = time.process_time()
         batch = build_batch([part.resolved for _, part in collected.groups])
-        self.state, result = await asyncio.to_thread(self.group.step, self.state, batch, self.weights.get)
+        self.state, result = await asyncio.to_thread(self.group.step, self.state, batch)
         computed = time.perf_counter()
         cpu_s = time.process_time() - cpu_started
         step = self.state.step
         self._crash_point(step, "computed")
         weights, fmt = await asyncio.to_thread(self.group.publish, self.state, self.blobs)
-        self.weights.add(step, weights, fmt)
         self._crash_point(step, "weights_written")
         ckpt = None
         if step % self.config.trainer.checkpoint_every == 0 or step == self.config.run.steps:
@@ -164,10 +148,12 @@ class Trainer:
         self._crash_point(step, "checkpoint_written")
         used = [gid for gid, _ in collected.groups]
         dropped = [d for d, _ in collected.dropped]
+        stamped = time.perf_counter()
+        timing = StepTiming(wait=waited, compute=computed - started - waited, publish=stamped - computed,
+                            commit=self.commit_s, **{k: result.phases.get(k, 0.0) for k in TRAIN_PHASES})
         commit = self.publisher.stamp(
             StepCommitted, step=step, version=step, groups=used, dropped=dropped, loss=result.loss,
-            grad_norm=result.grad_norm, weights_sha256=result.weights_sha256,
-            timing=StepTiming(wait=waited, compute=computed - started - waited, publish=time.perf_counter() - computed),
+            grad_norm=result.grad_norm, weights_sha256=result.weights_sha256, timing=timing,
             metrics={**result.metrics, **self.bus_loss}, staleness=result.staleness, checkpoint=ckpt,
             config_hash=config_hash(self.config), code_version=code_version(), world_size=self.group.world.size,
             layout=environment.layout(self.config), libraries=environment.library_versions(), cpu_s=cpu_s,
@@ -176,9 +162,9 @@ class Trainer:
         await self.publisher.publish_atomic([published, commit])
         self._crash_point(step, "committed")
         self.bus_loss = {}
-        self.committed_groups.update(used)
-        self.committed_groups.update(d.group_id for d in dropped)
-        await self.consumer.ack([d for _, part in collected.groups + collected.dropped for d in part.deliveries()])
+        self.batches.committed_groups.update(used)
+        self.batches.committed_groups.update(d.group_id for d in dropped)
+        await self.consumer.ack(collected.deliveries())
         self._crash_point(step, "acked")
         self.retention.add([published, commit])
         try:
@@ -186,87 +172,13 @@ class Trainer:
         except BlobError as exc:  # the versions stay listed: the next step's pass tries them again
             log.warning("retention after step %d: %s", step, exc)
         m = result.metrics
-        log.info("step %d committed: loss %.4f grad_norm %.3f reward %.3f kl_k3 %.2e (numerics %.2e drift %.2e) "
-                 "dropped %d", step, result.loss, result.grad_norm, m.get("reward_mean", 0.0), m.get("kl_k3", 0.0),
-                 m.get("numerics_k3", 0.0), m.get("drift_k3", 0.0), len(dropped))
-
-    async def _collect(self, stop: asyncio.Event) -> Collected:
-        """Read until batch_groups fresh groups are complete; stale ones are set aside as dropped."""
-        out = Collected()
-        want = self.config.trainer.batch_groups
-        for group_id, part in list(self.pending.items()):  # complete groups left over from the last step
-            self._offer(group_id, part, out)
-        while len(out.groups) < want and not stop.is_set():
-            for delivery in await self.consumer.read(count=2 * want):
-                event = delivery.event
-                if not isinstance(event, (Trajectory, RoutingTrace)):
-                    await self.consumer.dead_letter(delivery, f"unexpected {type(event).__name__} on {delivery.stream}")
-                    continue
-                if event.group_id in self.committed_groups:
-                    await self.consumer.ack([delivery])  # re-delivered after a crash; already trained
-                    continue
-                part = self.pending.setdefault(event.group_id, PendingGroup())
-                if isinstance(event, Trajectory):
-                    part.trajectory = delivery
-                else:
-                    part.routing = delivery
-                self._offer(event.group_id, part, out)
-        return out
-
-    def _offer(self, group_id: str, part: PendingGroup, out: Collected) -> None:
-        """Move a complete group into this step's batch or its dropped list; beyond the batch it waits."""
-        if part.trajectory is None or part.routing is None:
-            return
-        assert isinstance(part.trajectory.event, Trajectory)
-        reason = (self._invalid_reason(part.trajectory.event) or self._stale_reason(part.trajectory.event)
-                  or self._resolve(part))
-        if reason is not None:
-            out.dropped.append((DroppedGroup(group_id, reason), part))
-        elif len(out.groups) < self.config.trainer.batch_groups:
-            out.groups.append((group_id, part))
-        else:
-            return
-        del self.pending[group_id]
-
-    def _invalid_reason(self, trajectory: Trajectory) -> str | None:
-        problem = group_problem(trajectory, self.state.model.config.vocab_size)
-        return f"invalid: {problem}" if problem else None
-
-    def _stale_reason(self, trajectory: Trajectory) -> str | None:
-        oldest = min((v for s in trajectory.samples for _, v in s.spans), default=self.state.step)
-        behind = self.state.step - oldest
-        limit = self.config.trainer.max_off_policy_steps
-        return f"stale: {behind} versions behind > max_off_policy_steps = {limit}" if behind > limit else None
-
-    def _resolve(self, part: PendingGroup) -> str | None:
-        """Decode and check the group's routing into part.resolved; why it cannot be trained, if so.
-
-        A trace that does not match its tokens is dropped with its group (recorded in the commit):
-        training it without router replay would turn R3 off for the whole step."""
-        assert part.trajectory is not None and part.routing is not None
-        trace = part.routing.event
-        assert isinstance(trace, RoutingTrace) and isinstance(part.trajectory.event, Trajectory)
-        model = self.state.model.config
-        try:
-            blob = self.blobs.get(trace.blob) if trace.blob else None
-            group = Group(part.trajectory.event, decode_routing(trace, blob))
-            # Without router replay a trace is not used: an engine that cannot capture routing (vLLM on a
-            # CPU) sends empty ones, which must not drop every group.
-            problem = (routing_problem(group, len(model.moe_layers), model.num_experts_per_tok, model.num_experts)
-                       if self.config.trainer.router_replay else None)
-        except (ReelError, ValueError) as exc:  # a missing or corrupted blob, bytes that do not fit the shape
-            problem = f"routing trace unreadable: {exc}"
-        if problem is not None:
-            return f"bad_routing: {problem}"
-        part.resolved = group
-        return None
+        log.info("step %d committed: loss %.4f grad_norm %.3f reward %.3f kl_k3 %.2e dropped %d", step, result.loss,
+                 result.grad_norm, m.get("reward_mean", 0.0), m.get("kl_k3", 0.0), len(dropped))
+        self.commit_s = time.perf_counter() - stamped
 
     async def _setup_or_resume(self) -> None:
         commits = await self._read_commits()
         published = logged_events(self.run_dir, "weights") + await self._bus_events("weights")
-        for event in published:
-            if isinstance(event, WeightsPublished):
-                self.weights.add(event.version, event.weights, event.format)
         self.retention.add([*published, *commits.values()])
         await asyncio.to_thread(ensure_initial_policy, self.run_dir, self.config)
         if not commits:
@@ -275,8 +187,8 @@ class Trainer:
             return
         last = max(commits)
         for c in commits.values():
-            self.committed_groups.update(c.groups)
-            self.committed_groups.update(d.group_id for d in c.dropped)
+            self.batches.committed_groups.update(c.groups)
+            self.batches.committed_groups.update(d.group_id for d in c.dropped)
         state = await asyncio.to_thread(self.group.restore, *checkpoint_before(commits, last, self.blobs))
         if state.step < last:
             lookup = await self._group_lookup()
@@ -286,14 +198,13 @@ class Trainer:
                                             step_fn=self.group.step)
         self.state = state
         await self._republish_newest_weights(last)
-        log.info("resumed after step %d (%d groups already committed)", last, len(self.committed_groups))
+        log.info("resumed after step %d (%d groups already committed)", last, len(self.batches.committed_groups))
 
     async def _publish_version_zero(self) -> None:
         if await self._stream_has(WeightsPublished):
             return
         model = self.state.model
         weights, fmt = await asyncio.to_thread(self.group.publish, self.state, self.blobs)
-        self.weights.add(0, weights, fmt)
         events = [self.publisher.stamp(WeightsPublished, version=0, step=0, weights=weights, format=fmt)]
         if not await self._stream_has(RunStarted):
             config_text = (self.run_dir / "config.toml").read_text()

@@ -3,19 +3,13 @@
 Reads the log, the blob store, config.toml and init/ of a run directory; never the bus. A step is
 re-executed with the trainer's own `train_step` from the newest checkpoint before it
 (runtime/train/reexecute.py), then compared with its StepCommitted. Before the step runs, its batch is
-scored by the same weights the trainer had (π_old), three ways:
-
-    run settings        the run's trainer.router_replay and trainer.precision (what the step used)
-    own routing         no router replay: the trainer's own top-k (also gives router agreement)
-    bf16                the run's routing setting in bf16 (only when the run trained in fp8)
-    sampling version    each token under the weights of the version that sampled it (the mismatch
-                        split of runtime/train/mismatch_split.py: numerics vs drift)
+scored by the same weights the trainer had (π_old), several ways (replay/batch_analysis.py), and
+the numerics/drift split is compared with the one the run logged: its MismatchSplit event (the
+mismatch role's, consumers/mismatch.py), or, in logs from before that role, StepCommitted.metrics.
 
 A step runs on the world size it was trained on (StepCommitted.world_size; `reel replay` starts
 that many ranks). On another world size it cannot land on the same bits: the report then gives
 how far it lands instead (max |Δweight| against the logged weights, the loss difference).
-
-Legend: B rows, T positions, L MoE layers, K experts per token, N completion tokens (flattened).
 """
 
 from __future__ import annotations
@@ -23,30 +17,28 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
-
 import msgspec
 import numpy as np
-import torch
 
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.errors import ReelError
-from reel.bus.events import StepCommitted
+from reel.bus.events import MismatchSplit, StepCommitted
 from reel.bus.log import RunLog
+from reel.replay.batch_analysis import KL, BatchAnalysis, Ratio, analyse_batch, split_kl
 from reel.replay.versions import Versions
 from reel.runtime.train import loss as loss_mod
-from reel.runtime.train.batch import Batch, build_batch
+from reel.runtime.train.batch import build_batch
 from reel.runtime.config.sections import Config
 from reel.runtime.train.groups import GroupLookup
 from reel.runtime.train.distributed import LOCAL
 from reel.runtime.config.run import load_run_config
-from reel.runtime.train.mismatch_split import WeightsOf, sampler_logprobs, split_metrics
+from reel.runtime.train.mismatch_split import SPLIT_KEYS
 from reel.runtime.model.determinism import set_determinism
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import load_state_dict_bytes
 from reel.replay.integrity import tampering_note
 from reel.runtime.train.reexecute import ReplayMismatch, catch_up, check_reproduced, checkpoint_before
-from reel.runtime.train.step import StepResult, TrainState, completion_tokens, scored_tokens, split, token_logprobs
+from reel.runtime.train.step import StepResult, TrainState
 from reel.runtime.train.trainer_group import TrainerGroup
 from reel.runtime.weights.digest import scheme_of
 
@@ -55,45 +47,6 @@ OnStep = Callable[[int], None]
 
 class StepNotLogged(ReelError):
     """A step that the run's log does not hold."""
-
-
-class KL(msgspec.Struct, frozen=True):
-    """Estimators of KL(μ ‖ π) from tokens sampled by μ (runtime/train/loss.py mismatch_metrics)."""
-
-    k1: float
-    k2: float
-    k3: float
-
-
-class Ratio(msgspec.Struct, frozen=True):
-    """π/μ on the sampled tokens."""
-
-    mean: float
-    min: float
-    max: float
-    frac_outside: float = msgspec.field(name="frac_outside_0.5_2")
-
-
-class Mismatch(NamedTuple):
-    kl: KL
-    ratio: Ratio
-
-
-class BatchAnalysis(NamedTuple):
-    """Step N's batch scored by the weights after N-1 (before the step updates them)."""
-
-    kl: KL  # run settings
-    ratio: Ratio  # run settings
-    kl_without_router_replay: KL
-    kl_without_fp8_alignment: KL | None
-    router_agreement: list[float]  # per MoE layer; empty when the batch has no routing
-    log_ratio_N: np.ndarray  # log π_old - log μ per completion token (run settings)
-    tokens: int
-    kl_numerics: KL | None  # KL(μ ‖ π_v), π_v the sampling version; None without its weights
-    kl_drift: KL | None  # KL(π_v ‖ π_old)
-    logp_old_N: torch.Tensor  # log π_old per completion token (run settings)
-    kl_numerics_without_router_replay: KL | None  # KL(μ ‖ π_v) with the trainer's own routing (R3 runs)
-    kl_numerics_without_fp8_alignment: KL | None  # KL(μ ‖ π_v) with a bf16 trainer (fp8 runs)
 
 
 class StepReport(msgspec.Struct, kw_only=True):
@@ -130,6 +83,10 @@ class StepReport(msgspec.Struct, kw_only=True):
     # Steps re-executed for this report, step N included: from the checkpoint up to N, and to re-derive
     # sampling versions whose weights retention deleted (replay/versions.py), each checked by weight hash.
     reexecuted_steps: int = 0
+    # Where the run logged this step's split: "event" (MismatchSplit), "metrics" (StepCommitted, logs from
+    # before the mismatch role), "" (none: mismatch.every skipped it, the role was off or had not caught up).
+    split_logged: str = ""
+    split_equal: bool | None = None  # the recomputed split equals the logged one to the bit (None: none logged)
 
 
 class Recomputed(msgspec.Struct, kw_only=True):
@@ -159,7 +116,7 @@ class RangeRow(msgspec.Struct, kw_only=True):
     tokens: int
     dropped: int
     recomputed: Recomputed | None = None
-    kl_numerics: KL | None = None  # logged split (runs whose trainer logged it)
+    kl_numerics: KL | None = None  # logged split (MismatchSplit, or the commit's metrics in older logs)
     kl_drift: KL | None = None
 
 
@@ -170,6 +127,7 @@ class Run:
     config: Config
     blobs: BlobStore
     commits: dict[int, StepCommitted]
+    splits: dict[int, MismatchSplit]  # the mismatch role's events by step
     lookup: GroupLookup
     weights: Versions  # policy version -> its published weights (re-derived where retention deleted them)
     damage: str  # where the log is damaged ("" when it is not): steps after it cannot be replayed
@@ -181,7 +139,9 @@ class Run:
         self.blobs = BlobStore(run_dir / "blobs")
         # A damaged log still replays the steps whose inputs lie before the damage (bus/log.py).
         with RunLog(run_dir, readonly=True, valid_prefix=True) as run_log:
-            self.commits = {e.step: e for _, e in run_log.events("steps") if isinstance(e, StepCommitted)}
+            steps = [e for _, e in run_log.events("steps")]
+            self.commits = {e.step: e for e in steps if isinstance(e, StepCommitted)}
+            self.splits = {e.step: e for e in steps if isinstance(e, MismatchSplit)}
             self.lookup = GroupLookup.from_log(run_log, self.blobs)
             self.weights = Versions((e for _, e in run_log.events("weights")), self.blobs, self.commits,
                                     lambda: self.lookup, self.config, lambda: self.group)
@@ -190,6 +150,15 @@ class Run:
         if self.damage:
             self.lookup.why_missing = f"the log is damaged: {self.damage}; `reel log repair` keeps what is before it"
         self.group = TrainerGroup(LOCAL, run_dir, self.config)
+
+    def logged_split(self, step: int) -> tuple[str, dict[str, float] | None]:
+        """(where, figures) of step `step`'s logged split; see StepReport.split_logged."""
+        if step in self.splits:
+            return "event", self.splits[step].figures
+        metrics = self.commits[step].metrics
+        if "split_tokens" in metrics:
+            return "metrics", {key: metrics[key] for key in SPLIT_KEYS if key in metrics}
+        return "", None
 
     def same_world(self, step: int) -> bool:
         """Whether this re-execution runs on the world size the run trained `step` on."""
@@ -272,6 +241,7 @@ def replay_step(run: Run, step: int, on_step: OnStep | None = None) -> tuple[Ste
         mismatch = mismatch_reason(commit, result, run)
     bitwise = mismatch is None
     cfg = run.config.trainer
+    split_logged, logged_figures = run.logged_split(step)
     report = StepReport(
         step=step, bitwise=bitwise, mismatch=mismatch, loss=result.loss, logged_loss=commit.loss,
         grad_norm=result.grad_norm, logged_grad_norm=commit.grad_norm, weights_sha256_match=weights_match,
@@ -284,6 +254,7 @@ def replay_step(run: Run, step: int, on_step: OnStep | None = None) -> tuple[Ste
         kl_numerics=analysis.kl_numerics, kl_drift=analysis.kl_drift,
         kl_numerics_without_router_replay=analysis.kl_numerics_without_router_replay,
         kl_numerics_without_fp8_alignment=analysis.kl_numerics_without_fp8_alignment,
+        split_logged=split_logged, split_equal=None if logged_figures is None else logged_figures == analysis.split,
     )
     return report, analysis
 
@@ -297,7 +268,7 @@ def replay_range(run: Run, first: int, last: int, *, recompute: bool,
     if first > last:
         raise StepNotLogged(f"range {first}..{last} is empty; write A..B with A <= B")
     run.require(first, last, why=f" (of the range {first}..{last})")
-    rows = [_logged_row(run.commits[s]) for s in range(first, last + 1)]
+    rows = [_logged_row(run.commits[s], run.logged_split(s)[1]) for s in range(first, last + 1)]
     if not recompute:
         return rows
     run.prepare()
@@ -349,94 +320,7 @@ def timed_step(state: TrainState, commit: StepCommitted, run: Run) -> tuple[Trai
     return state, result, time.perf_counter() - started
 
 
-@torch.no_grad()
-def analyse_batch(state: TrainState, batch: Batch, config: Config,
-                  weights_of: WeightsOf | None = None) -> BatchAnalysis:
-    """Score `batch` with the state's weights in the micro-batches train_step uses (same bits as its π_old);
-    with `weights_of`, also each token under its sampling version's weights (the numerics/drift split)."""
-    cfg = config.trainer
-    model = state.model
-    model.train()  # the mode train_step scores π_old in
-    parts = split(batch, cfg.micro_batch_tokens)
-    logp_mu_N = completion_tokens(parts, "logp_mu_BT")
-    replay = cfg.router_replay and batch.routing_BTLK is not None
-
-    def score(precision: str, router_replay: bool, with_routing: bool = False):
-        model.precision = precision
-        outs = [token_logprobs(model, sub, router_replay=router_replay, with_routing=with_routing)
-                for _, sub in parts]
-        logp_N = torch.cat([o.logp_BT[sub.loss_mask_BT] for o, (_, sub) in zip(outs, parts)])
-        return logp_N, [o.routing_BTLK for o in outs]
-
-    try:
-        logp_N, own_routing_BTLK = score(cfg.precision, replay, with_routing=not replay)
-        own_logp_N = logp_N
-        if replay:
-            own_logp_N, own_routing_BTLK = score(cfg.precision, False, with_routing=True)
-        bf16_logp_N = score("bf16", replay)[0] if cfg.precision == "fp8" else None
-        model.precision = cfg.precision
-        split_figures, numerics_free, numerics_bf16 = None, None, None
-        if weights_of is not None:
-            versions_N = completion_tokens(parts, "versions_BT")
-
-            def numerics(precision: str, router_replay: bool, current_N: torch.Tensor):
-                """Each token under its sampling version's weights (runtime/train/mismatch_split.py)."""
-                model.precision = precision
-                return sampler_logprobs(model, lambda m: scored_tokens(m, parts, router_replay), current_N,
-                                        versions_N, state.step, weights_of)
-
-            sampler_N, known_N = numerics(cfg.precision, replay, logp_N)
-            split_figures = split_metrics(logp_N, sampler_N, logp_mu_N, known_N)
-            # The counterfactuals without drift: what routing and precision do at the sampler's own weights.
-            if replay:
-                numerics_free = _kl_on(*numerics(cfg.precision, False, own_logp_N), logp_mu_N)
-            if bf16_logp_N is not None:
-                numerics_bf16 = _kl_on(*numerics("bf16", replay, bf16_logp_N), logp_mu_N)
-    finally:
-        model.precision = cfg.precision
-    run_settings = mismatch(logp_N, logp_mu_N)
-    return BatchAnalysis(
-        kl=run_settings.kl, ratio=run_settings.ratio,
-        kl_without_router_replay=mismatch(own_logp_N, logp_mu_N).kl,
-        kl_without_fp8_alignment=None if bf16_logp_N is None else mismatch(bf16_logp_N, logp_mu_N).kl,
-        router_agreement=router_agreement(own_routing_BTLK, [sub for _, sub in parts]),
-        log_ratio_N=(logp_N - logp_mu_N).numpy(), tokens=batch.tokens,
-        kl_numerics=_split_kl(split_figures, "numerics"), kl_drift=_split_kl(split_figures, "drift"),
-        logp_old_N=logp_N, kl_numerics_without_router_replay=numerics_free,
-        kl_numerics_without_fp8_alignment=numerics_bf16,
-    )
-
-
-def _kl_on(logp_N: torch.Tensor, known_N: torch.Tensor, logp_mu_N: torch.Tensor) -> KL | None:
-    if not bool(known_N.any()):
-        return None
-    return mismatch(logp_N[known_N], logp_mu_N[known_N]).kl
-
-
-def _split_kl(split: dict[str, float] | None, part: str) -> KL | None:
-    if split is None or not split["split_tokens"]:
-        return None
-    return KL(split[f"{part}_k1"], split[f"{part}_k2"], split[f"{part}_k3"])
-
-
-def mismatch(logp_N: torch.Tensor, logp_mu_N: torch.Tensor) -> Mismatch:
-    k1, k2, k3, mean, low, high, outside = (loss_mod.mismatch_metrics(logp_N, logp_mu_N)[k]
-                                            for k in loss_mod.MISMATCH_KEYS)
-    return Mismatch(KL(k1, k2, k3), Ratio(mean, low, high, outside))
-
-
-def router_agreement(own: list[torch.Tensor | None], subs: list[Batch]) -> list[float]:
-    """Per MoE layer, the share of real tokens whose top-k expert set equals the logged one."""
-    if any(o is None for o in own) or any(sub.routing_BTLK is None for sub in subs):
-        return []  # no MoE layer, or a group without its trace
-    same_NL = torch.cat([
-        (o.sort(-1).values == sub.routing_BTLK.sort(-1).values).all(-1)[sub.attention_mask_BT.bool()]
-        for o, sub in zip(own, subs)
-    ])
-    return same_NL.float().mean(0).tolist()
-
-
-def _logged_row(commit: StepCommitted) -> RangeRow:
+def _logged_row(commit: StepCommitted, split: dict[str, float] | None) -> RangeRow:
     m = commit.metrics
     k1, k2, k3, mean, low, high, outside = (m.get(k) for k in loss_mod.MISMATCH_KEYS)
     tokens = sum(commit.staleness.values())
@@ -447,6 +331,5 @@ def _logged_row(commit: StepCommitted) -> RangeRow:
         staleness=dict(commit.staleness),
         staleness_mean=sum(k * v for k, v in commit.staleness.items()) / tokens if tokens else 0.0,
         tokens=int(m.get("tokens", tokens)), dropped=len(commit.dropped),
-        kl_numerics=_split_kl(m if "split_tokens" in m else None, "numerics"),
-        kl_drift=_split_kl(m if "split_tokens" in m else None, "drift"),
+        kl_numerics=split_kl(split, "numerics"), kl_drift=split_kl(split, "drift"),
     )

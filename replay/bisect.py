@@ -30,7 +30,8 @@ import msgspec
 
 from reel.bus.errors import ReelError
 from reel.bus.events import StepCommitted
-from reel.replay.analysis import OnStep, Run, analyse_batch, mismatch, reproduces, timed_step
+from reel.replay.analysis import OnStep, Run, reproduces, timed_step
+from reel.replay.batch_analysis import analyse_batch, mismatch
 from reel.runtime.train.batch import build_batch
 from reel.runtime.train.step import scored_tokens, split
 

@@ -135,7 +135,8 @@ def _extrapolations(sizes: dict[str, int], tokens: int, model: MoEConfig | None,
     own = shape_of(f"model.path ({config.model.path})" if config.model.path else "this run's model", model)
     # Trace bytes per trained token and expert-id byte: prompt tokens and dropped groups included.
     id_bytes = own.moe_layers * own.top_k * (1 if own.num_experts <= 256 else 2)
-    window = max(config.rollout.async_level, config.trainer.max_off_policy_steps) + 1
+    lag = config.mismatch.max_lag_steps if config.mismatch.every > 0 else 0  # kept for the mismatch role
+    window = max(config.rollout.async_level, config.trainer.max_off_policy_steps) + 1 + lag
     return [extrapolate(shape, trajectory_bytes_per_token=sizes["trajectories"] / tokens,
                         routing_bytes_per_id=sizes["routing_traces"] / tokens / max(id_bytes, 1), steps=steps,
                         tokens_per_step=tokens_per_step, checkpoint_every=config.trainer.checkpoint_every,

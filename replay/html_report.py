@@ -1,7 +1,9 @@
 """`reel report --run DIR -o report.html`: one self-contained HTML page of a run, from its log.
 
-Reward, the KL split, staleness, throughput and idle shares, eval results, dropped groups, bisect
-findings (`--bisect FILE`, the output of `reel replay bisect --json`) and the config. Charts are
+Reward, the KL split (the mismatch role's MismatchSplit events; StepCommitted.metrics in older logs),
+staleness, throughput and idle shares, a timeline of the trainer's phases and each rollout worker's
+busy/tool-wait/idle time (replay/timeline.py; `--timeline FILE.png` also writes it as a PNG), eval
+results, dropped groups, bisect findings (`--bisect FILE`, the output of `reel replay bisect --json`) and the config. Charts are
 inline SVG (replay/svg_charts.py) and the styles inline CSS: the file opens with no network, so it
 can be attached to a bug report or a paper's appendix. A short inline script only marks the page
 as rendered (data-charts on <body>), which the browser test reads.
@@ -18,8 +20,11 @@ from pathlib import Path
 import msgspec
 
 from reel.bus.errors import ReelError
-from reel.bus.events import ConfigChanged, EvalResult, RunFinished, RunStarted, StepCommitted, WorkerStats
+from reel.bus.events import (
+    ConfigChanged, EvalResult, MismatchSplit, RunFinished, RunStarted, StepCommitted, WorkerStats,
+)
 from reel.bus.log import RunLog
+from reel.replay import timeline
 from reel.replay.svg_charts import bar_chart, line_chart
 
 __all__ = ["ReportError", "RunFacts", "main", "read_facts", "render"]
@@ -43,6 +48,8 @@ class RunFacts(msgspec.Struct):
     evals: list[EvalResult] = []
     rollout_tokens_per_s: list[tuple[float, float]] = []  # (seconds since the first stats, sum over workers)
     rollout_idle: list[tuple[float, float]] = []  # (seconds since the first stats, mean idle share over workers)
+    splits: dict[int, dict[str, float]] = {}  # step -> MismatchSplit.figures (or the commit's, in older logs)
+    segments: list[timeline.Segment] = []  # the timeline (replay/timeline.py)
 
 
 def read_facts(run_dir: Path) -> RunFacts:
@@ -50,8 +57,16 @@ def read_facts(run_dir: Path) -> RunFacts:
         raise ReportError(f"{run_dir / 'log' / 'steps'} does not exist; is {run_dir} a run directory with a log?")
     facts = RunFacts(run=run_dir.name)
     latest: dict[str, WorkerStats] = {}
+    commits, stats = [], []
     with RunLog(run_dir, readonly=True) as log:
-        facts.steps = [e for _, e in log.events("steps") if isinstance(e, StepCommitted)]
+        for entry_id, event in log.events("steps"):
+            if isinstance(event, StepCommitted):
+                commits.append((entry_id, event))
+                if "numerics_k3" in event.metrics:  # a log from before the mismatch role
+                    facts.splits[event.step] = event.metrics
+            elif isinstance(event, MismatchSplit):
+                facts.splits[event.step] = event.figures
+        facts.steps = [e for _, e in commits]
         for entry_id, event in log.events("control") if "control" in log.names() else []:
             match event:
                 case RunStarted():
@@ -60,6 +75,7 @@ def read_facts(run_dir: Path) -> RunFacts:
                 case EvalResult():
                     facts.evals.append(event)
                 case WorkerStats():
+                    stats.append((entry_id, event))
                     latest[event.worker] = event
                     seconds = int(entry_id.split("-")[0]) / 1000  # entry ids are the bus's clock (ms)
                     facts.rollout_tokens_per_s.append((seconds, sum(w.tokens_per_s for w in latest.values())))
@@ -68,6 +84,7 @@ def read_facts(run_dir: Path) -> RunFacts:
                     facts.finished = event.reason
                 case ConfigChanged():  # resumed: that end was not the last
                     facts.finished = None
+    facts.segments = timeline.segments(commits, stats)
     if facts.rollout_tokens_per_s:
         t0 = facts.rollout_tokens_per_s[0][0]
         facts.rollout_tokens_per_s = [(t - t0, v) for t, v in facts.rollout_tokens_per_s]
@@ -128,7 +145,8 @@ def _sections(facts: RunFacts, bisect: dict | None) -> list[str]:
         _section("Reward", line_chart("mean reward per step", {"reward_mean": _per_step(steps, lambda s: s.metrics.get("reward_mean"))},
                                       y_label="reward")),
         _section("KL split: numerics vs drift", line_chart(
-            "KL k3 against π_old and its split", {k: _per_step(steps, lambda s, k=k: s.metrics.get(k)) for k in KL_SPLIT},
+            "KL k3 against π_old and its split (the mismatch role's, which may not split every step)",
+            {k: _per_step(steps, lambda s, k=k: {**s.metrics, **facts.splits.get(s.step, {})}.get(k)) for k in KL_SPLIT},
             y_label="nats/token", log_y=True)),
         _section("Staleness",
                  line_chart("mean versions behind (token-weighted)", {"staleness_mean": _per_step(steps, _staleness_mean)},
@@ -144,6 +162,7 @@ def _sections(facts: RunFacts, bisect: dict | None) -> list[str]:
                  line_chart("trainer idle share (waiting for groups)", {"idle": _per_step(steps, _idle)}, y_label="share"),
                  line_chart("rollout idle share (mean over workers)", {"idle": facts.rollout_idle},
                             x_label="seconds", y_label="share")),
+        _section("Timeline: trainer phases and rollout workers", timeline.svg(facts.segments)),
         _section("Eval results",
                  line_chart("held-out scores", {"mean_reward": [(e.step, e.mean_reward) for e in evals],
                                                 "pass@1": [(e.step, e.pass_at_1) for e in evals],
@@ -199,7 +218,14 @@ def _read_bisect(path: str | None) -> dict | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    page = render(read_facts(Path(args.run_dir)), _read_bisect(args.bisect))
+    facts = read_facts(Path(args.run_dir))
+    page = render(facts, _read_bisect(args.bisect))
+    if args.timeline is not None:
+        try:
+            timeline.png(facts.segments, Path(args.timeline))
+        except OSError as exc:
+            raise ReportError(f"cannot write {args.timeline}: {exc.strerror}") from exc
+        print(f"reel: wrote the timeline to {args.timeline}")
     out = Path(args.output)
     try:
         out.write_text(page)

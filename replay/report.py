@@ -12,7 +12,8 @@ import numpy as np
 from rich.console import Group
 from rich.table import Table
 
-from reel.replay.analysis import KL, BatchAnalysis, RangeRow, StepReport
+from reel.replay.analysis import RangeRow, StepReport
+from reel.replay.batch_analysis import KL, BatchAnalysis
 
 
 def num(x: float | None, fmt: str = ".3e") -> str:
@@ -38,6 +39,9 @@ def step_view(r: StepReport) -> Group:
                   f"x{r.replay_seconds / r.original_seconds:.2f}" if r.original_seconds > 0 else "")
     restored = "the initial policy" if r.restored_from == 0 else f"the checkpoint of step {r.restored_from}"
     check.add_row("steps re-executed", str(r.reexecuted_steps), "", f"from {restored}, hash-checked")
+    where = {"event": "MismatchSplit", "metrics": "in StepCommitted", "": "not logged"}[r.split_logged]
+    check.add_row("mismatch split", "recomputed", where, "" if r.split_equal is None
+                  else "[green]=[/]" if r.split_equal else "[red]differs[/]")
 
     kl = Table(title=f"inference vs trainer on step {r.step}'s {r.tokens} tokens (π_old from {restored}; "
                      f"router_replay={str(r.router_replay).lower()}, precision={r.precision})", title_justify="left")

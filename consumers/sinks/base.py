@@ -62,6 +62,11 @@ class Sink(ABC):
     def write_eval(self, step: int, points: dict[str, float]) -> None:
         """An eval result's scores, at the trainer step of the version it scored."""
 
+    def write_split(self, step: int, points: dict[str, float]) -> None:
+        """The mismatch role's split of step `step` (mismatch/*), which arrives behind the steps already
+        written; trackers that take points at any step write it with the step's figures."""
+        self.write(step, points)
+
     @abstractmethod
     def flush(self) -> None:
         """Make everything written so far durable (a killed sink loses nothing flushed)."""

@@ -14,16 +14,16 @@ import tomllib
 
 import msgspec
 
-from reel.bus.events import AnyEvent, ConfigChanged, EvalResult, RunFinished, RunStarted, StepCommitted
+from reel.bus.events import AnyEvent, ConfigChanged, EvalResult, MismatchSplit, RunFinished, RunStarted, StepCommitted
 from reel.bus.streams import BusError
 from reel.bus.tail import Tail
 from reel.consumers.metrics import RunSource, log_events
 from reel.consumers.sinks.base import RunMeta, Sink
-from reel.consumers.sinks.points import eval_points, step_points
+from reel.consumers.sinks.points import eval_points, split_points, step_points
 
 __all__ = ["Feed", "run_meta"]
 
-FEED_STREAMS = ["control", "steps"]  # RunStarted, EvalResult, RunFinished; StepCommitted
+FEED_STREAMS = ["control", "steps"]  # RunStarted, EvalResult, RunFinished; StepCommitted, MismatchSplit
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,10 @@ class Feed:
                 points = self._new(event.step, eval_points(event))
                 if points:
                     self.sink.write_eval(event.step, points)
+            case MismatchSplit():  # behind the steps already written
+                points = self._new(event.step, split_points(event))
+                if points:
+                    self.sink.write_split(event.step, points)
             case RunFinished():
                 self.finished = True
             case ConfigChanged():  # a --resume after that end: the run goes on

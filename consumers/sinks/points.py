@@ -6,10 +6,12 @@ sink that backfills from the log and one that followed the live bus write the sa
 
 from __future__ import annotations
 
-from reel.bus.events import EvalResult, StepCommitted
+from reel.bus.events import EvalResult, MismatchSplit, StepCommitted
 from reel.consumers.aggregates import drop_reason_code, idle_share
 
 EVAL_PREFIX = "eval/"
+SPLIT_PREFIX = "mismatch/"  # the mismatch role's figures (MismatchSplit): they lag the trainer, like evals
+SPLIT_STEP_KEY = "mismatch/step"  # W&B: their own x axis
 EVAL_STEP_KEY = "eval/step"  # W&B: the eval charts' own x axis (evals run behind the trainer)
 
 
@@ -32,9 +34,18 @@ def step_points(event: StepCommitted) -> dict[str, float]:
     share = idle_share(event.timing)
     if share is not None:
         points["idle_share"] = share
-    points.update({"time/wait": event.timing.wait, "time/compute": event.timing.compute,
-                   "time/publish": event.timing.publish})
+    t = event.timing
+    points.update({"time/wait": t.wait, "time/compute": t.compute, "time/publish": t.publish})
+    if t.score_old or t.forward_backward or t.optimizer:  # the phases of compute, in logs that have them
+        points.update({"time/score_old": t.score_old, "time/forward_backward": t.forward_backward,
+                       "time/optimizer": t.optimizer, "time/commit": t.commit})
     return points
+
+
+def split_points(event: MismatchSplit) -> dict[str, float]:
+    """The numerics/drift split of one step and how far behind the trainer the role computed it."""
+    points = {**event.figures, "lag_steps": float(event.lag_steps), "lag_s": event.lag_s}
+    return {SPLIT_PREFIX + key: float(value) for key, value in points.items()}
 
 
 def eval_points(event: EvalResult) -> dict[str, float]:

@@ -12,7 +12,10 @@ cannot save time, so the bench would measure the scheduler, not the pipeline. Wi
 
 Prints one JSON line: wall time, trainer idle share, rollout idle share and final reward of each;
 ratio = achieved speedup = sync wall / async wall; ideal = sync wall / max(rollout busy, trainer
-busy) of the sync run (what perfect overlap would give); efficiency = ratio / ideal; and
+busy) of the sync run (what perfect overlap would give); efficiency = ratio / ideal; each mode's
+trainer CPU seconds per trained token and its phase totals (StepTiming: wait, compute and, within
+it, score_old, forward_backward, optimizer; publish; commit), with cpu_per_token_ratio = async / sync
+(an async step should cost the trainer no more per token than a sync one); and
 `simulated_dedicated`, the speedup `reel simulate --dedicated` predicts for async_level 2 from the
 sync run's log alone.
 """
@@ -29,7 +32,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from reel.bus.events import StepCommitted, WorkerStats
+from reel.bus.events import StepCommitted, StepTiming, WorkerStats
 from reel.bus.jsonout import print_json
 from reel.bus.log import RunLog
 from reel.runtime.config import run as config_mod
@@ -68,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         "bench": "async", "steps": raw["run"]["steps"], "pinned": _pinning_note(), "sync": sync, "async": overlapped,
         "ideal": round(ideal, 3), "efficiency": round(ratio / ideal, 3),
         "simulated_dedicated": round(sync["wall_s"] / predicted, 3) if predicted else None,
+        "cpu_per_token_ratio": round(overlapped["trainer_cpu_s_per_token"] / sync["trainer_cpu_s_per_token"], 3),
         "ratio": round(ratio, 3),
     })
     return 0
@@ -162,7 +166,16 @@ def _measure(run_dir: Path, config: Config) -> dict[str, float]:
         "reward_first": round(steps[0].metrics.get("reward_mean", float("nan")), 3),
         "reward_last": round(steps[-1].metrics.get("reward_mean", float("nan")), 3),
         "tokens_per_step": round(sum(s.metrics.get("tokens", 0) for s in steps) / len(steps), 1),
+        **_trainer_costs(timed),
     }
+
+
+def _trainer_costs(timed: list[StepCommitted]) -> dict:
+    """Trainer CPU seconds per trained token and wall seconds per phase, over the timed steps."""
+    tokens = sum(s.metrics.get("tokens", 0) for s in timed)
+    return {"trainer_cpu_s_per_token": round(sum(s.cpu_s for s in timed) / max(tokens, 1), 9),
+            "trainer_phases_s": {phase: round(sum(getattr(s.timing, phase) for s in timed), 3)
+                                 for phase in StepTiming.__struct_fields__}}
 
 
 def _ms(entry_id: str) -> int:

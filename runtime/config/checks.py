@@ -118,6 +118,8 @@ def validate(c: Config) -> None:
              f"metrics.sinks = {c.metrics.sinks} names a sink twice; list each once")
     validate_bounds(c)  # ranges of counts, intervals and sizes; the memory the shapes need
     _validate_eval(c)
+    require(c.mismatch.every >= 0, f"mismatch.every = {c.mismatch.every} must be >= 0 (0 = no mismatch role)")
+    require(c.mismatch.max_lag_steps >= 0, f"mismatch.max_lag_steps = {c.mismatch.max_lag_steps} must be >= 0")
 
 
 def check_model_path(c: Config, text: str) -> None:

@@ -181,6 +181,19 @@ class EvalSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     env: EnvSection | None = None  # [eval.env]; default: the run's env, its held-out split (Env.held_out)
 
 
+class MismatchSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The mismatch role (consumers/mismatch.py): each step's mismatch split into engine numerics and policy
+    drift, as MismatchSplit events, computed beside the trainer (never in its step), lagging as it must."""
+
+    # Split steps K, 2K, ... and the last; 1 = every step; 0 = no mismatch role (large models: the role
+    # holds a whole copy of the model and scores each batch once per policy version it spans).
+    every: int = 1
+    # How far (in steps) the role may fall behind the trainer and still find the weights it scores with: the
+    # blob store keeps this many more policy versions (bus/retention.py). A step further behind is passed over
+    # with a warning (`reel replay step N` still computes its split).
+    max_lag_steps: int = 8
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     run: RunSection = msgspec.field(default_factory=RunSection)
     bus: BusSection = msgspec.field(default_factory=BusSection)
@@ -194,3 +207,4 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log: LogSection = msgspec.field(default_factory=LogSection)
     metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
     eval: EvalSection = msgspec.field(default_factory=EvalSection)
+    mismatch: MismatchSection = msgspec.field(default_factory=MismatchSection)

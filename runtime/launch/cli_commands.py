@@ -86,7 +86,8 @@ def _run_commands(sub) -> None:
     role = _command(sub, "role", "start one role of a run (multi-node use)",
                     "reel role trainer --run /shared/runs/r1 --bus redis://head:6379",
                     "reel role rollout --run /shared/runs/r1 --worker 2 --bus redis://head:6379")
-    role.add_argument("name", choices=["trainer", "rollout", "archiver", "sink", "eval"], help="which role to start")
+    role.add_argument("name", choices=["trainer", "rollout", "archiver", "sink", "eval", "mismatch"],
+                      help="which role to start")
     role.add_argument("--run", required=True, dest="run_dir", help="run directory")
     role.add_argument("--worker", type=int, default=0, help="rollout worker index")
     role.add_argument("--sink", choices=["wandb", "tensorboard", "mlflow"], default=None,
@@ -310,6 +311,9 @@ def _top_commands(sub) -> None:
     report.add_argument("-o", "--output", required=True, metavar="FILE.html", help="the HTML file to write")
     report.add_argument("--bisect", default=None, metavar="FILE.json",
                         help="include the findings of `reel replay bisect --json` (default: none)")
+    report.add_argument("--timeline", default=None, metavar="FILE.png",
+                        help="also write the timeline of trainer phases and worker busy/tool-wait/idle as a PNG "
+                        "(default: only in the HTML page)")
     report.set_defaults(handler="reel.replay.html_report:main")
 
 

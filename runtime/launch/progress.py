@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from reel.bus.events import MalformedEvent, RunStarted, StepCommitted, decode, stream_key
+from reel.bus.events import MalformedEvent, MismatchSplit, RunStarted, StepCommitted, decode, stream_key
 from reel.runtime.config.sections import Config
 from reel.runtime.fit_tables import fit
 from reel.runtime.work_progress import Work, describe, read
@@ -30,6 +30,7 @@ class Progress:
     live: bool
     resumed_after: int
     steps: list[StepCommitted]
+    splits: dict[int, dict[str, float]]  # step -> the mismatch role's MismatchSplit figures (they lag the steps)
     _cursor: dict[str, str]
     _client: redis.Redis | None
     _live: Live | None
@@ -44,6 +45,7 @@ class Progress:
         self.work_file = work_file  # a role's long work before the first step (runtime/work_progress.py)
         self._work_shown: tuple[tuple[str, bool], float] | None = None  # ((what, finished), when) last printed
         self.steps = []
+        self.splits = {}
         self._cursor = {"steps": "0", "control": "0"}
         self._client = None
         self._live = None
@@ -136,6 +138,8 @@ class Progress:
                     continue  # not an event: the archiver dead-letters it; the view goes on
                 if isinstance(event, StepCommitted):
                     new_steps.append(event)
+                elif isinstance(event, MismatchSplit):
+                    self.splits[event.step] = event.figures
                 elif isinstance(event, RunStarted) and event.init_reward is not None and not self.resumed_after:
                     self._console.print(f"warm-start policy (version 0): mean sampled reward "
                                         f"{event.init_reward:.3f}", highlight=False)
@@ -146,9 +150,10 @@ class Progress:
         idle = _idle_share(s)
         m = s.metrics
         nan = float("nan")
-        # A trainer on N ranks logs no mismatch split (train_step says why): no "(numerics nan ...)".
-        split = (f" (numerics {m['numerics_k3']:.2e} drift {m['drift_k3']:.2e})"
-                 if "numerics_k3" in m and "drift_k3" in m else "")
+        # The mismatch role splits a step after its commit: the line shows the newest split there is.
+        newest = max(self.splits, default=None)
+        split = (f" (numerics {self.splits[newest]['numerics_k3']:.2e} drift {self.splits[newest]['drift_k3']:.2e}"
+                 f"{'' if newest == s.step else f' at step {newest}'})" if newest is not None else "")
         return (
             f"step {s.step}/{self.config.run.steps}  reward {m.get('reward_mean', nan):.3f}  "
             f"kl_k3 {m.get('kl_k3', nan):.2e}{split}  staleness {_mean_staleness(s):.2f}  "
@@ -165,7 +170,9 @@ class Progress:
             idle = _idle_share(s)
             table.add_row(
                 f"{s.step}/{self.config.run.steps}", f"{s.metrics.get('reward_mean', float('nan')):.3f}",
-                *(f"{s.metrics[key]:.2e}" if key in s.metrics else "-" for key in ("kl_k3", "numerics_k3", "drift_k3")),
+                *(f"{figures[key]:.2e}" if key in figures else "-"
+                  for figures in [{**s.metrics, **self.splits.get(s.step, {})}]
+                  for key in ("kl_k3", "numerics_k3", "drift_k3")),
                 f"{_mean_staleness(s):.2f}",
                 f"{tokens_per_s(self.steps, s.step):.0f}", f"{idle:.0%}", str(len(s.dropped)),
             )

@@ -44,7 +44,7 @@ __all__ = ["ROLES", "RoleUsers", "role_setuser", "make", "drop", "for_run", "url
 
 MIN_VERSION = (7, 0)  # ACL selectors
 # The roles `reel role NAME` starts that get their own user (the sink only reads).
-ROLES = ("trainer", "rollout", "archiver", "eval", "sink")
+ROLES = ("trainer", "rollout", "archiver", "eval", "sink", "mismatch")
 # What each role reads in a consumer group (consumers/trainer.py, consumers/archiver.py) and
 # which roles file dead letters (GroupConsumer; Publisher.dead_letter of a refused group).
 GROUP_READS: dict[str, tuple[str, ...]] = {"trainer": ("trajectories", "routing"), "archiver": STREAMS}

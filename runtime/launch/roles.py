@@ -36,10 +36,14 @@ def main_role(args: argparse.Namespace) -> int:
             from reel.producers import evaluator
 
             return int(evaluator.main(run_dir, url) or 0)
+        case "mismatch":  # started when [mismatch] every > 0
+            from reel.consumers import mismatch
+
+            return int(mismatch.main(run_dir, url) or 0)
         case "sink":
             if args.sink is None:
                 raise RunDirError("reel role sink needs --sink wandb|tensorboard|mlflow")
             from reel.consumers.sinks import cli as sinks
 
             return int(sinks.role_main(run_dir, url, args.sink) or 0)
-    raise RunDirError(f"reel role {args.name}: no such role; the roles are archiver, trainer, rollout, eval, sink")
+    raise RunDirError(f"reel role {args.name}: no such role; the roles are archiver, trainer, rollout, eval, mismatch, sink")

@@ -8,6 +8,7 @@ submits it (with --dry-run it prints the script and touches nothing). One het gr
                  (`prefill`, `decode`) of `vllm serve` nodes (runtime/launch/vllm_args.py)
     eval         with [eval] and vLLM: the eval role and its own in-process vLLM on one node (with the
                  built-in engine the eval role runs on the first rollout node instead)
+                 (the mismatch role, [mismatch] every > 0, runs on the control node: CPU, trainer.threads)
     last trainer one torchrun over its nodes = ONE logical trainer (`reel role trainer`): rank 0
                  alone talks to the bus (one producer id, one consumer), the other ranks follow
                  it (runtime/train/trainer_group.py); ranks = nodes x (GPUs per node, or

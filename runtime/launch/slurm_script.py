@@ -67,8 +67,10 @@ def render(c: Config, run_dir: Path, opts: JobOptions) -> str:
                   start_line("rollout", 1, "rollout-%t.log",
                              [f"--nodes={opts.rollout_nodes}", f"--ntasks={c.rollout.workers}"], worker)]
     lines += _eval_lines(c, vllm, len(components) - 2)
+    lines += _mismatch_lines(c)
+    ends_itself = " ".join(name for name, every in (("eval", c.eval.every), ("mismatch", c.mismatch.every)) if every)
     settings = {"RUN_DIR": str(run_dir), "RUN_NAME": c.run.name, **_binaries(c),
-                "FINISHER": "trainer", "DRAINER": "archiver", "ENDS_ITSELF": "eval" if c.eval.every else ""}
+                "FINISHER": "trainer", "DRAINER": "archiver", "ENDS_ITSELF": ends_itself}
     if c.bus.cluster:  # every role's bus client follows the cluster's MOVED replies
         settings |= {"REEL_BUS_CLUSTER": "1"}
     return job_script(header=_header(c, run_dir, components, vllm), components=components, opts=opts,
@@ -128,6 +130,18 @@ def _eval_lines(c: Config, vllm: bool, group: int) -> list[str]:
     return [f"# het group {group}: the eval role, its own vLLM in-process (not the rollout's servers)",
             start_line("eval", group, "eval.log", ["--nodes=1", "--ntasks=1"],
                        ["env", "-u", "REEL_VLLM_URL", "-u", "REEL_VLLM_SERVERS", *role]), ""]
+
+
+def _mismatch_lines(c: Config) -> list[str]:
+    """[mismatch] every > 0: the mismatch role (consumers/mismatch.py) on the control node, with the
+    trainer's thread count (its figures are bitwise those `reel replay` recomputes)."""
+    if not c.mismatch.every:
+        return []
+    threads = c.trainer.threads or 1
+    return ["# het group 0: the mismatch role (the numerics/drift split, off the trainer's step)",
+            start_line("mismatch", 0, "mismatch.log", ["--nodes=1", "--ntasks=1"],
+                       ["env", f"OMP_NUM_THREADS={threads}", f"REEL_TORCH_THREADS={threads}",
+                        Expand("$REEL"), "role", "mismatch", "--run", Expand("$RUN_DIR")]), ""]
 
 
 def _control_lines(c: Config) -> list[str]:

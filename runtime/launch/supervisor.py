@@ -49,6 +49,8 @@ STOP_TIMEOUT_S = 20.0
 # RunFinished.reason of a run that did not complete: "failed: <role> exited <code>", "stopped: <SIGNAL>".
 FAILED, STOPPED = "failed", "stopped"
 EVAL_FINISH_TIMEOUT_S = 300.0  # after the last commit, how long the eval role may take to score the last version
+# After the last commit, how long the mismatch role may take to split the steps it lags behind.
+MISMATCH_FINISH_TIMEOUT_S = 300.0
 
 
 def main_run(args: argparse.Namespace) -> int:
@@ -171,6 +173,8 @@ class Supervisor:
                 self._start(f"sink-{sink}", "sink", "--sink", sink)
             if self.config.eval.every > 0:
                 self._start("eval", "eval", threads=self.config.engine.threads)
+            if self.config.mismatch.every > 0:  # the trainer's thread count: the same bits as its π_old
+                self._start("mismatch", "mismatch", threads=trainer_threads)
             with self.progress:
                 failed = self._watch()
             if failed is not None:
@@ -207,6 +211,12 @@ class Supervisor:
                     return None
                 if name == "eval" and code == 0:
                     continue  # it scored the last version
+                if name == "mismatch":  # done (0), or failed: an analysis role never stops training
+                    if code != 0:
+                        print(f"reel: role mismatch stopped with exit code {code} (see {role.log_path}); training "
+                              f"goes on; `reel replay step N` computes any step's split", file=sys.stderr)
+                        del self.roles[name]
+                    continue
                 return name
             time.sleep(0.5)
 
@@ -220,6 +230,12 @@ class Supervisor:
             if code != 0:  # training is complete; only the last EvalResult is missing
                 print(f"reel: the eval role stopped with exit code {code} before scoring the last version; "
                       f"see {self.roles['eval'].log_path}", file=sys.stderr, flush=True)
+        if "mismatch" in self.roles and self.roles["mismatch"].poll() is None:
+            print(f"reel: waiting up to {MISMATCH_FINISH_TIMEOUT_S:.0f} s for the mismatch role to split the last "
+                  f"steps", flush=True)
+            if self.roles["mismatch"].wait(timeout=MISMATCH_FINISH_TIMEOUT_S) != 0:
+                print(f"reel: the mismatch role did not split every step (see {self.roles['mismatch'].log_path}); "
+                      f"`reel replay step N` computes any step's split", file=sys.stderr, flush=True)
         # The workers publish until stopped (WorkerStats): stopped first, so that the archiver finds the
         # bus drained after RunFinished. The sinks stop at RunFinished, having read the last step.
         self._stop_all([role for name, role in self.roles.items()

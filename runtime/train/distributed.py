@@ -140,7 +140,6 @@ class Plan(NamedTuple):
     """Who trains what in one step."""
 
     local: list[tuple[MicroBatch, Batch, bool]]  # (micro-batch, sub-batch, counts) run here, in order
-    everyone: list[tuple[MicroBatch, Batch]]  # every DP group's micro-batches in group order
 
 
 def plan(batch: Batch, max_tokens: int, world: World) -> Plan:
@@ -150,14 +149,13 @@ def plan(batch: Batch, max_tokens: int, world: World) -> Plan:
     if world.distributed:
         batch = to_device(batch, world.device)
     by_group = [rank_parts(batch, max_tokens, d, world.dp_size) for d in range(world.dp_size)]
-    everyone = [p for parts in by_group for p in parts]
     if not world.distributed:
-        return Plan([(mb, sub, True) for d in world.ranks_here for mb, sub in by_group[d]], everyone)
+        return Plan([(mb, sub, True) for d in world.ranks_here for mb, sub in by_group[d]])
     rounds = max(len(parts) for parts in by_group)
     mine = by_group[world.dp_rank]
     filler = mine[-1] if mine else by_group[0][0]
     local = [(mb, sub, True) for mb, sub in mine] + [(*filler, False)] * (rounds - len(mine))
-    return Plan(local, everyone)
+    return Plan(local)
 
 
 # ---- collectives (identity on one process) -------------------------------------------------

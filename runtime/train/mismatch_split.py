@@ -13,6 +13,10 @@ after an in-flight weight swap is attributed to the version that generated it, s
 KV cache computed by the older weights lands in `numerics`. Tokens whose version's weights are not
 available are left out of both (`split_tokens` counts the rest).
 
+It is computed beside the trainer, never in its step (consumers/mismatch.py publishes it as a
+MismatchSplit event; logs before that event hold it in StepCommitted.metrics), and recomputed by
+`reel replay step N` with the same function, `batch_split`.
+
 Legend: N completion tokens of the batch in micro-batch order (train_step's order).
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +34,9 @@ from reel.bus.events import AnyEvent, BlobRef, WeightsPublished
 from reel.runtime.train import loss as loss_mod
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import load_state_dict_bytes
+from reel.runtime.config.sections import TrainerSection
+from reel.runtime.train.batch import Batch
+from reel.runtime.train.step import MicroBatchParts, completion_tokens, scored_tokens, split
 from reel.runtime.weights.load import version_bytes
 
 # version -> the weights blob's bytes (state_dict_bytes), None when that version is not known
@@ -118,3 +126,33 @@ def split_metrics(logp_old_N: torch.Tensor, logp_sampler_N: torch.Tensor, logp_m
     out |= {f"drift_{k}": drift[f"kl_{k}"] for k in ("k1", "k2", "k3")}
     out["split_tokens"] = numerics["tokens"]
     return out
+
+
+class Split(NamedTuple):
+    figures: dict[str, float]  # SPLIT_KEYS
+    versions: list[int]  # the older versions the batch was scored with
+    missing: list[int]  # older versions whose weights are gone (their tokens are left out)
+
+
+def batch_split(model: MoEModel, parts: MicroBatchParts, logp_old_N: torch.Tensor, current: int,
+                weights_of: WeightsOf, router_replay: bool) -> Split:
+    """The split of a batch whose π_old (`model`, policy version `current`) scored `logp_old_N`."""
+    logp_mu_N = completion_tokens(parts, "logp_mu_BT")
+    versions_N = completion_tokens(parts, "versions_BT")
+    sampler_N, known_N = sampler_logprobs(model, lambda m: scored_tokens(m, parts, router_replay), logp_old_N,
+                                          versions_N, current, weights_of)
+    older = [v for v in torch.unique(versions_N).tolist() if v != current]
+    missing = [v for v in older if not bool(known_N[versions_N == v].any())]
+    return Split(split_metrics(logp_old_N, sampler_N, logp_mu_N, known_N),
+                 [v for v in older if v not in missing], missing)
+
+
+@torch.no_grad()
+def step_split(model: MoEModel, batch: Batch, cfg: TrainerSection, current: int, weights_of: WeightsOf) -> Split:
+    """The split of the batch of step current + 1, `model` holding policy version `current`: π_old scored
+    exactly as train_step scores it (the trainer's micro-batches and precision, train mode, router replay)."""
+    model.train()
+    model.precision = cfg.precision
+    parts = split(batch, cfg.micro_batch_tokens)
+    replay = cfg.router_replay and batch.routing_BTLK is not None
+    return batch_split(model, parts, scored_tokens(model, parts, replay), current, weights_of, replay)

@@ -11,6 +11,7 @@ Legend: B rows, T positions, V vocabulary, N completion tokens of the batch (fla
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import msgspec
@@ -23,7 +24,6 @@ from reel.runtime.config.sections import Config, TrainerSection
 from reel.runtime.train.distributed import (LOCAL, World, all_sum, clip_grad_norm, full_state_dict, gather_tokens, plan,
                                  sync_gradients)
 from reel.runtime.train.finite import check_update, check_weights
-from reel.runtime.train.mismatch_split import WeightsOf, sampler_logprobs, split_metrics
 from reel.runtime.model.context_parallel import sequence_shard, with_context_parallel
 from reel.runtime.model.determinism import set_determinism
 from reel.runtime.model.model import MoEModel
@@ -43,6 +43,22 @@ class StepResult(msgspec.Struct, frozen=True):
     weights_sha256: str  # the new weights' digest (runtime/weights/digest.py); "" on ranks > 0
     metrics: dict[str, float]
     staleness: dict[int, int]
+    # Wall seconds of the step's phases (StepTiming's score_old, forward_backward, optimizer): timed, never
+    # part of what a replay compares.
+    phases: dict[str, float] = {}
+
+
+class PhaseClock:
+    """Wall seconds per named phase: `lap(name)` adds the time since the previous lap to `name`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self._last = now
 
 
 def make_optimizer(model: MoEModel, cfg: TrainerSection) -> torch.optim.AdamW:
@@ -90,30 +106,31 @@ def completion_of(old: TokenLogprobs, piece: Batch) -> tuple[torch.Tensor, ...]:
     return old.logp_BT[mask_BT], old.entropy_BT[mask_BT], piece.logp_mu_BT[mask_BT], piece.versions_BT[mask_BT]
 
 
-def split(batch: Batch, max_tokens: int) -> list[tuple[MicroBatch, Batch]]:
+MicroBatchParts = list[tuple[MicroBatch, Batch]]
+
+
+def split(batch: Batch, max_tokens: int) -> MicroBatchParts:
     """The step's micro-batches with their sub-batches (replay scores with the same ones)."""
     return [(mb, take(batch, mb)) for mb in micro_batches(batch, max_tokens)]
 
 
-def completion_tokens(parts: list[tuple[MicroBatch, Batch]], field: str) -> torch.Tensor:
+def completion_tokens(parts: MicroBatchParts, field: str) -> torch.Tensor:
     """One per-position field of every micro-batch, flattened to completion tokens in micro-batch order."""
     return torch.cat([getattr(sub, field)[sub.loss_mask_BT] for _, sub in parts])
 
 
-def scored_tokens(model: MoEModel, parts: list[tuple[MicroBatch, Batch]], router_replay: bool) -> torch.Tensor:
+def scored_tokens(model: MoEModel, parts: MicroBatchParts, router_replay: bool) -> torch.Tensor:
     """log π(token) of every completion token, in micro-batch order, at the model's precision (no grad)."""
     with torch.no_grad():
         return torch.cat([token_logprobs(model, sub, router_replay=router_replay).logp_BT[sub.loss_mask_BT]
                           for _, sub in parts])
 
 
-def train_step(state: TrainState, batch: Batch, config: Config, world: World = LOCAL,
-               weights_of: WeightsOf | None = None, *, digest: str = PIECES) -> tuple[TrainState, StepResult]:
+def train_step(state: TrainState, batch: Batch, config: Config, world: World = LOCAL, *,
+               digest: str = PIECES) -> tuple[TrainState, StepResult]:
     """One RL step. `digest`: the weights digest's scheme on N ranks (runtime/weights/digest.py; a replay
-    passes the one its log names). `weights_of` (policy version -> weights blob) adds the mismatch split
-    (runtime/train/mismatch_split.py) to the metrics; it never changes the update. The split needs the
-    whole model in one process, so it is computed on a single-process (or emulated) world only;
-    on N ranks the split keys are left out of the metrics (`reel replay` on 1 process adds them)."""
+    passes the one its log names). Nothing here depends on the rollout's lag: the mismatch split of
+    older tokens is the mismatch role's (consumers/mismatch.py), off the trainer's critical path."""
     cfg = config.trainer
     world = with_context_parallel(world, cfg.context_parallel)
     step = state.step + 1
@@ -122,8 +139,9 @@ def train_step(state: TrainState, batch: Batch, config: Config, world: World = L
     model.precision = cfg.precision
     model.train()
     loss_cfg = loss_mod.LossConfig.from_trainer(cfg)
-    local, everyone = plan(batch, cfg.micro_batch_tokens, world)
+    local = plan(batch, cfg.micro_batch_tokens, world).local
     total_tokens = max(1, batch.tokens)
+    clock = PhaseClock()
 
     # pi_old: the trainer's logprobs before any update, the reference of every importance weight;
     # with the logged fields of the same tokens (this rank's slice of them under CP), in one order.
@@ -137,6 +155,7 @@ def train_step(state: TrainState, batch: Batch, config: Config, world: World = L
     columns = list(zip(*counted)) or [()] * 4
     mine = [torch.cat(c) if c else torch.zeros(0, dtype=d) for c, d in zip(columns, TOKEN_DTYPES)]
     logp_old_N, entropy_N, logp_mu_N, versions_N = (gather_tokens(world, t) for t in mine)
+    clock.lap("score_old")
 
     for group in optimizer.param_groups:
         group["lr"] = cfg.lr * (cfg.lr_spike_factor if step == cfg.lr_spike_step else 1.0)
@@ -167,16 +186,15 @@ def train_step(state: TrainState, batch: Batch, config: Config, world: World = L
             loss_total += float(loss.detach()) * n / total_tokens
             offset += n
         loss_total = all_sum(world, loss_total)
+        clock.lap("forward_backward")
         grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
         check_update(step, loss_total, grad_norm, model)
         optimizer.step()
+        clock.lap("optimizer")
     check_weights(step, model, world)
+    clock.lap("optimizer")
 
     metrics = loss_mod.mismatch_metrics(logp_old_N, logp_mu_N, None, entropy_N)
-    if weights_of is not None and not world.distributed:
-        logp_sampler_N, known_N = sampler_logprobs(model, lambda m: scored_tokens(m, everyone, cfg.router_replay),
-                                                   logp_old_N, versions_N, state.step, weights_of)
-        metrics |= split_metrics(logp_old_N, logp_sampler_N, logp_mu_N, known_N)
     metrics["reward_mean"] = float(batch.rewards_B.mean())
     metrics["tokens"] = float(batch.tokens)
     metrics["router_replay"] = float(cfg.router_replay and batch.routing_BTLK is not None)  # R3 applied, per step
@@ -184,7 +202,7 @@ def train_step(state: TrainState, batch: Batch, config: Config, world: World = L
     staleness = loss_mod.staleness_histogram(versions_N, state.step)
     new_state = TrainState(model, optimizer, step)
     return new_state, StepResult(loss=loss_total, grad_norm=grad_norm, weights_sha256=weights_digest(model, world, digest),
-                                 metrics=metrics, staleness=staleness)
+                                 metrics=metrics, staleness=staleness, phases=clock.seconds)
 
 
 def full_weights(model: MoEModel, world: World) -> bytes:

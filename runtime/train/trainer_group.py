@@ -33,7 +33,6 @@ from reel.bus.blobs import BlobBackend
 from reel.bus.events import BlobRef
 from reel.runtime.blob_store import run_blobs
 from reel.runtime.train.distributed import World, broadcast_bytes, shutdown
-from reel.runtime.train.mismatch_split import WeightsOf
 from reel.runtime.train.reexecute import initial_state, restored_state, save_checkpoint
 from reel.runtime.train.step import StepResult, TrainState, full_weights, train_step
 from reel.runtime.weights.rank_publish import RankPublisher
@@ -66,12 +65,10 @@ class TrainerGroup:
         self._announce(RESTORE, source, data)
         return restored_state(self.run_dir, self.config, self.world, data, source)
 
-    def step(self, state: TrainState, batch: Batch, weights_of: WeightsOf | None = None, *,
-             digest: str = PIECES) -> tuple[TrainState, StepResult]:
-        """`weights_of` adds the mismatch split to the metrics on one process (train_step says why not on N);
-        `digest` is the weights digest's scheme (runtime/weights/digest.py)."""
+    def step(self, state: TrainState, batch: Batch, *, digest: str = PIECES) -> tuple[TrainState, StepResult]:
+        """`digest` is the weights digest's scheme (runtime/weights/digest.py)."""
         self._announce(STEP, digest, batch_bytes(batch) if self.world.distributed else b"")
-        return train_step(state, batch, self.config, self.world, weights_of, digest=digest)
+        return train_step(state, batch, self.config, self.world, digest=digest)
 
     def checkpoint(self, state: TrainState) -> bytes:
         self._announce(SAVE)

@@ -126,7 +126,8 @@ def test_a_missing_checkpoint_names_the_file_and_the_nearest_usable_one(built, t
     run_dir = tmp_path / "run"
     shutil.copytree(built, run_dir)
     with RunLog(run_dir, readonly=True) as run_log:
-        checkpoints = {e.step: e.checkpoint for _, e in run_log.events("steps") if e.checkpoint is not None}
+        checkpoints = {e.step: e.checkpoint for _, e in run_log.events("steps")
+                       if isinstance(e, StepCommitted) and e.checkpoint is not None}
     store = BlobStore(run_dir / "blobs")
     store.path(checkpoints[6]).unlink()
     assert reel(["replay", "step", "6", "--run", str(run_dir)]) == 0  # it starts from the checkpoint of step 3

@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
 from reel.bus.events import (
-    STREAM_OF, STREAMS, BlobRef, DroppedGroup, RunFinished, Sample, StepCommitted, StepTiming, Tensor,
-    Trajectory, WeightsPublished, WorkerStats, decode, encode, stream_key,
+    STREAM_OF, STREAMS, BlobRef, DroppedGroup, MismatchSplit, RunFinished, Sample, StepCommitted, StepTiming,
+    Tensor, Trajectory, WeightsPublished, WorkerStats, decode, encode, stream_key,
 )
 from reel.bus.log import RunLog
 from reel.bus.streams import DEAD, GroupConsumer, Publisher, connect
@@ -132,6 +132,23 @@ def test_aggregates_empty_and_idle_window():
     assert s.idle_ratio is None and s.recent_steps[0].idle_share == 0.5 and s.step_reward is None
 
 
+def test_the_split_comes_from_the_mismatch_roles_event_which_lags_the_steps():
+    agg = RunAggregates()
+    for step in (1, 2, 3):
+        agg.apply(_step("r", step, [], metrics={"kl_k3": 0.1 * step}))
+    assert "numerics_k3" not in agg.snapshot().mismatch and agg.snapshot().split_step is None
+    agg.apply(MismatchSplit(run="r", producer="mismatch:0", seq=next(_seq), step=2, versions=[0], lag_steps=1,
+                            figures={"numerics_k3": 0.02, "drift_k3": 0.18, "split_tokens": 10.0}))
+    s = agg.snapshot()
+    assert s.mismatch["kl_k3"] == pytest.approx(0.3)  # the latest step's own figure
+    assert (s.mismatch["numerics_k3"], s.mismatch["drift_k3"]) == (0.02, 0.18)  # the latest split, of step 2
+    assert s.split_step == 2 and s.split_lag_steps == 1
+    assert [r.metrics.get("drift_k3") for r in s.recent_steps] == [None, 0.18, None]
+    metrics = {m.name: m for m in SnapshotCollector(lambda: s).collect()}
+    assert metrics["reel_mismatch_drift_kl_k3"].samples[0].value == 0.18
+    assert metrics["reel_mismatch_split_lag_steps"].samples[0].value == 1
+
+
 # ---------------------------------------------------------------- log: export, final state, CLI
 
 
@@ -157,7 +174,8 @@ def test_export_jsonl_from_log(tmp_path: Path):
     assert first["staleness"] == {"0": 10, "1": 30} and first["staleness_mean"] == pytest.approx(0.75)
     assert first["idle_share"] == pytest.approx(0.25)
     assert first["dropped"] == 2 and first["dropped_by_reason"] == {"stale": 2}
-    assert first["timing"] == {"wait": 1.0, "compute": 3.0, "publish": 0.0}
+    assert first["timing"] == {"wait": 1.0, "compute": 3.0, "publish": 0.0, "score_old": 0.0,
+                               "forward_backward": 0.0, "optimizer": 0.0, "commit": 0.0}  # not in this log: 0
     assert second["reward"] == 0.6 and second["kl_k1"] == 0.01 and second["kl_k3"] == 0.002
     assert second["metrics"]["other"] == 5.0 and second["idle_share"] == 0.0
 

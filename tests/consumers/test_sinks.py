@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from reel.bus.events import EvalResult, StepCommitted, encode
+from reel.bus.events import EvalResult, MismatchSplit, StepCommitted, encode
 from reel.bus.log import RunLog
 from reel.runtime.config.keys import ConfigError
 from reel.runtime.config.run import loads
@@ -38,11 +38,14 @@ def _reel(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def _expected(run_dir: Path) -> tuple[dict[int, dict[str, float]], dict[int, dict[str, float]]]:
-    """From the log, written out here from the event fields: step -> figures, eval step -> scores."""
-    steps, evals = {}, {}
+def _expected(run_dir: Path) -> tuple[dict[int, dict[str, float]], ...]:
+    """From the log, written out here from the event fields: step -> figures, eval step -> scores,
+    step -> the mismatch role's split."""
+    steps, evals, splits = {}, {}, {}
     with RunLog(run_dir, readonly=True) as log:
         for _, e in log.events("steps"):
+            if isinstance(e, MismatchSplit):
+                splits[e.step] = {f"mismatch/{k}": v for k, v in e.figures.items()} | {"mismatch/lag_steps": e.lag_steps}
             if isinstance(e, StepCommitted):
                 figures = {"loss": e.loss, "grad_norm": e.grad_norm, "groups": len(e.groups), "dropped": len(e.dropped),
                            **e.metrics, **{f"staleness/{k}": n for k, n in e.staleness.items()}}
@@ -56,7 +59,13 @@ def _expected(run_dir: Path) -> tuple[dict[int, dict[str, float]], dict[int, dic
             if isinstance(e, EvalResult):
                 evals[e.step] = {"eval/mean_reward": e.mean_reward, "eval/pass_at_1": e.pass_at_1,
                                  "eval/pass_at_k": e.pass_at_k, **{f"eval/task/{t}": v for t, v in e.per_task.items()}}
-    return steps, evals
+    return steps, evals, splits
+
+
+def _splits_of(steps: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+    """The mismatch/* figures of a tracker that writes them with the step's own (TensorBoard, MLflow)."""
+    found = {step: {k: v for k, v in figures.items() if k.startswith("mismatch/")} for step, figures in steps.items()}
+    return {step: figures for step, figures in found.items() if figures}
 
 
 def _add_evals(run_dir: Path) -> None:
@@ -108,13 +117,13 @@ def _tensorboard(directory: Path) -> tuple[dict[int, dict[str, float]], int]:
     return by_step, repeats
 
 
-def _read_tensorboard(run_dir: Path) -> tuple[dict, dict, int]:
+def _read_tensorboard(run_dir: Path) -> tuple[dict, dict, dict, int]:
     steps, repeats = _tensorboard(run_dir / "tracking" / "tensorboard")
     evals, eval_repeats = _tensorboard(run_dir / "tracking" / "tensorboard" / "eval")
-    return steps, evals, repeats + eval_repeats
+    return steps, evals, _splits_of(steps), repeats + eval_repeats
 
 
-def _read_mlflow(run_dir: Path, name: str) -> tuple[dict, dict, int]:
+def _read_mlflow(run_dir: Path, name: str) -> tuple[dict, dict, dict, int]:
     client = MlflowClient(default_uri(run_dir))
     run = find_run(client, client.get_experiment_by_name("reel").experiment_id, name)
     steps: dict[int, dict[str, float]] = {}
@@ -126,30 +135,31 @@ def _read_mlflow(run_dir: Path, name: str) -> tuple[dict, dict, int]:
         for m in history:
             (evals if key.startswith("eval/") else steps).setdefault(m.step, {})[key] = m.value
     assert run.data.params["run.name"] == name and run.data.tags["reel.code_version"] != "unknown"
-    return steps, evals, repeats
+    return steps, evals, _splits_of(steps), repeats
 
 
-def _read_wandb(run_dir: Path, name: str) -> tuple[dict, dict, int]:
+def _read_wandb(run_dir: Path, name: str) -> tuple[dict, dict, dict, int]:
     steps: dict[int, dict[str, float]] = {}
-    evals: dict[int, dict[str, float]] = {}
+    lagging: dict[str, dict[int, dict[str, float]]] = {"eval/": {}, "mismatch/": {}}  # on their own axes
     repeats = 0
     for path in run_files(run_dir / "tracking", name):
         for step, row in history_rows(path):
-            train = {k: v for k, v in row.items() if not k.startswith("eval/")}
+            train = {k: v for k, v in row.items() if not k.startswith(("eval/", "mismatch/"))}
             if train:
                 repeats += step in steps
                 steps[step] = train
-            if "eval/step" in row:
-                at = int(row["eval/step"])
-                repeats += at in evals
-                evals[at] = {k: v for k, v in row.items() if k.startswith("eval/") and k != "eval/step"}
+            for prefix, by_step in lagging.items():
+                if f"{prefix}step" in row:
+                    at = int(row[f"{prefix}step"])
+                    repeats += at in by_step
+                    by_step[at] = {k: v for k, v in row.items() if k.startswith(prefix) and k != f"{prefix}step"}
     configs = [r for path in run_files(run_dir / "tracking", name) for r in records(path)
                if r.WhichOneof("record_type") == "config"]
     assert any(item.key == "code_version" for r in configs for item in r.config.update)
-    return steps, evals, repeats
+    return steps, lagging["eval/"], lagging["mismatch/"], repeats
 
 
-def _read(sink: str, run_dir: Path, name: str) -> tuple[dict, dict, int]:
+def _read(sink: str, run_dir: Path, name: str) -> tuple[dict, dict, dict, int]:
     if sink == "tensorboard":
         return _read_tensorboard(run_dir)
     return (_read_mlflow if sink == "mlflow" else _read_wandb)(run_dir, name)
@@ -166,11 +176,12 @@ def test_a_finished_run_is_backfilled_whole_and_a_rerun_adds_nothing(finished_ru
     assert f"wrote {STEPS} new steps" in first.stdout
     again = _reel("metrics", sink, "--run", str(finished_run))
     assert again.returncode == 0 and "wrote 0 new steps" in again.stdout, again.stderr
-    steps, evals, repeats = _read(sink, finished_run, "sinkrun")
-    want_steps, want_evals = _expected(finished_run)
-    assert len(want_steps) == STEPS and sorted(want_evals) == list(EVAL_STEPS)
+    steps, evals, splits, repeats = _read(sink, finished_run, "sinkrun")
+    want_steps, want_evals, want_splits = _expected(finished_run)
+    assert len(want_steps) == STEPS and sorted(want_evals) == list(EVAL_STEPS) and len(want_splits) == STEPS
     _assert_matches(steps, want_steps, sink)
     _assert_matches(evals, want_evals, f"{sink} evals")
+    _assert_matches(splits, want_splits, f"{sink} mismatch splits")
     assert repeats == 0
 
 
@@ -238,9 +249,9 @@ def test_sink_roles_killed_mid_run_and_restarted_leave_no_gap_and_no_duplicate(t
         for process in (launcher, *followers):
             if process.poll() is None:
                 process.kill()
-    want_steps, _ = _expected(run_dir)
+    want_steps, _, _ = _expected(run_dir)
     assert sorted(want_steps) == list(range(1, steps + 1))
     for sink in SINKS:
-        got, _, repeats = _read(sink, run_dir, "sinklive")
+        got, _, _, repeats = _read(sink, run_dir, "sinklive")
         _assert_matches(got, want_steps, sink)
         assert repeats == 0, f"{sink} wrote {repeats} points twice"

@@ -57,18 +57,21 @@ def test_report_renders_in_headless_chromium_with_no_console_errors(run_dir: Pat
     bisect.write_text(json.dumps({"metric": "kl_k3", "direction": "above", "threshold": 0.01, "first_crossing": 4,
                                   "value": 0.02, "culprit_update": 3,
                                   "causes": [{"name": "staleness", "at_crossing": 0.02, "baseline": 0.001, "growth": 20.0}]}))
-    page = tmp_path / "report.html"
+    page, timeline = tmp_path / "report.html", tmp_path / "timeline.png"
     result = subprocess.run([sys.executable, "-m", "reel.runtime.launch.cli", "report", "--run", str(run_dir), "-o",
-                             str(page), "--bisect", str(bisect)], capture_output=True, text=True, timeout=120)
+                             str(page), "--bisect", str(bisect), "--timeline", str(timeline)],
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+    assert timeline.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     html = page.read_text()
     # Self-contained: nothing to fetch (the SVG namespace is a name, not a request).
     assert not re.search(r"""(src|href)\s*=|<link|@import|url\(""", html)
     assert set(re.findall(r"https?://[^\s\"'<>]+", html)) <= {"http://www.w3.org/2000/svg"}
-    for heading in ("Reward", "KL split", "Staleness", "Throughput and idle shares", "Eval results", "Dropped groups",
-                    "Bisect findings", "Config"):
+    for heading in ("Reward", "KL split", "Staleness", "Throughput and idle shares", "Timeline", "Eval results",
+                    "Dropped groups", "Bisect findings", "Config"):
         assert f"<h2>{heading}" in html
     assert "culprit_update" in html and "[run]" in html
+    assert f"step {STEPS} forward_backward" in html and "rollout:0 busy" in html  # the timeline's trainer and worker
 
     dom = _chromium(page, "--dump-dom", cwd=tmp_path)
     assert dom.returncode == 0, dom.stderr[-2000:]

@@ -11,6 +11,7 @@ import shutil
 import warnings
 from pathlib import Path
 
+import msgspec
 import orjson
 import pytest
 import torch
@@ -67,12 +68,35 @@ def test_every_step_replays_bitwise_and_matches_the_logged_metrics(runs):
         assert (report.ratio.mean, report.ratio.frac_outside) == (
             commit.metrics["ratio_mean"], commit.metrics["ratio_frac_outside"])
         assert report.staleness == commit.staleness
-        # The numerics/drift split too: the sampling versions' weights come from the log's blobs.
+        # The numerics/drift split too (the sampling versions' weights come from the log's blobs): the same
+        # figures, to the bit, as the MismatchSplit the mismatch role's function logged.
         assert report.kl_numerics is not None and report.kl_drift is not None
+        assert report.split_logged == "event" and report.split_equal is True
+        assert analysis.split == run.splits[step].figures
         assert (report.kl_numerics.k3, report.kl_drift.k3) == (
-            commit.metrics["numerics_k3"], commit.metrics["drift_k3"])
+            run.splits[step].figures["numerics_k3"], run.splits[step].figures["drift_k3"])
         assert report.tokens == len(analysis.log_ratio_N) == sum(commit.staleness.values())
     assert any(behind > 0 for behind in run.commits[3].staleness)
+
+
+def test_logs_from_before_the_mismatch_role_still_replay(tmp_path):
+    """Older logs: the split inside StepCommitted.metrics (compared as before), or no split at all."""
+    for where, expected in (("metrics", True), ("none", None)):
+        run = Run(build_run(tmp_path / where, {"run": {"steps": 3}}, split=where))
+        assert not run.splits
+        report, analysis = replay_step(run, 3)
+        assert report.bitwise and report.split_logged == ("metrics" if where == "metrics" else "")
+        assert report.split_equal is expected and analysis.split is not None
+        if where == "metrics":
+            assert report.kl_drift.k3 == run.commits[3].metrics["drift_k3"] > 0
+
+
+def test_a_logged_split_that_differs_is_reported(runs, tmp_path):
+    run = Run(runs["main"])
+    logged = run.splits[3]
+    run.splits[3] = msgspec.structs.replace(logged, figures={**logged.figures, "drift_k3": logged.figures["drift_k3"] * 2})
+    report, _ = replay_step(run, 3)
+    assert report.bitwise and report.split_logged == "event" and report.split_equal is False
 
 
 def test_json_output_schema(runs, capsys, tmp_path):

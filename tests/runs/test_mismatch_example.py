@@ -42,7 +42,7 @@ def test_trained_steps_show_more_kl_without_router_replay(tmp_path: Path,
         with_r3, without_r3 = recomputed["kl"]["k3"], recomputed["kl_without_router_replay"]["k3"]
         assert without_r3 > with_r3 > 0, (row["step"], with_r3, without_r3)
         assert recomputed["router_agreement_mean"] < 1.0
-        # The split the trainer logged is what replay computes from the log's weights.
+        # The split the mismatch role logged (MismatchSplit) is what replay computes from the log's weights.
         assert recomputed["kl_numerics"] == row["kl_numerics"] and recomputed["kl_drift"] == row["kl_drift"]
         assert row["kl_numerics"]["k3"] > 0
     assert any(row["staleness_mean"] > 0 and row["kl_drift"]["k3"] > 0 for row in steps)

@@ -21,7 +21,7 @@ from reel.runtime.model.context_parallel import sequence_shard
 def main(out: str) -> None:
     # cp set by hand: context_degree refuses CPU ranks, for the attention; the sharding runs here.
     world = distributed.from_env()._replace(cp=2)
-    local, _ = distributed.plan(batches(1)[0], MICRO_BATCH_TOKENS, world)
+    local = distributed.plan(batches(1)[0], MICRO_BATCH_TOKENS, world).local
     slices = []
     for mb, sub, counts in local:
         with sequence_shard(world, sub) as (piece, positions_BT):

@@ -3,7 +3,9 @@
 The run directory looks like one `reel run` leaves behind: config.toml, init/ (the warm-started
 version-0 policy), blobs/ (weights after every step, checkpoints every `checkpoint_every`) and a
 log written through reel.bus.log.RunLog with the events the roles would have published: RunStarted,
-WeightsPublished, Trajectory + RoutingTrace per group, StepCommitted per step.
+WeightsPublished, Trajectory + RoutingTrace per group, StepCommitted per step and, as the mismatch role
+(consumers/mismatch.py) would, a MismatchSplit per step (`split`; "metrics" writes a log of before that
+role, the split inside StepCommitted.metrics; "none" one without any split).
 
 Rollouts come from a small sampling loop over `MoEModel.forward` (the full sequence each token, so
 no KV cache), on its own copy of the weights at `engine_precision`: an engine in bf16 records
@@ -26,8 +28,8 @@ import torch
 
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import (
-    AnyEvent, RoutingTrace, RunStarted, Sample, StepCommitted, StepTiming, Tensor, Trajectory, WeightsPublished,
-    encode,
+    AnyEvent, MismatchSplit, RoutingTrace, RunStarted, Sample, StepCommitted, StepTiming, Tensor, Trajectory,
+    WeightsPublished, encode,
 )
 from reel.bus.log import RunLog
 from reel.producers.envs import Env, make_env
@@ -36,7 +38,7 @@ from reel.runtime.config import run as config_mod
 from reel.runtime.train.batch import Group, build_batch
 from reel.runtime.config.sections import Config
 from reel.runtime.train.initial_policy import code_version, ensure_initial_policy, load_initial_model
-from reel.runtime.train.mismatch_split import WeightHistory
+from reel.runtime.train.mismatch_split import WeightHistory, step_split
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import state_dict_bytes
 from reel.runtime.train.step import TrainState, make_optimizer, train_step
@@ -94,10 +96,11 @@ def make_config(overrides: dict[str, dict[str, Any]] | None = None) -> Config:
 
 
 def build_run(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = None, *,
-              engine_precision: str = "bf16", stale: bool = True) -> Path:
+              engine_precision: str = "bf16", stale: bool = True, split: str = "event") -> Path:
     """Write a finished run of config.run.steps steps into `run_dir` (created) and return it.
 
-    `stale`: every other group of a step after the first starts one version behind (else none)."""
+    `stale`: every other group of a step after the first starts one version behind (else none).
+    `split`: where the mismatch split goes: "event" (MismatchSplit), "metrics" (older logs), "none"."""
     config = make_config(overrides)
     run_dir.mkdir(parents=True)
     (run_dir / "config.toml").write_text(config_mod.to_toml(config))
@@ -106,7 +109,7 @@ def build_run(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = None,
     torch.set_num_threads(config.trainer.threads or 1)  # the trainer role's thread count
     try:
         with _Writer(run_dir, config) as writer:
-            writer.run(engine_precision, stale)
+            writer.run(engine_precision, stale, split)
     finally:
         torch.set_num_threads(threads)
     return run_dir
@@ -133,7 +136,7 @@ class _Writer:
     def __exit__(self, *exc: object) -> None:
         self.log.close()
 
-    def run(self, engine_precision: str, stale: bool) -> None:
+    def run(self, engine_precision: str, stale: bool, split: str) -> None:
         config = self.config
         self.engine.precision = engine_precision
         state = TrainState(self.model, make_optimizer(self.model, config.trainer), 0)
@@ -144,9 +147,11 @@ class _Writer:
         for step in range(1, config.run.steps + 1):
             groups = [self._rollout(step, g, stale and g % 2 == 1 and step >= 2)
                       for g in range(config.trainer.batch_groups)]
-            started = time.perf_counter()
             batch = build_batch(groups)
-            state, result = train_step(state, batch, config, weights_of=self.history.get)
+            figures = step_split(state.model, batch, config.trainer, state.step, self.history.get) \
+                if split != "none" else None
+            started = time.perf_counter()  # the split is not the trainer's work
+            state, result = train_step(state, batch, config)
             compute = time.perf_counter() - started
             weights = self._publish_weights(state)
             ckpt = None
@@ -155,9 +160,13 @@ class _Writer:
             self._append(
                 "steps", StepCommitted, step=step, version=step, groups=[g.trajectory.group_id for g in groups],
                 dropped=[], loss=result.loss, grad_norm=result.grad_norm, weights_sha256=result.weights_sha256,
-                timing=StepTiming(wait=0.0, compute=compute, publish=0.0), metrics=result.metrics,
+                timing=StepTiming(wait=0.0, compute=compute, publish=0.0),
+                metrics=result.metrics | (figures.figures if split == "metrics" else {}),
                 staleness=result.staleness, checkpoint=ckpt, config_hash=config_mod.config_hash(config),
                 code_version=code_version())
+            if split == "event":
+                self._append("steps", MismatchSplit, step=step, figures=figures.figures, versions=figures.versions,
+                             missing_versions=figures.missing)
             assert result.weights_sha256 == weights.sha256
 
     def _publish_weights(self, state: TrainState):

@@ -45,6 +45,8 @@ BROKEN = [
     ("[bus]\nurl = \"http://x\"\n", "bus.url"),
     ("[run\nname = 1\n", "not valid TOML"),
     ("[log]\nlevel = \"LOUD\"\n", "log.level"),
+    ("[mismatch]\nevery = -1\n", "mismatch.every"),
+    ("[mismatch]\nmax_lag_steps = -2\n", "mismatch.max_lag_steps"),
 ]
 
 

@@ -433,17 +433,30 @@ def eval_script(tmp_path: Path) -> str:
     return render(EXAMPLE.read_text() + "\n[eval]\nevery = 5\n", tmp_path)
 
 
+def test_the_mismatch_role_runs_on_the_control_node_unless_switched_off(tmp_path: Path) -> None:
+    """[mismatch] every > 0 (the default): the mismatch role on het group 0 with the trainer's threads, ending
+    by itself after the last step; every = 0: no such role."""
+    script = render(EXAMPLE.read_text(), tmp_path)
+    bash_ok(script)
+    role, = commands(script, "mismatch")
+    assert role[:3] == ["start", "mismatch", "0"] and "--ntasks=1" in role
+    assert role[-5:] == ["$REEL", "role", "mismatch", "--run", "$RUN_DIR"]
+    assert "export ENDS_ITSELF=mismatch" in script
+    off = render(EXAMPLE.read_text() + "\n[mismatch]\nevery = 0\n", tmp_path)
+    assert not commands(off, "mismatch") and "export ENDS_ITSELF=''" in off
+
+
 def test_eval_role_gets_a_step_and_an_engine_of_its_own(tmp_path: Path, eval_script: str) -> None:
     """[eval]: the eval role is started like the other roles; the job waits for it to score the last
     version before RunFinished, and its exit 0 is no failure. Built-in: on the first rollout node;
     vLLM: its own het group, in-process vLLM (the rollout's server URL is removed from its environment)."""
     plain = render(EXAMPLE.read_text(), tmp_path)
-    assert not commands(plain, "eval") and "export ENDS_ITSELF=''" in plain
+    assert not commands(plain, "eval") and "export ENDS_ITSELF=mismatch" in plain
     bash_ok(eval_script)
     evaluator, = commands(eval_script, "eval")
     assert evaluator[:3] == ["start", "eval", "1"] and "--ntasks=1" in evaluator
     assert evaluator[-5:] == ["$REEL", "role", "eval", "--run", "$RUN_DIR"]
-    assert "export ENDS_ITSELF=eval" in eval_script
+    assert "export ENDS_ITSELF='eval mismatch'" in eval_script
     assert "#SBATCH hetjob" in eval_script and eval_script.count("#SBATCH hetjob") == 2  # no group of its own
     vllm = WIDE_EP_PD.replace("[trainer]", "[eval]\nevery = 10\n[trainer]").replace(
         "[engine]\n", "[engine]\nvllm_server = \"inprocess\"\n")

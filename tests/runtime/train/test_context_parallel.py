@@ -119,7 +119,7 @@ def test_two_gloo_ranks_hold_head_and_tail_chunks_of_every_micro_batch_with_whol
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     batch = fsdp_peer.batches(1)[0]
-    whole, _ = plan(batch, fsdp_peer.MICRO_BATCH_TOKENS, LOCAL)
+    whole = plan(batch, fsdp_peer.MICRO_BATCH_TOKENS, LOCAL).local
     assert len(ranks[0]) == len(ranks[1]) == len(whole)  # one CP group: both ranks get every micro-batch
     counted = 0
     for (mb, sub, _), slices in zip(whole, zip(*ranks)):

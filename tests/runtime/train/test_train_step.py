@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 
 import numpy as np
 import pytest
@@ -10,8 +9,7 @@ import torch
 
 from reel.runtime.checkpoint import single as checkpoint
 from reel.runtime.train.batch import Group, build_batch, micro_batches, routing_problem
-from reel.runtime.train.distributed import World
-from reel.runtime.train.mismatch_split import SPLIT_KEYS
+from reel.runtime.train.mismatch_split import SPLIT_KEYS, step_split
 from reel.runtime.model.weights import state_dict_bytes
 from reel.runtime.train.step import train_step, weights_sha256
 from train_setup import MODEL, fresh_state, random_groups, step_config
@@ -128,22 +126,23 @@ def test_micro_batches_group_rows_by_length_within_the_token_budget() -> None:
     assert micro_batches(batch, 0)[0].rows_M.tolist() == list(range(len(lengths)))
 
 
-def test_mismatch_split_same_on_one_process_and_emulated_ranks() -> None:
-    """The split (train_step's `weights_of`) over an emulated 2-rank world scores the same tokens as on one
-    process: only the summation order differs. Stale tokens (sampled at version 0, trained at step 2) drift."""
+def test_mismatch_split_of_stale_tokens_and_of_missing_versions() -> None:
+    """step_split (what the mismatch role logs) scores each token at its sampling version: tokens sampled by
+    version 0 and trained at step 2 drift; without version 0's weights they are left out and named."""
     config = step_config()
     state = fresh_state(config)
     version_0 = state_dict_bytes(state.model)
     stale = build_batch(random_groups(state.model, 7))  # sampled by version 0
     state, _ = train_step(state, build_batch(random_groups(state.model, 1)), config)
-    twin = copy.deepcopy(state)
-    weights_of = {0: version_0}.get
-    _, one = train_step(state, stale, config, weights_of=weights_of)
-    _, two = train_step(twin, stale, config, World(rank=0, size=2, emulated=True), weights_of)
-    for key in SPLIT_KEYS:
-        assert two.metrics[key] == pytest.approx(one.metrics[key], rel=1e-4, abs=1e-7), key
-    assert one.metrics["split_tokens"] == stale.tokens
-    assert one.metrics["drift_k3"] > 0  # one update since sampling
+    split = step_split(state.model, stale, config.trainer, state.step, {0: version_0}.get)
+    assert set(split.figures) == set(SPLIT_KEYS)
+    assert split.figures["split_tokens"] == stale.tokens and split.versions == [0] and split.missing == []
+    assert split.figures["drift_k3"] > 0  # one update since sampling
+    gone = step_split(state.model, stale, config.trainer, state.step, {}.get)
+    assert gone.figures["split_tokens"] == 0 and gone.versions == [] and gone.missing == [0]
+    _, result = train_step(state, stale, config)
+    assert not set(SPLIT_KEYS) & set(result.metrics)  # never the trainer's work
+    assert set(result.phases) == {"score_old", "forward_backward", "optimizer"}
 
 
 def test_one_bad_trace_never_turns_router_replay_off_silently() -> None:
