@@ -55,7 +55,7 @@ from reel.runtime.config.run import config_hash
 from reel.runtime.config.run import load as load_config
 from reel.runtime.config.data_files import dataset_sha256
 from reel.runtime.train.groups import GroupLookup
-from reel.runtime.train.initial_policy import code_version, ensure_initial_policy, initial_reward
+from reel.runtime.train.initial_policy import WarmStart, code_version, ensure_initial_policy, initial_reward
 from reel.runtime.train.reexecute import catch_up, checkpoint_before
 from reel.runtime.train.step import TrainState
 from reel.runtime.train.trainer_group import TrainerGroup, run_as_group
@@ -87,9 +87,12 @@ class Trainer:
     state: TrainState
     retention: Retention  # which published versions the blob store may let go
     commit_s: float  # the last step's commit protocol after its event was stamped (the next StepTiming.commit)
+    warm_start: WarmStart  # makes version 0 when the config asks for a warm-start (passed in by the shell)
 
-    def __init__(self, run_dir: Path, url: str, config: Config, group: TrainerGroup | None = None):
+    def __init__(self, run_dir: Path, url: str, config: Config, warm_start: WarmStart,
+                 group: TrainerGroup | None = None):
         self.config = config
+        self.warm_start = warm_start
         self.run_dir = run_dir
         self.url = url
         self.run = config.run.name
@@ -180,7 +183,7 @@ class Trainer:
         commits = await self._read_commits()
         published = logged_events(self.run_dir, "weights") + await self._bus_events("weights")
         self.retention.add([*published, *commits.values()])
-        await asyncio.to_thread(ensure_initial_policy, self.run_dir, self.config)
+        await asyncio.to_thread(ensure_initial_policy, self.run_dir, self.config, self.warm_start)
         if not commits:
             self.state = await asyncio.to_thread(self.group.initial_state)
             await self._publish_version_zero()
@@ -301,7 +304,7 @@ def indexed_groups(run_dir: Path, blobs: BlobBackend) -> GroupLookup:
         return GroupLookup(blobs)
 
 
-def main(run_dir: Path, bus_url: str) -> int:
+def main(run_dir: Path, bus_url: str, warm_start: WarmStart) -> int:
     import uvloop
 
     config = load_config(run_dir / "config.toml")
@@ -318,7 +321,7 @@ def main(run_dir: Path, bus_url: str) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):  # a warm-start in progress stops too (work_progress)
             loop.add_signal_handler(sig, lambda: (stop.set(), work_progress.cancel()))
-        trainer = Trainer(run_dir, bus_url, config, group)
+        trainer = Trainer(run_dir, bus_url, config, warm_start, group)
         try:
             await trainer.run_until_done(stop)
         except work_progress.WorkCancelled as exc:

@@ -26,8 +26,9 @@ def main_role(args: argparse.Namespace) -> int:
             return int(archiver.main(run_dir, url, config.run.name, config.bus.partitions) or 0)
         case "trainer":
             from reel.consumers import trainer
+            from reel.producers.warmstart import warm_start  # the shell wires the warm-start's envs in
 
-            return int(trainer.main(run_dir, url) or 0)
+            return int(trainer.main(run_dir, url, warm_start) or 0)
         case "rollout":
             from reel.producers import rollout
 

@@ -4,17 +4,18 @@ supervised warm-start on the task (from random weights, or from model.path when 
 Either way it ends up in `RUN_DIR/init/` (HF layout: config.json + model.safetensors), written once
 by whichever role gets there first (atomic rename), so every node and every later replay starts
 from the same bytes. The warm-start itself needs the task's environment, which lives on the
-rollout side: it is reached by name, like the roles (runtime/ never imports producers/).
+rollout side: the caller passes it in (`WarmStart`; the shell hands the trainer
+producers/warmstart.py's), since runtime/ never imports producers/.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from reel.bus.errors import ReelError
@@ -24,7 +25,9 @@ from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import contained, load, save, shard_files
 from reel.runtime.work_progress import PROGRESS_FILE, reporting_to
 
-WARM_START = "reel.producers.warmstart:warm_start"
+# A supervised warm-start: config -> (version-0 model, its mean sampled reward). It needs the envs and the
+# engine, so the shell passes producers/warmstart.py's `warm_start` in (runtime/launch/roles.py).
+WarmStart = Callable[[Config], tuple[MoEModel, float]]
 INFO_FILE = "init.json"  # beside the weights: where they came from and, for a warm-start, its reward
 
 
@@ -36,8 +39,9 @@ def init_dir(run_dir: Path) -> Path:
     return run_dir / "init"
 
 
-def ensure_initial_policy(run_dir: Path, config: Config) -> Path:
-    """RUN_DIR/init with version-0 weights, creating it if this is the first role to ask."""
+def ensure_initial_policy(run_dir: Path, config: Config, warm_start: WarmStart) -> Path:
+    """RUN_DIR/init with version-0 weights, creating it if this is the first role to ask (with
+    `warm_start` when the config asks for one)."""
     target = init_dir(run_dir)
     if (target / "config.json").is_file():
         return target
@@ -53,9 +57,8 @@ def ensure_initial_policy(run_dir: Path, config: Config) -> Path:
             link_checkpoint(Path(config.model.path), staging)
             info = {"source": str(Path(config.model.path).resolve())}
         else:
-            module, function = WARM_START.split(":")
             with reporting_to(run_dir / "roles" / PROGRESS_FILE):  # the launcher shows it (runtime/work_progress.py)
-                model, reward = getattr(importlib.import_module(module), function)(config)
+                model, reward = warm_start(config)
             save(model, staging)
             info = {"source": "warm-start", "warmup_steps": warmup_steps(config), "reward_mean": reward}
         (staging / INFO_FILE).write_text(json.dumps(info))

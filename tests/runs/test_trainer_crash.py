@@ -28,6 +28,7 @@ from reel.consumers.trainer import CRASH_STAGES, STOPPED_EXIT
 from reel.runtime.config import run as config_mod
 from runbuilder import TINY_MODEL_TOML
 from reel.runtime.train.initial_policy import ensure_initial_policy, load_initial_model
+from reel.producers.warmstart import warm_start
 
 pytestmark = pytest.mark.slow
 
@@ -94,7 +95,7 @@ def test_crash_at_each_commit_stage_then_resume(tmp_path: Path, redis_url: str, 
         (run_dir / sub).mkdir(parents=True)
     (run_dir / "config.toml").write_text(CONFIG.format(name=run_name, model=TINY_MODEL_TOML))
     config = config_mod.load(run_dir / "config.toml")
-    ensure_initial_policy(run_dir, config)
+    ensure_initial_policy(run_dir, config, warm_start)
     groups = _groups(run_dir, run_name)
     asyncio.run(_publish(redis_url, [e for pair in groups for e in pair]))
 
@@ -133,7 +134,7 @@ def _prepare(tmp_path: Path, url: str, run: str, groups: int = GROUPS, *, bad_ro
     for sub in ("log", "blobs", "roles"):
         (run_dir / sub).mkdir(parents=True)
     (run_dir / "config.toml").write_text(CONFIG.format(name=run, model=TINY_MODEL_TOML))
-    ensure_initial_policy(run_dir, config_mod.load(run_dir / "config.toml"))
+    ensure_initial_policy(run_dir, config_mod.load(run_dir / "config.toml"), warm_start)
     pairs = _groups(run_dir, run)[:groups]
     if bad_routing:
         trajectory, trace = pairs[0]
@@ -291,7 +292,7 @@ def test_resume_sees_commits_archived_and_trimmed_while_it_reads(tmp_path: Path,
         archive_and_trim()  # the archiver's turn, right after this read
         return events
 
-    trainer = trainer_mod.Trainer(run_dir, redis_url, config_mod.load(run_dir / "config.toml"))
+    trainer = trainer_mod.Trainer(run_dir, redis_url, config_mod.load(run_dir / "config.toml"), warm_start)
     monkeypatch.setattr(trainer_mod, "logged_events", logged_then_archived)
 
     async def read() -> dict:

@@ -21,6 +21,7 @@ from reel.runtime.config import run as config_mod
 from reel.runtime.train.distributed import torchrun_argv
 from reel.runtime.train.initial_policy import ensure_initial_policy
 from test_trainer_crash import CONFIG, _groups, _publish
+from reel.producers.warmstart import warm_start
 
 pytestmark = pytest.mark.slow
 STEPS = 4
@@ -42,7 +43,7 @@ def test_kill_rank_1_then_resume_trains_every_group_once(tmp_path: Path, redis_u
         (run_dir / sub).mkdir(parents=True)
     text = CONFIG.format(name=run_name, model=TINY_MODEL_TOML).replace("steps = 3", f"steps = {STEPS}")
     (run_dir / "config.toml").write_text(text + "ranks = 2\n")
-    ensure_initial_policy(run_dir, config_mod.load(run_dir / "config.toml"))
+    ensure_initial_policy(run_dir, config_mod.load(run_dir / "config.toml"), warm_start)
     groups = [e for pair in _groups(run_dir, run_name) for e in pair]  # 8 groups, 2 per step
     client = redis.Redis.from_url(redis_url)
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -42,6 +42,7 @@ from reel.runtime.train.mismatch_split import WeightHistory, step_split
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import state_dict_bytes
 from reel.runtime.train.step import TrainState, make_optimizer, train_step
+from reel.producers.warmstart import warm_start
 
 # The tiny MoE of the tests that start real `reel` processes (a TOML section for their configs).
 TINY_MODEL_TOML = """[model]
@@ -104,7 +105,7 @@ def build_run(run_dir: Path, overrides: dict[str, dict[str, Any]] | None = None,
     config = make_config(overrides)
     run_dir.mkdir(parents=True)
     (run_dir / "config.toml").write_text(config_mod.to_toml(config))
-    ensure_initial_policy(run_dir, config)
+    ensure_initial_policy(run_dir, config, warm_start)
     threads = torch.get_num_threads()
     torch.set_num_threads(config.trainer.threads or 1)  # the trainer role's thread count
     try:
