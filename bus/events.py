@@ -142,6 +142,9 @@ class Sample(msgspec.Struct, frozen=True, gc=False):
     tool_calls: int = 0  # model turns the env answered as tool calls
     turn_lengths: list[int] = []  # tokens sampled per model turn (empty = one turn of len(tokens))
     scores: dict[str, float] = {}  # the reward's parts by name (a verifiers rubric's functions); {} = none
+    # Why an env call was cut (it timed out or raised, producers/tool_calls.py): the episode ended
+    # there with reward 0; "" = it ended as the env said.
+    env_error: str = ""
 
 
 class Trajectory(Event, tag="trajectory"):

@@ -78,6 +78,11 @@ class RolloutSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     top_p: float = 1.0
     max_tokens: int = 16
     stats_every_s: float = 2.0
+    # env.respond (a tool call, a reward) runs off the worker's event loop (producers/tool_calls.py):
+    # at most tool_concurrency calls at once per worker (a plain respond gets that many threads), each
+    # cut after tool_timeout_s (slot wait included); a cut episode ends with reward 0, the reason logged.
+    tool_concurrency: int = 64
+    tool_timeout_s: float = 60.0
 
 
 class EnvSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
