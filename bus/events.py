@@ -145,6 +145,9 @@ class Sample(msgspec.Struct, frozen=True, gc=False):
     # Why an env call was cut (it timed out or raised, producers/tool_calls.py): the episode ended
     # there with reward 0; "" = it ended as the env said.
     env_error: str = ""
+    # Wall seconds of each env.respond (one per model turn: the tool call, or the final reward), so
+    # `reel simulate` can model tool waits; [] = not recorded (older logs).
+    env_s: list[float] = []
 
 
 class Trajectory(Event, tag="trajectory"):

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import math
 import numbers
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -56,6 +57,7 @@ class Episode:
     reward: float = 0.0
     scores: dict[str, float] = field(default_factory=dict)  # Finish.scores: the reward's parts by name
     env_error: str = ""  # why an env call was cut (timeout, exception): the episode ended there, reward 0
+    env_s: list[float] = field(default_factory=list)  # wall seconds of each env.respond, cut ones included
 
     def add_model_turn(self, c: Completion) -> None:
         offset = len(self.tokens)
@@ -78,7 +80,8 @@ class Episode:
                       logprobs=Tensor.from_numpy(np.asarray(self.logprobs, np.float32)), reward=self.reward,
                       finish_reason=self.finish_reason, seed=self.seed, spans=self.spans, generate_s=self.seconds,
                       env_spans=self.env_spans, turns=len(self.turn_lengths), tool_calls=self.tool_calls,
-                      turn_lengths=self.turn_lengths, scores=self.scores, env_error=self.env_error)
+                      turn_lengths=self.turn_lengths, scores=self.scores, env_error=self.env_error,
+                      env_s=self.env_s)
 
     def add_env_turn(self, ids: list[int]) -> None:
         self.env_spans.append((len(self.tokens), len(self.tokens) + len(ids)))
@@ -143,12 +146,15 @@ class _Turns:
         completion = first
         while True:
             episode.add_model_turn(completion)
+            started = time.monotonic()
             try:
                 reply = await self.respond(episode.turns)
             except ToolCut as cut:  # the episode ends here; its group and the run go on
                 log.warning("group of %r: sample %d cut: %s", prompt.text, index, cut)
                 episode.env_error = str(cut)
                 return episode
+            finally:
+                episode.env_s.append(time.monotonic() - started)
             if isinstance(reply, Finish):
                 if isinstance(reply.reward, bool) or not isinstance(reply.reward, numbers.Real):
                     raise RewardError(f"env {env.name} returned the reward {reply.reward!r} "
