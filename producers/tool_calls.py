@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from reel.producers.envs import Env, Prompt, Reply
 from reel.producers.envs.rewards import RewardError
 from reel.runtime.config.sections import RolloutSection
-
-log = logging.getLogger("reel.tool_calls")
 
 
 class ToolCut(Exception):
