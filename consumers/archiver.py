@@ -54,10 +54,8 @@ from redis.exceptions import RedisError, ResponseError
 
 from reel.bus.cluster import SlotReader, is_cluster
 from reel.bus.blob_backends.file import BlobStore
-from reel.bus import weight_manifest
 from reel.bus.blobs import BlobBackend
-from reel.bus.events import STREAMS, AnyEvent, BlobRef, MalformedEvent, RoutingTrace, RunFinished, StepCommitted, \
-    WeightsPublished, decode
+from reel.bus.events import STREAMS, AnyEvent, BlobRef, MalformedEvent, RunFinished, WeightsPublished, decode
 from reel.bus.log import LogError, RunLog
 from reel.bus.logindex import LogIndex
 from reel.bus.logformat import entry_order
@@ -65,6 +63,7 @@ from reel.bus.partitions import lane_key, lanes, stream_of
 from reel.bus.dead_letter import dead_letter_key, queue_dead_letter
 from reel.bus.streams import FIELD, READ_MARGIN_S, BusError, connect, safe_trim, try_stamp
 from reel.bus.trust import Order, SeqMarks, wrong_producer
+from reel.consumers.archive_blobs import copy_blobs, event_blobs
 
 __all__ = ["Archiver", "main", "GROUP", "CONSUMER"]
 
@@ -253,7 +252,7 @@ class Archiver:
                 continue
             round_.finished |= isinstance(event, RunFinished)
             if self.blobs is not None:
-                round_.blobs += blob_refs(event)
+                round_.blobs += event_blobs(event)
                 if isinstance(event, WeightsPublished) and event.format == "manifest":
                     round_.manifests.append(event.weights)
             round_.records.setdefault(stream, []).append((entry_id, data))
@@ -318,18 +317,7 @@ class Archiver:
             waited += DISK_FULL_RETRY_S
 
     def _append(self, round_: _Round) -> None:
-        for ref in round_.blobs:
-            if not self.files.path(ref).is_file():
-                self.files.put(self.blobs.get(ref))  # get checks the sha256 the event names
-        for ref in round_.manifests:
-            try:
-                manifest = weight_manifest.decode_manifest(self.files.get(ref))
-            except msgspec.DecodeError as exc:
-                log.warning("weight manifest %s is not a WeightManifest (%s); its shards are not copied", ref.sha256, exc)
-                continue
-            for shard in weight_manifest.blob_refs(ref, manifest)[1:]:
-                if not self.files.path(shard).is_file():
-                    self.files.put(self.blobs.get(shard))
+        copy_blobs(self.blobs, self.files, round_.blobs, round_.manifests)
         for stream, batch in round_.records.items():
             stream_log = self.log.stream(stream)
             # After a failed append (disk full) some segments of the batch may be durable already.
@@ -372,16 +360,6 @@ class Archiver:
         except (RedisError, OSError) as exc:
             raise BusError(f"archiver of run {self.run_name} at {self.bus_url.rpartition('@')[2]}: {what} failed "
                            f"({type(exc).__name__}: {exc})") from exc
-
-
-def blob_refs(event: AnyEvent) -> list[BlobRef]:
-    """The blobs an event names (what a replay of the run reads)."""
-    match event:
-        case WeightsPublished():
-            return [event.weights]
-        case RoutingTrace(blob=BlobRef() as ref) | StepCommitted(checkpoint=BlobRef() as ref):
-            return [ref]
-    return []
 
 
 def main(run_dir: Path, bus_url: str, run: str, partitions: int | str = 1, stop: asyncio.Event | None = None) -> int:

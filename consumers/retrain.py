@@ -15,20 +15,19 @@ under torchrun; rank 0 writes B, the others follow); B's commits record that wor
 from __future__ import annotations
 
 import argparse
-import importlib
 import random
 import shutil
 import tempfile
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.errors import ReelError
-from reel.bus.events import AnyEvent, RunStarted, StepCommitted, StepTiming, WeightsPublished, encode
+from reel.bus.events import AnyEvent, RunStarted, StepCommitted, StepTiming, Trajectory, WeightsPublished, encode
 from reel.bus.log import RunLog
 from reel.bus.retention import Retention, RetentionPolicy
 from reel.runtime.config import run as config_mod
@@ -43,14 +42,16 @@ from reel.runtime.train.step import TrainState
 from reel.runtime.train.trainer_group import TrainerGroup, run_as_group
 
 PRODUCER = "retrain:0"
-RESCORER = "reel.producers.envs.rescore:rescorer"  # reached by name: consumers/ never import producers/
+# What `--rescore` needs from the envs: config -> (Trajectory -> Trajectory with rewards from config's env).
+# Passed in by `reel retrain` (runtime/launch/retrain_cli.py): consumers/ never import producers/.
+Rescorer = Callable[[Config], Callable[[Trajectory], Trajectory]]
 
 
 class RetrainError(ReelError):
     """A source run or option that retraining cannot use."""
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, rescorer: Rescorer | None = None) -> int:
     source, out = Path(args.from_dir), Path(args.out)
     config = _config(source, args.config, out.name, args.set)
     if out.exists():
@@ -60,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
         raise RetrainError(f"--ranks {args.ranks} must be at least 1")
     if args.ranks > 1 and not world.distributed:
         return distributed.relaunch(args.ranks, _argv(args), config.trainer.threads or 1)
-    return run_as_group(world, out, config, lambda group: _retrain(args, source, out, config, group))
+    return run_as_group(world, out, config, lambda group: _retrain(args, source, out, config, group, rescorer))
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
@@ -76,15 +77,17 @@ def _argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _retrain(args: argparse.Namespace, source: Path, out: Path, config: Config, group: TrainerGroup) -> int:
+def _retrain(args: argparse.Namespace, source: Path, out: Path, config: Config, group: TrainerGroup,
+             rescorer: Rescorer | None) -> int:
     with RunLog(source, readonly=True) as source_log:
         commits = [e for _, e in source_log.events("steps") if isinstance(e, StepCommitted)]
         if not commits:
             raise RetrainError(f"{source} has no committed steps in its log; nothing to retrain from")
         lookup = GroupLookup.from_log(source_log, BlobStore(source / "blobs"))
     if args.rescore:
-        module, function = RESCORER.split(":")
-        rescore = getattr(importlib.import_module(module), function)(config)
+        if rescorer is None:
+            raise RetrainError("--rescore needs the envs' rescorer; run it as `reel retrain`")
+        rescore = rescorer(config)
         # The trained groups, read once through the log index and kept re-scored in memory.
         trained = {g for c in commits for g in c.groups}
         lookup.trajectories = {g: rescore(t) for g in trained if (t := lookup.trajectory(g)) is not None}

@@ -8,7 +8,7 @@
 # - libibverbs1: linked by Mooncake's transfer engine even over TCP (the `mooncake` extra's tests);
 # - chromium: tests/replay/test_html_report.py renders `reel report` in a headless browser;
 # - the `test`, `mooncake` and `pd` (vllm-router) extras, `tracking` (the W&B/TensorBoard/MLflow
-#   sinks), `docs` (mkdocs build --strict) and `tasks` (reasoning-gym, verifiers, math-verify,
+#   sinks), `docs` (mkdocs build --strict) and `tasks` (reasoning-gym, verifiers 0.4, math-verify,
 #   datasets), and the verifiers example's environment package (examples/vf_reverse.toml loads it by id).
 # The Debian packages need root; without it, what is missing is named and the script fails.
 set -euo pipefail

@@ -5,8 +5,17 @@
 # the single-host Slurm cluster, started here and stopped again on exit; the `vllm` tests need vLLM,
 # installed here (its CPU build on a machine without a GPU; ~2 minutes the first time, seconds after).
 # The wheel, installed outside the clone, is checked by ops/test_wheel.sh. Extra arguments go to pytest.
+#
+# `--quick` runs the quick tier only (the inner loop, under five minutes on two cores): no test marked
+# slow (whole runs: everything in tests/runs/, and other tests of tens of seconds), slurm or vllm; it
+# installs what the tests need but skips the wheel check, vLLM and the Slurm cluster. CI runs everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--quick" ]; then
+    shift
+    bash ops/install_test.sh
+    exec python3 -m pytest -q -p no:cacheprovider --durations=15 -m "not slow and not slurm and not vllm" "$@"
+fi
 bash ops/install_test.sh
 bash ops/test_wheel.sh
 # A GPU machine brings its own vLLM (pip install 'reel-rl[vllm]').

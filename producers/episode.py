@@ -35,6 +35,7 @@ from reel.producers.envs import Continue, Env, Finish, Prompt, Reply
 from reel.producers.envs.rewards import RewardError
 from reel.producers.time_split import TimeSplit
 from reel.producers.tool_calls import ToolCalls, ToolCut
+from reel.runtime.config.sections import RolloutSection
 
 log = logging.getLogger("reel.episode")
 
@@ -103,12 +104,23 @@ def non_finite(episodes: list[Episode]) -> str | None:
     return None
 
 
-async def run_group(engine: Engine, env: Env, prompt: Prompt, params: SamplingParams, calls: ToolCalls,
+async def run_group(engine: Engine, env: Env, prompt: Prompt, params: SamplingParams, calls: ToolCalls | None = None,
                     split: TimeSplit | None = None) -> list[Episode]:
-    """params.n episodes of `prompt`, in sample order; `split` counts the worker's time (producers/time_split.py)."""
-    turns = _Turns(engine, env, prompt, calls, split)
-    firsts = await turns.generate(prompt.ids, params)
-    return list(await asyncio.gather(*(turns.finish_episode(params, i, c) for i, c in enumerate(firsts))))
+    """params.n episodes of `prompt`, in sample order. `calls` runs the env's turns (default: a pool of
+    this group's own, with rollout.tool_* defaults); `split` counts the worker's time (producers/time_split.py).
+    An env that runs its own episodes (a verifiers 0.4 env: producers/envs/verifiers_env.py) has a
+    `drive_group` coroutine taking (engine, prompt, params); it is used, and awaits its own tools."""
+    drive = getattr(env, "drive_group", None)
+    if drive is not None:
+        return await drive(engine, prompt, params)
+    own = calls is None
+    turns = _Turns(engine, env, prompt, ToolCalls.from_section(RolloutSection()) if own else calls, split)
+    try:
+        firsts = await turns.generate(prompt.ids, params)
+        return list(await asyncio.gather(*(turns.finish_episode(params, i, c) for i, c in enumerate(firsts))))
+    finally:
+        if own:
+            turns.calls.close()
 
 
 async def scored_group(engine: Engine, env: Env, prompt: Prompt, params: SamplingParams, calls: ToolCalls,

@@ -17,7 +17,7 @@ pass, and no worker holds a shard (let alone the model) as a buffer of its own. 
 a shard that fails its hash refuses the load before any weight changes.
 
 A delta version on the version this worker holds (it remembers the full manifest it last loaded) is
-rebuilt from that version's full shards plus the delta (runtime/weight_delta.rebuilt_version), and
+rebuilt from that version's full shards plus the delta (runtime/weights/delta.rebuilt_version), and
 only the vLLM layers it touches are loaded. A layer is loaded whole: vLLM's layerwise reload
 (`initialize_layerwise_reload`) puts every layer on the meta device and processes one once all its
 elements have arrived; a layer given only part of its tensors is materialised uninitialised and

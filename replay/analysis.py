@@ -39,7 +39,7 @@ from reel.runtime.train.batch import Batch, build_batch
 from reel.runtime.config.sections import Config
 from reel.runtime.train.groups import GroupLookup
 from reel.runtime.train.distributed import LOCAL
-from reel.runtime.launch.supervisor import load_run_config
+from reel.runtime.config.run import load_run_config
 from reel.runtime.train.mismatch_split import WeightsOf, sampler_logprobs, split_metrics
 from reel.runtime.model.determinism import set_determinism
 from reel.runtime.model.model import MoEModel

@@ -33,7 +33,7 @@ from reel.replay.bisect import bisect, locate
 from reel.replay.compare import compare
 from reel.replay.console import print_view
 from reel.runtime.train import distributed
-from reel.runtime.launch.supervisor import load_run_config
+from reel.runtime.config.run import load_run_config
 from reel.runtime.train.reexecute import CheckpointUnusable, ReplayMismatch, newest_checkpoint
 from reel.runtime.train.trainer_group import TrainerGroup, run_as_group
 

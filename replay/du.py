@@ -24,7 +24,7 @@ from reel.bus.logcodec import HEAD_BYTES, unpacked_size
 from reel.bus.weight_manifest import blob_refs, decode_manifest
 from reel.replay.extrapolate import SHAPES, Extrapolated, extrapolate, shape_of
 from reel.runtime.config.sections import Config
-from reel.runtime.launch.supervisor import load_run_config
+from reel.runtime.config.run import load_run_config
 from reel.runtime.model.config import MoEConfig, read_checkpoint_config
 
 KINDS = ("weight_versions", "checkpoints", "trajectories", "routing_traces", "other_events", "other_blobs",

@@ -20,7 +20,7 @@ from pathlib import Path
 from reel.bus.errors import ReelError
 from reel.runtime.blob_store import run_blobs
 from reel.runtime.config.sections import Config
-from reel.runtime.launch.supervisor import load_run_config
+from reel.runtime.config.run import load_run_config
 from reel.runtime.model.weights import save
 from reel.runtime.tokenizer import CharTokenizer, load_tokenizer
 

@@ -15,7 +15,7 @@ from reel.bus.blob_backends.file import BlobStore
 from reel.bus.log import RunLog
 from reel.bus.retention import Retention, RetentionPolicy
 from reel.runtime.config.sections import Config
-from reel.runtime.launch.supervisor import load_run_config
+from reel.runtime.config.run import load_run_config
 
 
 def run_retention(run_dir: Path, config: Config) -> Retention:

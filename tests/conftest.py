@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -67,7 +68,14 @@ def run_name(request: pytest.FixtureRequest) -> str:
     return f"t{os.getpid()}-{request.node.name[:30]}-{digest}".replace("[", "-").replace("]", "")
 
 
+WHOLE_RUNS = Path(__file__).parent / "runs"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects: the marker must be there when it looks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:  # whole runs are the slow tier, marked or not
+        if WHOLE_RUNS in item.path.parents:
+            item.add_marker(pytest.mark.slow)
     try:
         import torch
 

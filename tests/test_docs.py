@@ -17,8 +17,9 @@ import pytest
 from reel.runtime.config.sections import Config
 from reel.runtime.config.help import HELP
 from reel.runtime.config.schema import field_comments, keys
-from reel.runtime.launch.cli import _parser
+from reel.runtime.launch.cli_commands import build_parser
 from reel.runtime.launch.cli_reference import commands
+from reel.runtime.launch.module_map import entries as module_entries
 
 ROOT = Path(__file__).resolve().parents[1]
 SHELL = {"bash", "sh", "shell", "console"}
@@ -104,9 +105,21 @@ def test_mkdocs_builds_strict_with_the_generated_references(tmp_path: Path) -> N
     config_page = (site / "reference" / "config" / "index.html").read_text()
     assert all(f"<code>{d.key}</code>" in config_page for d in keys())
     commands_page = (site / "reference" / "commands" / "index.html").read_text()
-    progs = [p.prog for p in commands(_parser())]
+    progs = [p.prog for p in commands(build_parser())]
     assert "reel metrics tensorboard" in progs and "reel report" in progs and "reel config schema" in progs
     assert all(f">{prog}<" in commands_page for prog in progs)
+    modules_page = (site / "reference" / "modules" / "index.html").read_text()
+    assert all(f"<code>{folder}</code>" in modules_page for folder, _, _ in module_entries())
+
+
+def test_the_module_map_names_every_module_with_its_docstring() -> None:
+    """Every package says what lives there, every module what it is: the map has no empty row."""
+    found = {folder + module: line for folder, _, modules in module_entries() for module, line in modules}
+    on_disk = {str(p.relative_to(ROOT)) for top in ("bus", "producers", "consumers", "runtime", "replay")
+               for p in (ROOT / top).rglob("*.py") if p.name != "__init__.py"}
+    assert set(found) == on_disk
+    assert [f for f, line in found.items() if not line] == []
+    assert [folder for folder, summary, _ in module_entries() if not summary] == []
 
 
 def test_the_readme_is_short_and_links_into_the_docs() -> None:

@@ -16,7 +16,8 @@ from reel.producers import sampling
 from reel.runtime import cbuild
 from reel.runtime.config import run as config
 from reel.runtime.weights import stream_copy
-from reel.runtime.launch import examples, slurm
+from reel.runtime.launch import examples
+from reel.runtime.launch import slurm_script
 from reel.runtime.launch.cli import main
 from reel.runtime.model import native
 from reel.runtime.package_files import examples_dir, ops_file
@@ -25,8 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_shipped_files_resolve_to_the_package_files():
-    assert slurm.TEMPLATE == ops_file("slurm", "reel.sbatch") and "{{COMPONENTS}}" in slurm.TEMPLATE.read_text()
-    assert "appendonly yes" in slurm.REDIS_CONF.read_text()
+    assert slurm_script.TEMPLATE == ops_file("slurm", "reel.sbatch") and "{{COMPONENTS}}" in slurm_script.TEMPLATE.read_text()
+    assert "appendonly yes" in slurm_script.REDIS_CONF.read_text()
     assert sampling._SOURCE.read_bytes() == (ROOT / "producers" / "sampling.c").read_bytes()
     assert native._SOURCE.read_bytes() == (ROOT / "runtime" / "model" / "forward_cached.c").read_bytes()
     assert stream_copy._SOURCE.read_bytes() == (ROOT / "runtime" / "weights" / "stream_copy.c").read_bytes()
@@ -109,7 +110,7 @@ def test_the_tests_and_the_slurm_job_run_debians_redis_7(redis_url: str):
     version = redis.Redis.from_url(redis_url).info("server")["redis_version"]
     assert version.split(".")[0] == "7", (f"the test session's Redis is {version} ({service_redis_server()}), not "
                                           "Debian bookworm's 7.0: install it with `bash ops/install_test.sh`")
-    script = slurm.render(config.load(str(ROOT / "examples" / "reverse_text.toml")), Path("/shared/r"),
-                          slurm.JobOptions())
+    script = slurm_script.render(config.load(str(ROOT / "examples" / "reverse_text.toml")), Path("/shared/r"),
+                          slurm_script.JobOptions())
     assert f"export REDIS_SERVER={service_redis_server()}\n" in script
     assert f"export REDIS_CONF={ops_file('redis', 'redis.conf')}\n" in script

@@ -1,4 +1,5 @@
-"""Environments as plugins: `env.name` is a built-in name or "package.module:factory".
+"""Environments as plugins: `env.name` is a built-in name, "verifiers:<id>" (an installed verifiers
+environment, producers/envs/verifiers_env.py) or "package.module:factory".
 
 A factory is any callable `factory(section: EnvSection, tokenizer: Tokenizer, max_tokens: int) -> Env`
 (max_tokens = rollout.max_tokens, one model turn's budget); the attribute path after the colon
@@ -35,6 +36,7 @@ OPTION_CHECKS: dict[str, str] = {
     "dataset": "reel.producers.envs.dataset:check",
     "verifiers": "reel.producers.envs.verifiers_env:check",
 }
+VERIFIERS_PREFIX = "verifiers:"
 _PLUGIN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
@@ -42,10 +44,12 @@ def factory_path(name: str) -> str:
     """"module:attribute" for an env name; ConfigError for a name of neither form."""
     if name in BUILTIN:
         return BUILTIN[name]
+    if name.startswith(VERIFIERS_PREFIX):  # "verifiers:<id>": the verifiers adapter, the env id after the colon
+        return BUILTIN["verifiers"]
     if _PLUGIN.fullmatch(name):
         return name
-    raise ConfigError(f"env.name = {name!r} is unknown; use one of {', '.join(BUILTIN)} or "
-                      "\"package.module:factory\" for your own environment")
+    raise ConfigError(f"env.name = {name!r} is unknown; use one of {', '.join(BUILTIN)}, "
+                      "\"verifiers:<id>\" for a verifiers environment or \"package.module:factory\" for your own")
 
 
 def check_name(name: str) -> None:
@@ -63,8 +67,9 @@ def check_name(name: str) -> None:
 def check_options(section: EnvSection) -> None:
     """env.name and, for the task adapters, env.options are usable; ConfigError otherwise."""
     check_name(section.name)
-    if section.name in OPTION_CHECKS:
-        module, function = OPTION_CHECKS[section.name].split(":")
+    adapter = "verifiers" if section.name.startswith(VERIFIERS_PREFIX) else section.name
+    if adapter in OPTION_CHECKS:
+        module, function = OPTION_CHECKS[adapter].split(":")
         getattr(importlib.import_module(module), function)(section)
 
 

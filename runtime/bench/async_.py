@@ -42,7 +42,8 @@ from reel.bus.jsonout import print_json
 from reel.bus.log import RunLog
 from reel.runtime.config import run as config_mod
 from reel.runtime.config.sections import Config
-from reel.runtime.launch.supervisor import Supervisor, bus_for, prepare_run_dir
+from reel.runtime.launch.run_dir import bus_for, prepare_run_dir
+from reel.runtime.launch.supervisor import Supervisor
 
 # Multi-turn tool calls with a heavy-tailed wall time: examples/slow_calc.toml's run (same model,
 # warm-start, env and rollout, so the warm-start cache is shared), 40 steps.

@@ -16,6 +16,7 @@ import tomli_w
 
 from reel.runtime.config.checks import validate
 from reel.runtime.config.sections import Config
+from reel.bus.errors import ReelError
 from reel.runtime.config.keys import ConfigError, name_key
 
 def loads(text: str, source: str = "config") -> Config:
@@ -82,3 +83,14 @@ def config_hash(c: Config) -> str:
 def cache_dir(kind: str) -> Path:
     """$REEL_CACHE/KIND (default ~/.cache/reel/KIND): what Reel rebuilds when it is missing."""
     return Path(os.environ.get("REEL_CACHE", Path.home() / ".cache" / "reel")) / kind
+
+
+class RunDirError(ReelError):
+    """A run directory that cannot be used as asked."""
+
+
+def load_run_config(run_dir: Path) -> Config:
+    path = run_dir / "config.toml"
+    if not path.is_file():
+        raise RunDirError(f"{run_dir} is not a Reel run directory (no config.toml); pass the run's directory")
+    return load(path)

@@ -23,22 +23,13 @@ healthy. It stops with the run, and a server that dies stops the run like any ro
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from reel.bus.errors import ReelError
 from reel.runtime.config import checks
-from reel.runtime.config import run as config_mod
 from reel.runtime.blob_store import mooncake_for
 from reel.runtime.config.sections import Config
 from reel.runtime.config.overrides import load_with_sets
@@ -49,26 +40,15 @@ from reel.runtime.launch.vllm_key import KEY_ENV, run_api_key
 from reel.runtime.launch.progress import Progress
 from reel.runtime.launch.signals import StopRequested, exit_code, stop_on_signals
 from reel.runtime.work_progress import PROGRESS_FILE
+from reel.runtime.launch.role_process import RoleProcess, free_port
+from reel.runtime.launch.run_dir import (announce_finished, bus_for, prepare_run_dir, role_urls_for, use_cluster_client)
 
-# Roles are reached by name (runtime/ never imports producers/ or consumers/ directly).
-ROLE_ENTRY = {
-    "archiver": "reel.consumers.archiver:main",
-    "trainer": "reel.consumers.trainer:main",
-    "rollout": "reel.producers.rollout:main",
-    "sink": "reel.consumers.sinks.cli:role_main",
-    "eval": "reel.producers.evaluator:main",  # started when [eval] every > 0
-}
-SINK_CHECK = "reel.consumers.sinks.cli:check_available"  # the trackers' libraries, before anything starts
+
 SINK_DRAIN_S = 60.0  # how long a finished run waits for its sinks to write the last steps
 STOP_TIMEOUT_S = 20.0
 # RunFinished.reason of a run that did not complete: "failed: <role> exited <code>", "stopped: <SIGNAL>".
 FAILED, STOPPED = "failed", "stopped"
 EVAL_FINISH_TIMEOUT_S = 300.0  # after the last commit, how long the eval role may take to score the last version
-LOG_TAIL_LINES = 25
-
-
-class RunDirError(ReelError):
-    """A run directory that cannot be used as asked."""
 
 
 def main_run(args: argparse.Namespace) -> int:
@@ -83,8 +63,9 @@ def _run(args: argparse.Namespace) -> int:
         vllm_args.check_local_server(config)
     use_cluster_client(config)
     if config.metrics.sinks:
-        module, function = SINK_CHECK.split(":")
-        getattr(importlib.import_module(module), function)(config.metrics.sinks)
+        from reel.consumers.sinks.cli import check_available  # here: the trackers' libraries, checked before anything starts
+
+        check_available(config.metrics.sinks)
     checks.check_model_path(config, text)
     run_dir = Path(args.out) if args.out else Path(config.run.out_dir) / config.run.name
     changes = prepare_run_dir(run_dir, text, config, resume=args.resume)
@@ -118,199 +99,10 @@ def _run(args: argparse.Namespace) -> int:
         return supervisor.run()
 
 
-def main_role(args: argparse.Namespace) -> int:
-    run_dir = Path(args.run_dir)
-    config = load_run_config(run_dir)
-    use_cluster_client(config)
-    url = args.bus or os.environ.get("REEL_BUS_URL") or _read_bus_url(run_dir, args.name)
-    module, function = ROLE_ENTRY[args.name].split(":")
-    entry = getattr(importlib.import_module(module), function)
-    if args.name == "rollout":
-        return int(entry(run_dir, url, args.worker) or 0)
-    if args.name == "sink":
-        if args.sink is None:
-            raise RunDirError("reel role sink needs --sink wandb|tensorboard|mlflow")
-        return int(entry(run_dir, url, args.sink) or 0)
-    if args.name == "archiver":
-        return int(entry(run_dir, url, config.run.name, config.bus.partitions) or 0)
-    return int(entry(run_dir, url) or 0)
-
-
-def use_cluster_client(config: Config) -> None:
-    """bus.cluster = true: every bus client of this process and of the roles it starts is a cluster
-    client (reel.bus.streams.connect reads REEL_BUS_CLUSTER)."""
-    from reel.bus.cluster import CLUSTER_ENV
-
-    if config.bus.cluster:
-        os.environ[CLUSTER_ENV] = "1"
-
-
-def load_run_config(run_dir: Path) -> Config:
-    path = run_dir / "config.toml"
-    if not path.is_file():
-        raise RunDirError(f"{run_dir} is not a Reel run directory (no config.toml); pass the run's directory")
-    return config_mod.load(path)
-
-
-def prepare_run_dir(run_dir: Path, config_text: str, config: Config, *, resume: bool) -> dict[str, list]:
-    """Create the run directory atomically (a crash leaves no half-written run), or check a resume:
-    returns the keys a resume changes (launch/resume.py says which may)."""
-    if resume:
-        changes = resume_mod.config_changes(load_run_config(run_dir), config)
-        resume_mod.check_changes(run_dir / "config.toml", changes, resume_mod.last_committed_step(run_dir))
-        return changes
-    if run_dir.exists():
-        raise RunDirError(f"{run_dir} already exists; pass --resume to continue it or choose another run.name/--out")
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}.", dir=run_dir.parent))
-    try:
-        for sub in ("log", "blobs", "redis", "roles"):
-            (staging / sub).mkdir()
-        (staging / "config.toml").write_text(config_text)
-        staging.rename(run_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return {}
-
-
-@contextmanager
-def bus_for(run_dir: Path, config: Config) -> Iterator[str]:
-    """The run's bus URL; starts (and finally stops) the embedded Redis when bus.url is empty."""
-    url_file = run_dir / "bus_url"
-    if config.bus.url:
-        from reel.runtime.launch.bus_access import bus_url
-
-        url = bus_url(config)
-        _write_private(url_file, url)  # it holds the password
-        try:
-            yield url
-        finally:
-            url_file.unlink(missing_ok=True)
-        return
-    from reel.bus.server import EmbeddedRedis
-
-    server = EmbeddedRedis(run_dir)
-    url = server.start()
-    _write_private(url_file, url)
-    try:
-        yield url
-    finally:
-        url_file.unlink(missing_ok=True)
-        server.stop()
-
-
-@contextmanager
-def role_urls_for(url: str, config: Config) -> Iterator[dict[str, str]]:
-    """With ACLs on (bus.url), each role's own Redis user (runtime/launch/role_users.py); the embedded
-    Redis has no users: only this Unix user can reach its socket."""
-    if not config.bus.url:
-        yield {}
-        return
-    from reel.runtime.launch import role_users
-
-    with role_users.for_run(url, config.run.name, cluster=config.bus.cluster) as urls:
-        yield urls
-
-
-def _write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(fd, 0o600)  # an older file may have had a wider mode
-        f.write(text)
-
-
-def _read_bus_url(run_dir: Path, role: str | None = None) -> str:
-    """The bus URL of `role` (its own Redis user's, a Slurm job's RUN_DIR/bus_url.ROLE), else the run's."""
-    from reel.runtime.launch.role_users import url_file
-
-    own = url_file(run_dir, role) if role else None
-    try:
-        return (own if own is not None and own.is_file() else run_dir / "bus_url").read_text().strip()
-    except FileNotFoundError:
-        raise RunDirError(
-            f"no live bus for {run_dir} (no bus_url file); pass --bus URL or set REEL_BUS_URL"
-        ) from None
-
-
-def announce_finished(url: str, run: str, reason: str, partitions: int = 1, run_dir: Path | None = None) -> None:
-    """Publish RunFinished; the archiver exits once it has logged it and drained every stream."""
-    import asyncio
-
-    from reel.bus.events import RunFinished
-    from reel.bus.seqs import recover_seq
-    from reel.bus.streams import Publisher, connect, dead_letters_added, recover_next_seq
-
-    async def publish() -> None:
-        redis = connect(url)
-        try:
-            producer = "launcher:0"
-            seq = (await recover_seq(redis, run_dir, run, producer, ["control"], partitions) if run_dir is not None
-                   else await recover_next_seq(redis, run, producer, partitions))
-            publisher = Publisher(redis, run, producer, seq)
-            dead = await dead_letters_added(redis, run, partitions)
-            await publisher.publish([publisher.stamp(RunFinished, reason=reason, dead_letters=dead)])
-        finally:
-            await redis.aclose()
-
-    asyncio.run(publish())
-
-
 def serves_vllm_locally(config: Config) -> bool:
     """Whether `reel run` starts a `vllm serve` for the run (not when REEL_VLLM_URL names one already)."""
     return (config.engine.kind == "vllm" and config.engine.vllm_server == "local"
             and not os.environ.get("REEL_VLLM_URL"))
-
-
-def beside_python(name: str) -> str:
-    """An executable of this environment (the venv's reel, torchrun, vllm), else whatever PATH has."""
-    here = Path(sys.executable).parent / name
-    return str(here) if here.exists() else shutil.which(name) or name
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RoleProcess:
-    """One role running as a child process (its own process group), its output in roles/<name>.log."""
-
-    def __init__(self, name: str, argv: list[str], log_path: Path, threads: int, env: dict[str, str] | None = None):
-        self.name = name
-        self.log_path = log_path
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-               "REEL_TORCH_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **(env or {})}
-        with open(log_path, "ab") as log:
-            self.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True)
-        log_path.with_suffix(".pid").write_text(str(self.popen.pid))  # for operators (and tests)
-
-    def poll(self) -> int | None:
-        return self.popen.poll()
-
-    def terminate(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-
-    def wait(self, timeout: float) -> int:
-        try:
-            code = self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            code = None
-        # The role's children (vLLM's engine processes) go with it, even when it did not wait for them.
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        return self.popen.wait() if code is None else code
-
-    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return ""
 
 
 class Supervisor:

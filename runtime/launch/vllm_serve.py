@@ -39,7 +39,7 @@ def local_vllm(config: Config, model_dir: Path, log_path: Path, blobs_dir: Path,
     """The URL of a healthy `vllm serve` on `model_dir` (its output in `log_path`), stopped on exit.
     It loads weights only from `blobs_dir` and requires this process's VLLM_API_KEY (made here when
     unset), which the HTTP engine in this process sends."""
-    from reel.runtime.launch.supervisor import free_port
+    from reel.runtime.launch.role_process import free_port
 
     port = free_port()
     key = os.environ.setdefault(KEY_ENV, secrets.token_urlsafe(32))

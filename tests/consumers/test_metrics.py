@@ -25,8 +25,8 @@ from reel.bus.streams import DEAD, GroupConsumer, Publisher, connect
 from reel.consumers.aggregates import RunAggregates
 from reel.consumers.metric_views import SnapshotCollector
 from reel.consumers.metrics import MetricsError, RunSource, Watcher, locate, read_log, serve
-from reel.runtime.launch import cli
-from reel.runtime.launch.supervisor import announce_finished
+from reel.runtime.launch import cli, cli_commands
+from reel.runtime.launch.run_dir import announce_finished
 from paths import REPO
 
 _seq = itertools.count()
@@ -341,7 +341,7 @@ def _outside_address() -> str | None:
 
 async def test_prometheus_endpoint_binds_loopback_by_default(tmp_path: Path):
     """`reel metrics serve` exposes nothing beyond this machine unless --addr says so."""
-    args = cli._parser().parse_args(["metrics", "serve", "--run", str(tmp_path)])
+    args = cli_commands.build_parser().parse_args(["metrics", "serve", "--run", str(tmp_path)])
     assert args.addr == "127.0.0.1"
     _write_run_dir(tmp_path / "run", "r", _synthetic_run("r"))
     port, stop = _free_port(), asyncio.Event()

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from reel.producers.envs import Continue, Finish, make_env
+from reel.producers.envs import make_env
 from reel.producers.envs.answers import extract_answer, fold
 from reel.producers.envs.rewards import RewardError, math_verify
 from reel.runtime.config.sections import EnvSection
@@ -236,79 +236,20 @@ def test_an_env_returning_a_non_numeric_reward_is_a_reward_error():
         asyncio.run(go())
 
 
-# ---- verifiers ------------------------------------------------------------------------------------
+# ---- verifiers 0.4 (more in tests/producers/test_verifiers.py) -----------------------------------
 
-pytest.importorskip("verifiers", reason="the `tasks` extra (pip install '.[tasks]')")
-
-
-def vf_env(kind: str, **options):
-    return make_env(EnvSection(name="verifiers", options={"id": "task_fixtures", "args": {"kind": kind}, **options}), 16)
-
-
-def test_verifiers_single_turn_reward_is_the_rubrics_weighted_score():
-    env = vf_env("single")
-    assert env.max_turns == 1
-    rng = random.Random(0)
-    for _ in range(4):
-        prompt = env.sample(rng)
-        answer = prompt.meta["answer"]
-        assert prompt.text == "<bos>" + env.rows[prompt.meta["index"]]["prompt"][0]["content"]
-        for text in (answer, "wrong", "wrongish"):
-            reply = env.respond(prompt, [ids(text)])
-            correct, short = float(text == answer), float(len(text) <= 4)  # the rubric's two functions
-            assert reply == Finish(1.0 * correct + 0.5 * short,
-                                   scores={"correct": correct, "short": short, "num_turns": 1.0})
-    assert not env._states  # every finished episode's state is released
-
-
-def test_verifiers_multi_turn_env_response_comes_back_as_continue_tokens():
-    env = vf_env("multi")
-    assert env.max_turns == 3
-    prompt = env.sample(random.Random(0))
-    turns = [ids("no")]
-    reply = env.respond(prompt, turns)
-    assert reply == Continue(TOK.turn_ids("user", "again"))
-    turns += [reply.ids, ids(prompt.meta["answer"])]
-    assert env.respond(prompt, turns) == Finish(1.0, scores={"correct": 1.0, "num_turns": 2.0})
-    turns = [ids("no")]
-    for _ in range(2):
-        reply = env.respond(prompt, turns)
-        turns += [reply.ids, ids("nope")]
-    assert env.respond(prompt, turns) == Finish(0.0, scores={"correct": 0.0, "num_turns": 3.0})  # max_turns
-
-
-def test_verifiers_tool_env_calls_the_tool_from_hermes_tool_call_text():
-    env = vf_env("tool")
-    prompt = env.sample(random.Random(0))
-    call = '<tool_call>{"name": "reverse", "arguments": {"text": "abc"}}</tool_call>'
-
-    class Wide:  # the character tokenizer cannot spell JSON; the env only decodes and renders
-        stop_ids = (0,)
-
-        def decode(self, ids, skip_special=False):
-            return call if ids == [1] else prompt.meta["answer"]
-
-        def turn_ids(self, role, text):
-            return [ord(c) for c in f"{role}:{text}"]
-
-    env.tokenizer = Wide()
-    turns = [[1, 0]]  # one list per episode, grown in place (as producers/episode.py does)
-    reply = env.respond(prompt, turns)
-    assert reply == Continue([ord(c) for c in "tool:cba"], tool_call=True)
-    turns += [reply.ids, [2, 0]]
-    assert env.respond(prompt, turns) == Finish(1.0, scores={"correct": 1.0, "num_turns": 2.0,
-                                                             "total_tool_calls": 1.0, "reverse_calls": 1.0})
-
-
-@pytest.mark.parametrize("options, message", [
-    ({"args": {"kind": "group"}}, r"env.options.id = 'task_fixtures' is a EnvGroup \(EnvGroup needs a sandbox"),
-    ({"id": "no_such_env_pkg"}, r"env.options.id = 'no_such_env_pkg': no installed package provides module"),
-    ({"args": {"kind": "nope"}}, r"load_environment\(\{'kind': 'nope'\}\) failed: .*unknown kind 'nope'"),
-    ({"split": "test"}, r"env.options.split = 'test' must be \"train\" or \"eval\""),
-])
-def test_verifiers_unsupported_envs_fail_at_config_load(options, message):
-    options = {"id": "task_fixtures", **options}
-    text = "\n".join(f"{k} = {json.dumps(v) if not isinstance(v, dict) else '{' + ', '.join(f'{a} = {json.dumps(b)}' for a, b in v.items()) + '}'}"
-                     for k, v in options.items())
-    with pytest.raises(ConfigError, match=message):
-        loads(env_config("verifiers", text))
+def test_verifiers_env_name_carries_the_id_and_bad_input_fails_at_config_load():
+    pytest.importorskip("verifiers.v1", reason="the `tasks` extra (pip install '.[tasks]')")
+    env = loads(env_config("verifiers:vf-fixtures", 'args = {rows = 3}')).env
+    assert make_env(env, 8).env_id == "vf-fixtures" and len(make_env(env, 8).tasks) == 3
+    cases = [
+        ("verifiers:vf-fixtures", 'id = "other"', r"env.options.id = 'other' differs from env.name"),
+        ("verifiers", 'id = "no-such-env-pkg"', r"no installed package provides module 'no_such_env_pkg'"),
+        ("verifiers:vf-fixtures", 'args = {kind = "raises"}',
+         r"its taskset's load\(\) raised FileNotFoundError: the taskset's data file words.jsonl is missing"),
+        ("verifiers:vf-fixtures", 'args = {rows = 0}', r"its taskset has no tasks"),
+        ("verifiers:vf-fixtures", 'split = "eval"', r"env.options.split is not an option of env verifiers"),
+    ]
+    for name, options, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            loads(env_config(name, options))

@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 
 from reel.runtime.config import run as config
-from reel.runtime.launch import slurm, vllm_args
-from reel.runtime.launch.supervisor import beside_python, free_port
+from reel.runtime.launch import vllm_args
+from reel.runtime.launch import slurm_script
+from reel.runtime.launch.role_process import beside_python, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +98,7 @@ def server_on_api_port() -> Iterator[tuple[str, list]]:
 
 
 def router_command(tmp_path: Path) -> str:
-    script = slurm.render(config.loads(PD), tmp_path / "run", slurm.JobOptions(gpus_per_node=1))
+    script = slurm_script.render(config.loads(PD), tmp_path / "run", slurm_script.JobOptions(gpus_per_node=1))
     line = next(x for x in script.replace("\\\n", " ").splitlines() if x.startswith("start vllm-router"))
     return line.split(" -- ", 1)[1]  # what `start` runs on the node
 

@@ -20,6 +20,7 @@ import pytest
 from reel.bus.events import EvalResult
 from reel.bus.log import RunLog
 from reel.runtime.launch import slurm
+from reel.runtime.launch import slurm_script
 from reel.runtime.launch.cli import main
 from paths import REPO
 
@@ -58,16 +59,16 @@ def wait_done(job: str, timeout: float) -> list[tuple[str, str]]:
 
 def trivial_job(run_dir: Path, first: str, second: str, finisher: str = "second") -> str:
     """A two-component job: `first` on het group 0, `second` (2 tasks) on het group 1."""
-    components = [slurm.Component("first", 1, ["--nodes=1", "--ntasks=1"], first),
-                  slurm.Component("second", 1, ["--nodes=1", "--ntasks=2"], second)]
+    components = [slurm_script.Component("first", 1, ["--nodes=1", "--ntasks=1"], first),
+                  slurm_script.Component("second", 1, ["--nodes=1", "--ntasks=2"], second)]
     body = "\n".join([
-        slurm.start_line("first", 0, "first.log", ["--nodes=1", "--ntasks=1"], ["bash", "-c", first]),
-        slurm.start_line("second", 1, "second-%t.log", ["--nodes=1", "--ntasks=2"], ["bash", "-c", second]),
+        slurm_script.start_line("first", 0, "first.log", ["--nodes=1", "--ntasks=1"], ["bash", "-c", first]),
+        slurm_script.start_line("second", 1, "second-%t.log", ["--nodes=1", "--ntasks=2"], ["bash", "-c", second]),
     ])
     settings = {"RUN_DIR": str(run_dir), "RUN_NAME": "trivial", "PYTHON": sys.executable,
                 "FINISHER": finisher, "DRAINER": ""}
-    return slurm.job_script(header="# trivial two-component job", components=components,
-                            opts=slurm.JobOptions(time="00:05:00"), job_name="reel-test",
+    return slurm_script.job_script(header="# trivial two-component job", components=components,
+                            opts=slurm_script.JobOptions(time="00:05:00"), job_name="reel-test",
                             output=f"{run_dir}/slurm/job-%j.out", chdir=str(run_dir), settings=settings, body=body)
 
 

@@ -1,6 +1,6 @@
 """The task examples learn: CI-sized runs of examples/rg_spell_backward.toml and examples/vf_reverse.toml
 (12 of their 40 steps, scored at versions 0, 6 and 12) gain at least +0.2 held-out reward by the eval role's
-EvalResult events, and replay bitwise. docs/tasks.md has the full runs' curves (+0.24 and +0.26 by version 10)."""
+EvalResult events, and replay bitwise. docs/tasks.md has the full runs' curves (+0.24 and +0.18 by version 10)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from reel.bus.errors import ReelError
 from reel.bus.events import Trajectory, WeightsPublished
 from reel.bus.log import RunLog
 from reel.runtime.train.initial_policy import load_initial_model
-from reel.runtime.launch.supervisor import load_run_config
+from reel.runtime.config.run import load_run_config
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import load_state_dict_bytes
 from reel.runtime.weights.load import version_bytes

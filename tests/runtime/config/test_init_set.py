@@ -17,7 +17,8 @@ from reel.replay.export import export
 from reel.runtime.config import run as config_mod
 from reel.replay.simulate_cli import _scenario
 from reel.replay.workload import Pipeline
-from reel.runtime.launch.cli import _parser, main
+from reel.runtime.launch.cli import main
+from reel.runtime.launch.cli_commands import build_parser
 from runbuilder import build_run, e2e_config
 
 
@@ -82,7 +83,7 @@ def test_retrain_set_overrides_the_new_runs_config(source_run: Path, tmp_path: P
 def test_simulate_set_gives_the_scenario_its_flag_gives(capsys: pytest.CaptureFixture[str]) -> None:
     logged = Pipeline(rollout_workers=1, concurrency=4, group_size=4, max_batch=8, async_level=1, batch_groups=4,
                       max_off_policy=2, steps=10)
-    parse = _parser().parse_args
+    parse = build_parser().parse_args
     by_flag = _scenario(parse(["simulate", "--run", "r", "--async-level", "2", "--steps", "30"]), logged)
     by_set = _scenario(parse(["simulate", "--run", "r", "--set", "rollout.async_level=2", "--set", "run.steps=30"]),
                        logged)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from reel.runtime.launch.cli import _parser
+from reel.runtime.launch.cli_commands import build_parser
 
 _NO_HELP_NEEDED = (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
 
@@ -43,11 +43,11 @@ def _undocumented(root: argparse.ArgumentParser) -> list[str]:
 
 
 def test_every_argument_has_help_and_shows_its_default():
-    assert _undocumented(_parser()) == []
+    assert _undocumented(build_parser()) == []
 
 
 def test_parser_walk_catches_what_lacks_help():
-    parser = _parser()
+    parser = build_parser()
     parser.add_argument("--undocumented", default=3)
     parser.add_argument("--vague", default=None, help="a file")
     assert _undocumented(parser) == ["`reel` argument --undocumented has no help text",
@@ -55,14 +55,14 @@ def test_parser_walk_catches_what_lacks_help():
 
 
 def test_defaults_and_choices_are_in_the_help():
-    launch = dict(_commands(_parser()))["reel launch slurm"].format_help()
+    launch = dict(_commands(build_parser()))["reel launch slurm"].format_help()
     assert "job time limit, HH:MM:SS (default: 01:00:00)" in " ".join(launch.split())
-    cat = dict(_commands(_parser()))["reel log cat"].format_help()
+    cat = dict(_commands(build_parser()))["reel log cat"].format_help()
     assert "{control,weights,trajectories,routing,steps}" in cat
 
 
 def test_every_command_ends_with_examples():
-    for path, parser in _commands(_parser()):
+    for path, parser in _commands(build_parser()):
         assert parser.epilog and parser.epilog.startswith("examples:\n  "), f"`{path} -h` has no examples"
         assert parser.format_help().rstrip().endswith(parser.epilog.rstrip())
 
@@ -71,6 +71,6 @@ def test_version_and_the_run_option_of_launch():
     out = subprocess.run([sys.executable, "-m", "reel.runtime.launch.cli", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("reel ") and out.stdout.split()[1][0].isdigit()
     for verb in ("status", "cancel"):
-        assert _parser().parse_args(["launch", verb, "--run", "runs/r"]).run_dir == "runs/r"
+        assert build_parser().parse_args(["launch", verb, "--run", "runs/r"]).run_dir == "runs/r"
         with pytest.raises(SystemExit):
-            _parser().parse_args(["launch", verb, "runs/r"])
+            build_parser().parse_args(["launch", verb, "runs/r"])

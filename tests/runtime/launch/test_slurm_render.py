@@ -26,7 +26,9 @@ from reel.bus.server import service_redis_server
 from reel.runtime.config import run as config
 from reel.runtime.config import engine as config_engine
 from reel.runtime.config.keys import ConfigError
-from reel.runtime.launch import role_users, slurm, supervisor, vllm_args
+from reel.runtime.launch import role_users, vllm_args
+from reel.runtime.launch import slurm_script
+from reel.runtime.launch import run_dir as run_dir_mod
 from reel.runtime.launch.cli import main
 from paths import REPO
 
@@ -73,7 +75,7 @@ def flag(argv: list[str], name: str) -> str:
 
 
 def render(text: str, tmp_path: Path, **opts) -> str:
-    return slurm.render(config.loads(text), tmp_path / "run", slurm.JobOptions(**opts))
+    return slurm_script.render(config.loads(text), tmp_path / "run", slurm_script.JobOptions(**opts))
 
 
 def test_dry_run_prints_a_valid_script_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -311,7 +313,7 @@ def job_redis(tmp_path: Path) -> Iterator[int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    (tmp_path / "job.conf").write_text(f"include {slurm.REDIS_CONF}\nbind 127.0.0.1\nport {port}\n"
+    (tmp_path / "job.conf").write_text(f"include {slurm_script.REDIS_CONF}\nbind 127.0.0.1\nport {port}\n"
                                        f"requirepass s3cret\ndir {tmp_path}\n")
     proc = subprocess.Popen([service_redis_server(), str(tmp_path / "job.conf")], stdout=subprocess.DEVNULL)
     try:
@@ -363,7 +365,7 @@ def test_each_role_reads_its_own_redis_user_from_a_private_file(tmp_path: Path) 
             path = role_users.url_file(run_dir, role)
             assert path.stat().st_mode & 0o777 == 0o600
             assert f"//reel.roles.{role}:" in path.read_text() and "s3cret" not in path.read_text()
-        rollout = supervisor._read_bus_url(run_dir, "rollout")
+        rollout = run_dir_mod.read_bus_url(run_dir, "rollout")
         assert rollout == role_users.url_file(run_dir, "rollout").read_text().strip()
         with pytest.raises(redis.exceptions.NoPermissionError):
             redis.Redis.from_url(rollout).xadd("reel:{roles}:steps", {"e": b"x"})
