@@ -142,6 +142,12 @@ class Sample(msgspec.Struct, frozen=True, gc=False):
     tool_calls: int = 0  # model turns the env answered as tool calls
     turn_lengths: list[int] = []  # tokens sampled per model turn (empty = one turn of len(tokens))
     scores: dict[str, float] = {}  # the reward's parts by name (a verifiers rubric's functions); {} = none
+    # Why an env call was cut (it timed out or raised, producers/tool_calls.py): the episode ended
+    # there with reward 0; "" = it ended as the env said.
+    env_error: str = ""
+    # Wall seconds of each env.respond (one per model turn: the tool call, or the final reward), so
+    # `reel simulate` can model tool waits; [] = not recorded (older logs).
+    env_s: list[float] = []
 
 
 class Trajectory(Event, tag="trajectory"):

@@ -2,7 +2,7 @@
 
     follow the `weights` stream -> the newest version due ([eval] every = N: 0, N, 2N, ... and the
     last, run.steps) -> load it into this role's own engine, the way a rollout worker does
-    (rollout.make_engine + engine.update_weights) -> `prompts` held-out prompts x
+    (make_engine + engine.update_weights) -> `prompts` held-out prompts x
     `samples_per_prompt` samples -> EvalResult(mean reward, pass@1, pass@k, per task)
     exit once the last version is scored
 
@@ -43,7 +43,8 @@ from reel.bus.tail import Tail
 from reel.producers.engine import Engine, SamplingParams
 from reel.producers.envs import Env, Prompt, make_env
 from reel.producers.episode import scored_group
-from reel.producers.rollout import make_engine
+from reel.producers.tool_calls import ToolCalls
+from reel.producers.make_engine import make_engine
 from reel.runtime.blob_store import run_blobs
 from reel.runtime.config.sections import Config
 from reel.runtime.config.run import load
@@ -97,7 +98,11 @@ async def score(engine: Engine, env: Env, prompts: list[Prompt], config: Config)
     """Sample and score every prompt on the engine's current weights."""
     e = config.eval
     seeds = [_seed(e.seed, i) for i in range(len(prompts))]
-    groups = await asyncio.gather(*(_group(engine, env, p, config, seed) for p, seed in zip(prompts, seeds)))
+    calls = ToolCalls.from_section(config.rollout)
+    try:
+        groups = await asyncio.gather(*(_group(engine, env, p, config, seed, calls) for p, seed in zip(prompts, seeds)))
+    finally:
+        calls.close()
     scored = [(p, rewards) for p, rewards in zip(prompts, groups) if rewards is not None]
     k = e.samples_per_prompt
     flat = [r for _, rewards in scored for r in rewards]
@@ -112,12 +117,13 @@ async def score(engine: Engine, env: Env, prompts: list[Prompt], config: Config)
                   failed_prompts=len(prompts) - len(scored))
 
 
-async def _group(engine: Engine, env: Env, prompt: Prompt, config: Config, seed: int) -> list[float] | None:
+async def _group(engine: Engine, env: Env, prompt: Prompt, config: Config, seed: int,
+                 calls: ToolCalls) -> list[float] | None:
     e = config.eval
     params = SamplingParams(n=e.samples_per_prompt, temperature=e.temperature, top_p=1.0,
                             max_tokens=e.max_tokens or config.rollout.max_tokens,
                             stop_token_ids=env.tokenizer.stop_ids, seed=seed)
-    episodes = await scored_group(engine, env, prompt, params, "eval")
+    episodes = await scored_group(engine, env, prompt, params, calls, "eval")
     return None if episodes is None else [episode.reward for episode in episodes]
 
 

@@ -9,24 +9,8 @@
     stop: start nothing new, finish in-flight groups for up to DRAIN_TIMEOUT_S, log the rest as
           abandoned (a partial group is never published)
 
-Async gate (rollout.async_level = a). Let c be the newest policy version that is both committed
-(the `version` of the newest StepCommitted; 0 before any commit, version 0 being the initial
-policy) and live in this worker's engine: a commit counts once its weights are loaded here, so no
-round is sampled under weights older than the gate assumes. A worker splits its groups into rounds
-of R = ceil(trainer.batch_groups / rollout.workers) groups, R being its share of one trainer batch
-(with concurrency below R, a round takes several waves: were R capped at concurrency, each commit
-would release fewer groups than the next step needs, and the run would stall); round r is meant for the step that turns version r into r + 1. Its
-g-th group (counting from 0 in this process) belongs to round r(g) = c0 + (q + g) // R, c0 being c when
-the process started its first group and q the groups of this worker an earlier process published
-that the trainer has yet to train (producers/outstanding.py: they fill the next batches first),
-and may start only when
-
-    r(g) - c <= a.
-
-So a = 0 is synchronous: one batch share under version c, then nothing until version c + 1 is
-committed and loaded; a = 1 lets a worker generate the next round while the trainer computes the
-current one. Either way at most `concurrency` groups are in flight. A restarted worker continues
-the rounds its queued groups started, at the current c.
+Async gate (rollout.async_level): producers/async_gate.py. Where the wall time goes (WorkerStats
+busy_s, tool_wait_s, idle_s): producers/time_split.py. Env calls: producers/tool_calls.py.
 
 Identity: producer "rollout:<worker>"; its next seq is recovered from the bus and the run's log,
 so a restart never reuses one; group ids are "<worker>-<seq base>-<counter>" with the seq base of
@@ -38,9 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
-import math
 import os
 import random
 import signal
@@ -52,9 +34,8 @@ import numpy as np
 import redis.asyncio
 
 from reel.bus.blobs import BlobBackend
-from reel.bus.events import (AnyEvent, BlobRef, RoutingTrace, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished,
+from reel.bus.events import (AnyEvent, BlobRef, RoutingTrace, StepCommitted, Tensor, Trajectory, WeightsPublished,
                              WorkerStats)
-from reel.bus.log import LogError, RunLog
 from reel.bus.logcodec import pack
 from reel.bus.partitions import worker_partition
 from reel.bus.seqs import recover_seq
@@ -62,11 +43,14 @@ from reel.bus.streams import Publisher, connect
 from reel.bus.tail import Tail, dead_letter_read
 from reel.bus.trust import SeqMarks, trusted
 from reel.bus.weight_manifest import WeightManifest
+from reel.producers.async_gate import AsyncGate, newest_logged_commit
 from reel.producers.draws import Draws, recover_draws
-from reel.producers.engine import Engine, EngineError, SamplingParams
+from reel.producers.engine import Engine, SamplingParams
 from reel.producers.envs import Env, env_for
-from reel.producers.episode import Episode, non_finite, run_group
-from reel.producers.outstanding import outstanding_groups
+from reel.producers.make_engine import make_engine
+from reel.producers.episode import non_finite, run_group
+from reel.producers.time_split import TimeSplit
+from reel.producers.tool_calls import ToolCalls
 from reel.producers.envs.rewards import RewardError
 from reel.runtime.blob_store import run_blobs
 from reel.runtime.config.sections import Config
@@ -92,7 +76,8 @@ class RolloutWorker:
     name: str  # producer "rollout:<index>"
     env: Env
     blobs: BlobBackend
-    round_size: int  # R of the async gate (module docstring)
+    gate: AsyncGate  # when the next group may start
+    calls: ToolCalls  # runs env.respond off the event loop, bounded and timed
     # Set when run() starts.
     publisher: Publisher | None
     redis: redis.asyncio.Redis  # set by run(): publishing and reading the seq marks
@@ -101,8 +86,6 @@ class RolloutWorker:
     # Progress, changed only on the event loop.
     committed: int  # newest committed policy version (0 before any commit)
     refused: int  # newest policy version that could not be loaded (dead-lettered), -1 if none
-    first_round: int  # c0 of the async gate: c when this process started its first group
-    queued: int  # q of the async gate: groups an earlier process published, not yet trained
     started: int  # groups started by this process
     draws: Draws  # the run's draw index of each group's prompt (a dataset's epochs; producers/draws.py)
     published: int  # groups published by this process
@@ -120,14 +103,13 @@ class RolloutWorker:
         self.env = env_for(config)
         self.blobs = run_blobs(self.run_dir, config)
         r = config.rollout
-        self.round_size = math.ceil(config.trainer.batch_groups / r.workers)
+        self.gate = AsyncGate(config.trainer.batch_groups, r.workers, r.async_level)
+        self.calls = ToolCalls.from_section(r)
         self.publisher = None
         self.seq_base = 0
         self.engine = None
         self.committed = 0
         self.refused = -1
-        self.first_round = 0
-        self.queued = 0
         self.started = 0
         self.draws = Draws(index, r.workers)
         self.published = 0
@@ -139,9 +121,7 @@ class RolloutWorker:
         self._background: list[asyncio.Task[None]] = []
         self._publishing: set[str] = set()  # groups whose events are being sent: never cancelled
         self._failures: list[BaseException] = []
-        self._idle_since: float | None = time.monotonic()  # no group in flight since then
-        self._idle_s = 0.0  # idle seconds since the last WorkerStats
-        self._stats_at = time.monotonic()
+        self._split = TimeSplit()  # where the wall time goes: engine busy, tool wait, idle
         self._swaps: list[float] = []  # weight swap seconds since the last WorkerStats
         self._marks = SeqMarks(self.run_name, config.bus.partitions)  # producers' published ranges
 
@@ -166,7 +146,8 @@ class RolloutWorker:
             while not stop.is_set() and not self._ready():
                 await self._wait(stop)
             if self._ready():
-                await self._count_queued(redis)
+                await self.gate.recover(redis, self.run_dir, self.run_name, self.name,
+                                        worker_partition(self.index, self.config.bus.partitions))
             while not stop.is_set():
                 if self._may_start():
                     self._start_group()
@@ -181,6 +162,7 @@ class RolloutWorker:
             await asyncio.wait(self._background, timeout=DRAIN_TIMEOUT_S)
             if self.engine is not None:
                 await self.engine.close()
+            self.calls.close()
             await asyncio.shield(redis.aclose())
         log.info("%s stopped: %d groups published, %d abandoned", self.name, self.published, len(self.abandoned))
 
@@ -194,20 +176,9 @@ class RolloutWorker:
         and its samples name the version they really came from)."""
         return min(self.committed, self._held_version())
 
-    async def _count_queued(self, redis) -> None:
-        """c0 and q of the async gate, from one snapshot of the commits."""
-        partition = worker_partition(self.index, self.config.bus.partitions)
-        snapshot = await outstanding_groups(redis, self.run_dir, self.run_name, self.name, partition)
-        self.first_round = snapshot.version
-        self.queued = snapshot.groups
-        if self.queued:
-            log.info("%s: %d groups of an earlier run of this worker are still queued for the trainer; "
-                     "counted in rounds from version %d", self.name, self.queued, self.first_round)
-
     def _may_start(self) -> bool:
-        round_ = self.first_round + (self.queued + self.started - self.dead_lettered) // self.round_size
         return (len(self.in_flight) < self.config.rollout.concurrency
-                and round_ - self._gate_version() <= self.config.rollout.async_level)
+                and self.gate.allows(self.started - self.dead_lettered, self._gate_version()))
 
     async def _wait(self, stop: asyncio.Event) -> None:
         """Until stop, a gate change or a background failure (which is raised here)."""
@@ -232,17 +203,14 @@ class RolloutWorker:
         group_id = f"{self.index}-{self.seq_base}-{counter}"
         seed = group_seed(self.config.run.seed, self.index, self.seq_base, counter)
         self.started += 1
-        if not self.in_flight and self._idle_since is not None:
-            self._idle_s += time.monotonic() - self._idle_since
-            self._idle_since = None
         task = asyncio.create_task(self._group(group_id, seed, self.draws.next()), name=f"group-{group_id}")
         self.in_flight[group_id] = task
+        self._split.groups_in_flight(len(self.in_flight))
         task.add_done_callback(lambda t: self._group_done(group_id, t))
 
     def _group_done(self, group_id: str, task: asyncio.Task[None]) -> None:
         del self.in_flight[group_id]
-        if not self.in_flight:
-            self._idle_since = time.monotonic()
+        self._split.groups_in_flight(len(self.in_flight))
         if not task.cancelled() and task.exception() is not None:
             log.error("%s: group %s failed: %r", self.name, group_id, task.exception())  # now, not at the end
             self._failures.append(task.exception())
@@ -255,7 +223,7 @@ class RolloutWorker:
                                 stop_token_ids=self.env.tokenizer.stop_ids, seed=seed)
         started = time.monotonic()
         try:
-            episodes = await run_group(self.engine, self.env, prompt, params)
+            episodes = await run_group(self.engine, self.env, prompt, params, self.calls, self._split)
         except RewardError as exc:  # the user's reward failed on a sample: that group is dropped, the run goes on
             await self.publisher.dead_letter(self.publisher.stamp(
                 Trajectory, group_id=group_id, env=self.env.name, samples=[], worker=self.name, meta=prompt.meta,
@@ -269,7 +237,7 @@ class RolloutWorker:
             blob = await asyncio.to_thread(lambda: self.blobs.put(pack(msgspec.msgpack.encode(experts))))
         trajectory = self.publisher.stamp(
             Trajectory, group_id=group_id, env=self.env.name,
-            prompt=Tensor.from_numpy(np.asarray(prompt.ids, np.int32)), samples=[_sample(e) for e in episodes], worker=self.name, meta=prompt.meta,
+            prompt=Tensor.from_numpy(np.asarray(prompt.ids, np.int32)), samples=[e.sample() for e in episodes], worker=self.name, meta=prompt.meta,
             temperature=r.temperature, generate_s=generate_s)
         problem = non_finite(episodes)
         if problem is not None:  # the round gets a replacement group, so the trainer's batch still fills
@@ -370,33 +338,21 @@ class RolloutWorker:
             await asyncio.sleep(self.config.rollout.stats_every_s)
             if self.engine is None:
                 continue
-            now = time.monotonic()
-            idle = self._idle_s + (now - self._idle_since if self._idle_since is not None else 0.0)
-            share = min(1.0, idle / max(now - self._stats_at, 1e-9))
-            self._idle_s, self._stats_at = 0.0, now
-            if self._idle_since is not None:
-                self._idle_since = now
+            share = self._split.idle_share()
             s = self.engine.stats()
+            _, tool_wait, idle = self._split.totals()
             swaps, self._swaps = self._swaps, []
             await self.publisher.publish([self.publisher.stamp(
                 WorkerStats, worker=self.name, tokens_per_s=s.tokens_per_s, running=s.running, waiting=s.waiting,
                 policy_version=s.version, groups_published=self.published, idle_share=share,
                 decode_steps=s.steps, decode_tokens=s.generated_tokens, forward_tokens=s.forward_tokens,
                 busy_s=s.busy_s, swap_s=swaps, version_spans_assumed=s.version_spans_assumed,
-                cpu_s=time.process_time())])
+                cpu_s=time.process_time(), tool_wait_s=tool_wait, idle_s=idle)])
 
     async def _recover_seq(self, redis) -> int:
         # Entries the archiver made durable may be trimmed from the bus; the log still has them.
         return await recover_seq(redis, self.run_dir, self.run_name, self.name, _PUBLISHED_STREAMS,
                                  self.config.bus.partitions)
-
-
-def _sample(e: Episode) -> Sample:
-    return Sample(tokens=Tensor.from_numpy(np.asarray(e.tokens, np.int32)),
-                  logprobs=Tensor.from_numpy(np.asarray(e.logprobs, np.float32)), reward=e.reward,
-                  finish_reason=e.finish_reason, seed=e.seed, spans=e.spans, generate_s=e.seconds, env_spans=e.env_spans,
-                  turns=len(e.turn_lengths), tool_calls=e.tool_calls, turn_lengths=e.turn_lengths,
-                  scores=e.scores)
 
 
 async def _entries_to_end(tail: Tail, block_ms: int) -> list[tuple[str, str, AnyEvent]]:
@@ -409,55 +365,10 @@ async def _entries_to_end(tail: Tail, block_ms: int) -> list[tuple[str, str, Any
     return entries
 
 
-def newest_logged_commit(run_dir: Path) -> int:
-    """Version of the newest StepCommitted in the run's log (0 if none)."""
-    try:
-        with RunLog(run_dir, readonly=True) as run_log:
-            if "steps" not in run_log.names():
-                return 0
-            return max((e.version for _, e in run_log.events("steps") if isinstance(e, StepCommitted)), default=0)
-    except LogError:
-        return 0  # no log yet
-
-
 def group_seed(run_seed: int, worker: int, seq_base: int, counter: int) -> int:
     """A 63-bit seed for one group's prompt and samples (sample i uses seed + i)."""
     digest = hashlib.sha256(f"reel-group:{run_seed}:{worker}:{seq_base}:{counter}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 2
-
-
-def make_engine(config: Config, model_dir: Path, blobs: BlobBackend, worker: int = 0) -> Engine:
-    """The configured engine for the model in `model_dir` (HF layout); version -1 until weights arrive.
-
-    vLLM runs as `vllm serve` servers reached over HTTP when REEL_VLLM_URL is set (the Slurm job's
-    pools, or the one `reel run` starts), else in this process (engine.vllm_server = "inprocess").
-    The servers are shared, so only worker 0 pushes weights to them.
-    """
-    e = config.engine
-    if e.kind == "vllm" and os.environ.get("REEL_VLLM_URL"):
-        from reel.producers.vllm_http import VLLMHTTPEngine
-
-        url = os.environ["REEL_VLLM_URL"]
-        servers = [s for s in os.environ.get("REEL_VLLM_SERVERS", "").split(",") if s]
-        return VLLMHTTPEngine(model_dir, url=url, servers=servers, max_batch=e.max_batch, blobs=blobs, version=-1,
-                              routed_experts=config.trainer.router_replay, push_weights=worker == 0)
-    if e.kind == "vllm" and e.vllm_server == "local":
-        raise EngineError("engine.vllm_server = \"local\" serves through the `vllm serve` that `reel run` starts; "
-                          "a rollout role started by hand needs REEL_VLLM_URL (the server's http://host:port)")
-    if e.kind == "vllm":
-        from reel.producers.vllm import VLLMEngine
-
-        return VLLMEngine(model_dir, max_batch=e.max_batch, max_seq_len=e.max_seq_len, precision=e.precision,
-                          tensor_parallel_size=e.tensor_parallel_size, data_parallel_size=e.data_parallel_size,
-                          expert_parallel=e.expert_parallel, blobs=blobs, version=-1,
-                          routed_experts=config.trainer.router_replay)
-    from reel.producers.builtin_engine import BuiltinEngine
-    from reel.runtime.model.config import MoEConfig
-    from reel.runtime.model.model import MoEModel
-
-    model = MoEModel(MoEConfig.from_hf_dict(json.loads((model_dir / "config.json").read_text())), e.precision)
-    return BuiltinEngine(model, max_batch=e.max_batch, max_seq_len=e.max_seq_len, blobs=blobs, version=-1,
-                         threads=e.threads)
 
 
 def main(run_dir: Path, bus_url: str, worker: int) -> int:

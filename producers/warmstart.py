@@ -38,6 +38,7 @@ from reel.producers.engine import SamplingParams
 from reel.producers.envs import Env, env_for
 from reel.producers.envs.rewards import RewardError
 from reel.producers.episode import scored_group
+from reel.producers.tool_calls import ToolCalls
 from reel.runtime.config.sections import Config
 from reel.runtime.config.run import cache_dir, warmup_steps
 from reel.runtime.train.initial_policy import code_version
@@ -150,13 +151,18 @@ async def _episodes_reward(model: MoEModel, env: Env, config: Config) -> float:
         nonlocal finished
         group = await scored_group(engine, env, prompt, SamplingParams(
             n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
-            stop_token_ids=env.tokenizer.stop_ids, seed=config.run.seed * 1_000_003 + i), "warm-start reward")
+            stop_token_ids=env.tokenizer.stop_ids, seed=config.run.seed * 1_000_003 + i), calls, "warm-start reward")
         finished += 1
         report("warm-start evaluation", finished, len(prompts))
         return group
 
-    async with BuiltinEngine(model, max_batch=config.engine.max_batch, max_seq_len=config.engine.max_seq_len) as engine:
-        groups = await asyncio.gather(*(episode(engine, i, prompt) for i, prompt in enumerate(prompts)))
+    calls = ToolCalls.from_section(r)
+    try:
+        async with BuiltinEngine(model, max_batch=config.engine.max_batch,
+                                 max_seq_len=config.engine.max_seq_len) as engine:
+            groups = await asyncio.gather(*(episode(engine, i, prompt) for i, prompt in enumerate(prompts)))
+    finally:
+        calls.close()
     episodes = [g[0] for g in groups if g is not None]
     if not episodes:
         raise RewardError(f"the reward failed on every one of the warm-start's {EVAL_PROMPTS} prompts; "

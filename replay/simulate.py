@@ -6,7 +6,9 @@
                     when a group may start: round r(g) = c0 + g // R may start while r(g) - c <= a,
                     c = the newest version both committed and live in this worker's engine.
     episodes        a multi-turn sample (producers/episode.py) is one engine request per model turn:
-                    when a turn ends, the env's tokens are appended and the whole conversation so far
+                    when a turn ends, the env answers after the wall time its call took in the log
+                    (Sample.env_s: a tool's wait, which holds up only that episode: producers/tool_calls.py),
+                    its tokens are appended and the whole conversation so far
                     (prompt, earlier turns) is the next request's prompt, queued for a KV slot behind
                     the sequences already waiting and prefilled when it joins (the built-in engine
                     shares no prefix between requests). The group is done when every episode is.
@@ -37,13 +39,13 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
-from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
 
 from reel.bus.errors import ReelError
 from reel.replay.simulate_cores import Factors, factors
+from reel.replay.simulate_parts import Group, Sequence, Worker
 from reel.replay.workload import Pipeline, Workload
 
 __all__ = ["Scenario", "SimResult", "SimulationError", "simulate", "GROUP_EVENTS"]
@@ -79,59 +81,6 @@ class SimResult(msgspec.Struct, kw_only=True):
     bottleneck: str  # "redis" | "latency" (both sides wait on each other) | "trainer" | "rollout"
 
 
-@dataclass
-class _Group:
-    samples: int  # unfinished samples
-    tokens: dict[int, int] = field(default_factory=dict)  # version -> tokens sampled under it
-    oldest: int = 1 << 30
-
-    def sampled(self, version: int, count: int) -> None:
-        self.tokens[version] = self.tokens.get(version, 0) + count
-        self.oldest = min(self.oldest, version)
-
-
-@dataclass
-class _Sequence:
-    """One sample: the engine request of its current model turn, then the next turns'."""
-
-    group: _Group
-    turns: list[int]  # token counts: model turn, env turn, model turn, ... (GroupShape.samples)
-    context: int  # tokens the current turn's request starts from: the prompt, then the turns before it
-    turn: int = 0  # index in `turns` of the model turn being sampled
-    left: int = 0  # tokens still to sample in it
-
-    def __post_init__(self) -> None:
-        self.left = max(1, self.turns[0])
-
-    @property
-    def prefill(self) -> int:
-        """Prompt tokens fed with the request's first step beyond the one sampled from."""
-        return max(0, self.context - 1)
-
-    def next_turn(self) -> bool:
-        """After a model turn: append the env's turn and start the next model turn, if there is one."""
-        if self.turn + 1 >= len(self.turns):
-            return False
-        self.context += self.turns[self.turn] + self.turns[self.turn + 1]
-        self.turn += 2
-        self.left = max(1, self.turns[self.turn])
-        return True
-
-
-@dataclass
-class _Worker:
-    index: int
-    running: list[_Sequence] = field(default_factory=list)
-    waiting: collections.deque[_Sequence] = field(default_factory=collections.deque)
-    in_flight: int = 0
-    started: int = 0
-    version: int = 0  # live in the engine
-    committed: int = 0  # newest commit seen
-    busy: bool = False  # a decode step or a swap is under way
-    idle_since: float | None = 0.0
-    idle: list[tuple[float, float]] = field(default_factory=list)  # [start, end) without a group in flight
-
-
 class _Simulation:
     # Fixed at construction.
     workload: Workload
@@ -143,11 +92,11 @@ class _Simulation:
     # The clock and the pending events: (time, order of scheduling, kind, worker index, payload).
     now: float
     events: list[tuple[float, int, str, int, object]]
-    workers: list[_Worker]
+    workers: list[Worker]
     # Trainer.
     version: int  # committed steps
-    queue: collections.deque[_Group]  # arrived, not yet offered
-    batch: list[_Group]
+    queue: collections.deque[Group]  # arrived, not yet offered
+    batch: list[Group]
     computing: bool  # computing or publishing
     compute_left: float | None  # unslowed compute seconds still to do as of compute_since; None: publishing
     compute_since: float
@@ -174,7 +123,7 @@ class _Simulation:
         self.now = 0.0
         self.events = []
         self._order = itertools.count()
-        self.workers = [_Worker(i) for i in range(p.rollout_workers)]
+        self.workers = [Worker(i) for i in range(p.rollout_workers)]
         self.version = 0
         self.queue = collections.deque()
         self.batch = []
@@ -201,6 +150,11 @@ class _Simulation:
             match kind:
                 case "step":
                     self._step_done(self.workers[index])
+                case "env":  # answers due at the same time all queue before the engine admits any
+                    self._env_done(self.workers[index], payload)
+                    self._at(0.0, "admit", index)
+                case "admit":
+                    self._fill(self.workers[index])
                 case "swap":
                     self._swap_done(self.workers[index], version=int(payload))
                 case "arrive":
@@ -219,17 +173,18 @@ class _Simulation:
 
     # ---- rollout --------------------------------------------------------------------------------
 
-    def _may_start(self, worker: _Worker) -> bool:
+    def _may_start(self, worker: Worker) -> bool:
         round_ = worker.started // self.round_size  # c0 = 0: every worker starts with version 0 live
         gate = min(worker.committed, worker.version)
         return worker.in_flight < self.pipeline.concurrency and round_ - gate <= self.pipeline.async_level
 
-    def _fill(self, worker: _Worker) -> None:
+    def _fill(self, worker: Worker) -> None:
         """Start every group the gate allows, then keep the engine going."""
         while self._may_start(worker):
             shape = self.workload.groups[int(self.rng.integers(len(self.workload.groups)))]
-            group = _Group(len(shape.samples))
-            worker.waiting.extend(_Sequence(group, turns, shape.prompt) for turns in shape.samples)
+            group = Group(len(shape.samples))
+            waits = shape.env_s or [[] for _ in shape.samples]  # a log from before env_s: no tool waits
+            worker.waiting.extend(Sequence(group, turns, shape.prompt, wait) for turns, wait in zip(shape.samples, waits))
             worker.started += 1
             worker.in_flight += 1
             if worker.idle_since is not None:
@@ -237,7 +192,7 @@ class _Simulation:
                 worker.idle_since = None
         self._kick(worker)
 
-    def _kick(self, worker: _Worker) -> None:
+    def _kick(self, worker: Worker) -> None:
         """Between two steps: swap in newer weights first, else admit and start a decode step."""
         if worker.busy:
             return
@@ -260,7 +215,7 @@ class _Simulation:
         worker.busy = True
         self._at(seconds, "step", worker.index)
 
-    def _step_done(self, worker: _Worker) -> None:
+    def _step_done(self, worker: Worker) -> None:
         worker.busy = False
         still = []
         for seq in worker.running:
@@ -269,21 +224,29 @@ class _Simulation:
             if seq.left > 0:
                 still.append(seq)
                 continue
-            if seq.next_turn():
-                worker.waiting.append(seq)
-                continue
-            seq.group.samples -= 1
-            if seq.group.samples == 0:
-                self._group_done(worker, seq.group)
+            wait = seq.env_wait()
+            if wait > 0:  # the env's answer (a tool call) takes wall time; the engine goes on without it
+                self._at(wait, "env", worker.index, seq)
+            else:
+                self._env_done(worker, seq)
         worker.running = still
         self._fill(worker)
 
-    def _swap_done(self, worker: _Worker, version: int) -> None:
+    def _env_done(self, worker: Worker, seq: Sequence) -> None:
+        """The env answered a finished model turn: the sample's next turn queues, or the sample is done."""
+        if seq.next_turn():
+            worker.waiting.append(seq)
+            return
+        seq.group.samples -= 1
+        if seq.group.samples == 0:
+            self._group_done(worker, seq.group)
+
+    def _swap_done(self, worker: Worker, version: int) -> None:
         worker.busy = False
         worker.version = version
         self._fill(worker)
 
-    def _group_done(self, worker: _Worker, group: _Group) -> None:
+    def _group_done(self, worker: Worker, group: Group) -> None:
         worker.in_flight -= 1
         if worker.in_flight == 0:
             worker.idle_since = self.now

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgspec
+import numpy as np
 from rich.console import Group
 from rich.table import Table
 
@@ -126,12 +127,14 @@ def _episodes(workload: Workload) -> str:
     turns = [(len(sample) + 1) // 2 for group in workload.groups for sample in group.samples]
     if max(turns) == 1:
         return ""
-    return f", {sum(turns) / len(turns):.2f} model turns per episode (at most {max(turns)})"
+    # The env's answers between model turns (the last wait, after the final turn, scores it).
+    waits = [w for group in workload.groups for sample in group.env_s for w in sample[:-1]]
+    tools = f"; tool waits median {1e3 * float(np.median(waits)):.0f} ms, at most {max(waits):.2f} s" if waits else ""
+    return f", {sum(turns) / len(turns):.2f} model turns per episode (at most {max(turns)}){tools}"
 
 
 def plot(rows: list[Row], path: Path) -> None:
     """Steps/hour, idle shares and staleness per scenario (measured beside simulated where known)."""
-    import numpy as np
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(max(15.0, 1.2 * len(rows)), 4.8))

@@ -4,9 +4,9 @@ From the log alone (entry ids carry the Redis server's millisecond clock, so eve
 
 - group shapes: the prompt length and, per sample, the lengths of its turns (Trajectory): a
   one-turn sample is its completion length; a multi-turn episode alternates model turns and the
-  env turns (tool results) appended between them (Sample.env_spans). Kept per group, so a
-  long-tail prompt stays long, and a long episode keeps all its turns, when the simulation
-  resamples it;
+  env turns (tool results) appended between them (Sample.env_spans), and each env answer's wall
+  time (Sample.env_s: a slow tool's wait). Kept per group, so a long-tail prompt stays long, and a
+  long episode keeps all its turns and waits, when the simulation resamples it;
 - decode speed: between two WorkerStats of a worker, Δbusy_s / Δdecode_steps is the mean decode-step
   time, Δdecode_tokens / Δdecode_steps the mean batch occupancy B and (Δforward_tokens -
   Δdecode_tokens) / Δdecode_steps the mean prefill X (prompt tokens beyond the one sampled from);
@@ -75,6 +75,7 @@ class GroupShape(msgspec.Struct, array_like=True):
     prompt: int  # prompt tokens (prefilled once per request: the engine shares no prefix)
     # Per sample, token counts of its turns: model, env, model, ..., model ([C] for one turn).
     samples: list[list[int]]
+    env_s: list[list[float]] = []  # per sample, seconds of each env answer (Sample.env_s); [] = not logged
 
 
 class StepModel(msgspec.Struct, kw_only=True):
@@ -138,7 +139,9 @@ def extract(run_dir: Path) -> Workload:
                             "least 3 (step 1 includes process start-up)")
     if not trajectories:
         raise WorkloadError(f"the log of {run_dir} has no Trajectory events to take group shapes from")
-    groups = [GroupShape(int(e.prompt.shape[0]), [_turns(s) for s in e.samples]) for _, e in trajectories]
+    groups = [GroupShape(int(e.prompt.shape[0]), [_turns(s) for s in e.samples],
+                         [list(s.env_s) for s in e.samples] if all(s.env_s for s in e.samples) else [])
+              for _, e in trajectories]
     computing = _compute_intervals(commits)
     active = _active_intervals(trajectories)
     # Calibrate on the steady state, as the measured figures do: before the first commit the

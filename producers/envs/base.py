@@ -9,6 +9,10 @@ Episodes may take several model turns. After each one the env sees the conversat
 prompt, then model and env turns alternating) and answers `Continue(ids)`: tokens appended as
 prompt tokens (a tool result or a user turn, never trained on), after which the model takes
 another turn; or `Finish(reward)`. A single-turn env only implements `reward`.
+
+`respond` may wait (a tool call): write it as `async def` to be awaited on the rollout worker's
+event loop, or as a plain function, run on a thread pool; either way it holds up only its own
+episode, and a call past rollout.tool_timeout_s is cut (producers/tool_calls.py).
 """
 
 from __future__ import annotations
@@ -69,7 +73,8 @@ class Env(ABC):
         """Score in [0, 1] of the sampled completion tokens."""
 
     def respond(self, prompt: Prompt, turns: list[list[int]]) -> Reply:
-        """After model turn len(turns) // 2 + 1: `turns` alternate model, env, ..., model (the last)."""
+        """After model turn len(turns) // 2 + 1: `turns` alternate model, env, ..., model (the last).
+        A subclass may make it a coroutine (`async def respond`) when it awaits a tool."""
         return Finish(self.reward(prompt, turns[-1]))
 
     def held_out(self) -> Env:

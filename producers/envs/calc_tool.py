@@ -72,6 +72,10 @@ class CalcTool(Env):
                       meta={"env": self.name, "question": question, "terms": terms})
 
     def respond(self, prompt: Prompt, turns: list[list[int]]) -> Reply:
+        return self.answer(prompt, turns)
+
+    def answer(self, prompt: Prompt, turns: list[list[int]]) -> Reply:
+        """The calculator's reply to the model's last turn, at once (respond may make it wait)."""
         text, finished = self.completion_text(turns[-1])
         model_turn = len(turns) // 2 + 1
         if finished and text.startswith(CALL) and model_turn < self.max_turns:
@@ -89,7 +93,7 @@ class CalcTool(Env):
 
     def reward(self, prompt: Prompt, completion_ids: list[int]) -> float:
         """A one-turn episode: only a direct answer can score."""
-        reply = self.respond(prompt, [completion_ids])
+        reply = self.answer(prompt, [completion_ids])
         return reply.reward if isinstance(reply, Finish) else 0.0
 
     def demonstration(self, prompt: Prompt) -> list[list[int]]:

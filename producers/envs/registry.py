@@ -24,6 +24,7 @@ BUILTIN: dict[str, str] = {
     "sort_digits": "reel.producers.envs.sort_digits:SortDigits.from_section",
     "arith": "reel.producers.envs.arith:Arith.from_section",
     "calc_tool": "reel.producers.envs.calc_tool:CalcTool.from_section",
+    "slow_calc": "reel.producers.envs.slow_calc:SlowCalc.from_section",
     "reasoning_gym": "reel.producers.envs.reasoning_gym:ReasoningGym.from_section",
     "dataset": "reel.producers.envs.dataset:Dataset.from_section",
     "verifiers": "reel.producers.envs.verifiers_env:Verifiers.from_section",

@@ -1,29 +1,37 @@
-"""`reel bench async`: the same run at async_level 0 (synchronous) and 2, on an agentic-shaped workload.
+"""`reel bench async`: the same run at async_level 0 (synchronous) and 2, on an agentic workload.
 
-The workload has a long-tail completion-length distribution (env.long_tail: a few prompts ask for
-answers that take the whole max_tokens), so a synchronous step waits for its slowest sample while
-the engine runs nearly empty and the trainer idles. Both runs use the same config, seed, machine
-and number of steps, one after the other in this process; the warm-start is shared (cached).
+The default workload (`--workload slow-tool`, examples/slow_calc.toml's run) is multi-turn: the
+model calls a calculator whose every call waits a seeded heavy-tailed wall time (median 50 ms,
+capped at 2 s, no CPU), so a synchronous step waits for its slowest episode's chain of calls while
+the engine and the trainer idle. `--workload long-tail` is the earlier one: one-turn answers with
+a long-tail length distribution (env.long_tail: a few prompts ask for the whole max_tokens). Both
+runs use the same config, seed, machine and number of steps, one after the other in this process;
+the warm-start is shared (cached).
 
 Pinning: the trainer gets the first half of this process's cores and the rollout side (workers,
 archiver, the embedded Redis, this process watching them) the rest, with os.sched_setaffinity,
 the same in both modes; unpinned, both sides compete for the same cores and overlapping them
 cannot save time, so the bench would measure the scheduler, not the pipeline. With one core there is nothing to split (`pinned` says so).
 
-Prints one JSON line: wall time, trainer idle share, rollout idle share and final reward of each;
-ratio = achieved speedup = sync wall / async wall; ideal = sync wall / max(rollout busy, trainer
-busy) of the sync run (what perfect overlap would give); efficiency = ratio / ideal; each mode's
+Prints one JSON line: wall time, trainer idle share, rollout idle share, where the rollout
+worker's time went (engine busy, tool wait, idle: WorkerStats) and the reward of each;
+ratio = achieved speedup = sync wall / async wall; ideal = sync wall / max(rollout engine busy,
+trainer busy) of the sync run (what perfect overlap would give: tool waits are latency, which
+other rounds' decoding can fill); efficiency = ratio / ideal; time_to_reward = the sync run's wall
+time to first reach the reward target over the async run's (reward_to_reward below); each mode's
 trainer CPU seconds per trained token and its phase totals (StepTiming: wait, compute and, within
 it, score_old, forward_backward, optimizer; publish; commit), with cpu_per_token_ratio = async / sync
-(an async step should cost the trainer no more per token than a sync one); and
-`simulated_dedicated`, the speedup `reel simulate --dedicated` predicts for async_level 2 from the
-sync run's log alone.
+(an async step should cost the trainer no more per token than a sync one);
+`simulated` and `simulated_dedicated`, the async wall and speedup `reel simulate` predicts for
+async_level 2 from the sync run's log alone (on this machine's shared cores, and on dedicated
+ones), with `simulated_error`, the prediction's error against the measured async wall.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import subprocess
@@ -40,8 +48,23 @@ from reel.runtime.config.sections import Config
 from reel.runtime.launch.run_dir import bus_for, prepare_run_dir
 from reel.runtime.launch.supervisor import Supervisor
 
-# The agentic shape: mostly 3..6-character answers, 20% of prompts answering with max_tokens.
-WORKLOAD = {
+# Multi-turn tool calls with a heavy-tailed wall time: examples/slow_calc.toml's run (same model,
+# warm-start, env and rollout, so the warm-start cache is shared), 40 steps.
+SLOW_TOOL = {
+    "run": {"name": "run", "seed": 0, "steps": 40},
+    "model": {"hidden_size": 64, "moe_intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2},
+    "init": {"warmup_steps": 500, "warmup_noise": 0.1},
+    "env": {"name": "slow_calc", "options": {"min_terms": 2, "max_terms": 6, "terms_per_call": 3, "max_value": 99,
+                                             "tool_median_s": 0.05, "tool_sigma": 1.25, "tool_max_s": 2.0,
+                                             "tool_seed": 0}},
+    "rollout": {"workers": 1, "concurrency": 24, "group_size": 8, "max_tokens": 20, "tool_concurrency": 256,
+                "tool_timeout_s": 10.0},
+    "trainer": {"objective": "tis", "lr": 5e-4, "batch_groups": 8, "max_off_policy_steps": 2, "router_replay": True,
+                "precision": "fp32", "checkpoint_every": 1000},
+}
+# The long-tail shape: mostly 3..6-character answers, 20% of prompts answering with max_tokens.
+LONG_TAIL = {
     "run": {"name": "run", "seed": 0, "steps": 40},
     "model": {"hidden_size": 64, "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2},
     "init": {"warmup_steps": 300, "warmup_noise": 0.4},
@@ -52,29 +75,63 @@ WORKLOAD = {
 }
 
 
+WORKLOADS = {"slow-tool": SLOW_TOOL, "long-tail": LONG_TAIL}
+REWARD_WINDOW = 5  # steps in the running mean that time_to_reward follows
+REWARD_SHARE = 0.8  # the target: this share of the way from the start to the lower of the two runs' best
+
+
 def run(args: argparse.Namespace) -> int:
-    raw = json.loads(json.dumps(WORKLOAD))
+    workload = getattr(args, "workload", "slow-tool")
+    raw = json.loads(json.dumps(WORKLOADS[workload]))
     if args.quick:
         raw["run"]["steps"] = 8
-    results = {}
+    results, curves = {}, {}
     with tempfile.TemporaryDirectory(prefix="reel-bench-async-") as tmp:
         for level in (0, 2):
             raw["rollout"]["async_level"] = level
             config = config_mod.from_dict(raw, source="bench async workload")
-            results[level] = _measure(Path(tmp) / f"async{level}", config)
+            results[level], curves[level] = _measure(Path(tmp) / f"async{level}", config)
             if level == 0:
-                predicted = _simulated_dedicated(Path(tmp) / "async0", async_level=2)
+                predicted = {dedicated: _simulated(Path(tmp) / "async0", 2, dedicated) for dedicated in (False, True)}
     sync, overlapped = results[0], results[2]
     ratio = sync["wall_s"] / overlapped["wall_s"]
     ideal = sync["wall_s"] / max(sync["rollout_busy_s"], sync["trainer_busy_s"])
+    target, reached = reward_target(curves[0], curves[2])
     print_json({
-        "bench": "async", "steps": raw["run"]["steps"], "pinned": _pinning_note(), "sync": sync, "async": overlapped,
-        "ideal": round(ideal, 3), "efficiency": round(ratio / ideal, 3),
-        "simulated_dedicated": round(sync["wall_s"] / predicted, 3) if predicted else None,
+        "bench": "async", "workload": workload, "steps": raw["run"]["steps"], "pinned": _pinning_note(),
+        "sync": sync, "async": overlapped, "ideal": round(ideal, 3), "efficiency": round(ratio / ideal, 3),
+        "reward_target": round(target, 3), "time_to_reward_s": {"sync": reached[0], "async": reached[1]},
+        "time_to_reward": round(reached[0] / reached[1], 3) if None not in reached and reached[1] > 0 else None,
+        "simulated": round(predicted[False], 3) if predicted[False] else None,
+        "simulated_error": round(predicted[False] / overlapped["wall_s"] - 1, 3) if predicted[False] else None,
+        "simulated_dedicated": round(sync["wall_s"] / predicted[True], 3) if predicted[True] else None,
         "cpu_per_token_ratio": round(overlapped["trainer_cpu_s_per_token"] / sync["trainer_cpu_s_per_token"], 3),
         "ratio": round(ratio, 3),
     })
     return 0
+
+
+def reward_target(sync: list[tuple[float, float]], overlapped: list[tuple[float, float]]
+                  ) -> tuple[float, tuple[float | None, float | None]]:
+    """The reward both runs should reach, and the wall seconds (from the first commit) each first does.
+
+    Curves are (seconds since the first commit, step reward) per step from step 2; each is smoothed
+    by a running mean of REWARD_WINDOW steps. The target lies REWARD_SHARE of the way from the lower
+    start to the lower best, so both runs reach it and neither's noise at its very best decides."""
+    smooth = [_running_mean(curve) for curve in (sync, overlapped)]
+    start = min(curve[0][1] for curve in smooth)
+    best = min(max(r for _, r in curve) for curve in smooth)
+    target = start + REWARD_SHARE * (best - start)
+    reached = tuple(next((round(t, 3) for t, r in curve if r >= target), None) for curve in smooth)
+    return target, reached
+
+
+def _running_mean(curve: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out = []
+    for i, (t, _) in enumerate(curve):
+        window = [r for _, r in curve[max(0, i - REWARD_WINDOW + 1):i + 1]]
+        out.append((t, sum(window) / len(window)))
+    return out
 
 
 def role_cores() -> tuple[set[int], set[int]] | None:
@@ -118,12 +175,12 @@ def _pinning_note() -> str:
     return f"trainer on cores {sorted(split[0])}, rollout side (workers, archiver, Redis) on {sorted(split[1])}"
 
 
-def _simulated_dedicated(run_dir: Path, async_level: int) -> float | None:
-    """Wall seconds `reel simulate --dedicated --async-level N` predicts from this run's log (None if
+def _simulated(run_dir: Path, async_level: int, dedicated: bool) -> float | None:
+    """Wall seconds `reel simulate [--dedicated] --async-level N` predicts from this run's log (None if
     the log cannot be calibrated: the simulator's sentence goes to stderr). Run as the command a
     user would type: runtime/ reaches replay/ by command, not by import."""
-    argv = [sys.executable, "-m", "reel.runtime.launch.cli", "simulate", "--run", str(run_dir), "--dedicated",
-            "--async-level", str(async_level), "--json"]
+    argv = [sys.executable, "-m", "reel.runtime.launch.cli", "simulate", "--run", str(run_dir),
+            *(["--dedicated"] if dedicated else []), "--async-level", str(async_level), "--json"]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
         print(f"bench async: no simulator prediction: {done.stderr.strip()}", file=sys.stderr)
@@ -131,7 +188,7 @@ def _simulated_dedicated(run_dir: Path, async_level: int) -> float | None:
     return float(json.loads(done.stdout)["rows"][0]["result"]["wall_s"])
 
 
-def _measure(run_dir: Path, config: Config) -> dict[str, float]:
+def _measure(run_dir: Path, config: Config) -> tuple[dict[str, float], list[tuple[float, float]]]:
     prepare_run_dir(run_dir, config_mod.to_toml(config), config, resume=False)
     with contextlib.redirect_stdout(sys.stderr):  # progress lines must not mix with the JSON line
         with forking_on(1), bus_for(run_dir, config) as url:  # Redis serves the rollout side: its cores
@@ -149,25 +206,45 @@ def _measure(run_dir: Path, config: Config) -> dict[str, float]:
     timed = steps[1:]
     first_commit_ms = _ms(commits[0][0])
     stats = [e for i, e in stats if _ms(i) > first_commit_ms]
-    wall = sum(s.timing.wait + s.timing.compute + s.timing.publish for s in timed)
+    seconds = list(itertools.accumulate(s.timing.wait + s.timing.compute + s.timing.publish for s in timed))
+    wall = seconds[-1]
     waited = sum(s.timing.wait for s in timed)
     rollout_idle = sum(s.idle_share for s in stats) / len(stats) if stats else None
+    split = _worker_split(stats)
     return {
         "async_level": config.rollout.async_level,
         "wall_s": round(wall, 3),
         "trainer_idle": round(waited / wall, 3),
         "rollout_idle": round(rollout_idle, 3) if rollout_idle is not None else None,
         "trainer_busy_s": round(wall - waited, 3),  # compute + publish
-        # CPU seconds of the trainer's compute: more per token in asynchronous mode is work the step
-        # does only there (the mismatch split scores the batch again per older version), not cores.
+        # CPU seconds of the trainer's compute: per token, an asynchronous step should cost what a
+        # synchronous one does (nothing async-only on the step: the mismatch split is its own role).
         "trainer_cpu_s": round(sum(s.cpu_s for s in timed), 3),
-        "rollout_busy_s": round(wall * (1 - rollout_idle), 3) if rollout_idle is not None else wall,
+        # The engine's share of the worker's time (decoding), over this window: what no overlap can hide.
+        "rollout_busy_s": round(wall * split["busy"], 3) if split else wall,
+        "rollout_split": {k: round(v, 3) for k, v in split.items()} if split else None,  # busy, tool_wait, idle
         "worker_stats": len(stats),
         "reward_first": round(steps[0].metrics.get("reward_mean", float("nan")), 3),
         "reward_last": round(steps[-1].metrics.get("reward_mean", float("nan")), 3),
         "tokens_per_step": round(sum(s.metrics.get("tokens", 0) for s in steps) / len(steps), 1),
         **_trainer_costs(timed),
-    }
+    }, [(t, s.metrics.get("reward_mean", 0.0)) for t, s in zip(seconds, timed)]
+
+
+def _worker_split(stats: list[WorkerStats]) -> dict[str, float] | None:
+    """Shares of the workers' wall time between each one's first and last stats in the window: engine
+    busy, tool wait, idle (WorkerStats since 2026-12-05; None before, or with too few)."""
+    parts = {"busy": 0.0, "tool_wait": 0.0, "idle": 0.0}
+    for worker in {e.worker for e in stats}:
+        mine = [e for e in stats if e.worker == worker]
+        first, last = mine[0], mine[-1]
+        if not last.tool_wait_s + last.idle_s:
+            return None
+        parts["busy"] += last.busy_s - first.busy_s
+        parts["tool_wait"] += last.tool_wait_s - first.tool_wait_s
+        parts["idle"] += last.idle_s - first.idle_s
+    total = sum(parts.values())
+    return {k: v / total for k, v in parts.items()} if total > 0 else None
 
 
 def _trainer_costs(timed: list[StepCommitted]) -> dict:

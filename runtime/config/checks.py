@@ -38,6 +38,10 @@ def validate(c: Config) -> None:
     require(c.rollout.max_tokens >= 1, f"rollout.max_tokens = {c.rollout.max_tokens} must be at least 1")
     require(c.rollout.temperature > 0, f"rollout.temperature = {c.rollout.temperature} must be > 0")
     require(0 < c.rollout.top_p <= 1, f"rollout.top_p = {c.rollout.top_p} must be in (0, 1]")
+    require(c.rollout.tool_concurrency >= 1,
+            f"rollout.tool_concurrency = {c.rollout.tool_concurrency} must be at least 1 (env calls at once per worker)")
+    require(c.rollout.tool_timeout_s > 0,
+            f"rollout.tool_timeout_s = {c.rollout.tool_timeout_s} must be > 0 (seconds before an env call is cut)")
     require(c.trainer.batch_groups >= 1, f"trainer.batch_groups = {c.trainer.batch_groups} must be at least 1")
     # With async_level = a, workers start at most concurrency groups per version for a+1 versions.
     producible = c.rollout.workers * c.rollout.concurrency * (c.rollout.async_level + 1)

@@ -78,10 +78,16 @@ class RolloutSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     top_p: float = 1.0
     max_tokens: int = 16
     stats_every_s: float = 2.0
+    # env.respond calls (tool calls, rewards) at once per worker, off its event loop (producers/tool_calls.py):
+    # a coroutine respond is awaited, a plain one runs on a pool of this many threads
+    tool_concurrency: int = 64
+    # Seconds an env.respond may take (waiting for a slot included) before it is cut: its episode ends
+    # with reward 0 and the reason in the trajectory (Sample.env_error); the run goes on
+    tool_timeout_s: float = 60.0
 
 
 class EnvSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    # reverse_text | sort_digits | arith | calc_tool, or "package.module:factory" (producers/envs/registry.py)
+    # reverse_text | sort_digits | arith | calc_tool | slow_calc, or "package.module:factory" (producers/envs/registry.py)
     name: str = "reverse_text"
     min_len: int = 3  # reverse_text, sort_digits: question characters
     max_len: int = 6

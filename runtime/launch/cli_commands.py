@@ -150,6 +150,9 @@ def _log_commands(sub) -> None:
                        help="bus only: the pipeline on a local 3-master Redis Cluster with 1 and P partitions")
     bench.add_argument("--from-run", default=None, metavar="DIR",
                        help="r3, fp8: measure on a run's latest weights and prompts (default: random weights)")
+    bench.add_argument("--workload", choices=["slow-tool", "long-tail"], default="slow-tool",
+                       help="async only: multi-turn episodes whose tool calls wait a heavy-tailed wall time "
+                            "(default), or one-turn answers with a long-tail length")
     bench.set_defaults(handler="reel.runtime.launch.cli:run_bench")
 
 

@@ -159,3 +159,38 @@ def test_calc_tool_episode_protocol_and_long_tail():
     assert env.respond(p, [_ids("call:1+2")]) == Finish(0.0)  # no eos: not a call, not an answer
     at_limit = [call, _ids("=error;")] * (env.max_turns - 1) + [call]
     assert env.respond(p, at_limit) == Finish(0.0)  # a call in the last turn ends the episode
+
+
+def test_slow_calc_answers_as_calc_tool_after_a_seeded_heavy_tailed_wait():
+    import asyncio
+    import inspect
+    import statistics
+    import time
+
+    from reel.producers.envs.slow_calc import ToolLatency
+
+    env = make_env(EnvSection(name="slow_calc", options={"tool_median_s": 0.2, "tool_sigma": 0.0}))
+    calc = make_env(EnvSection(name="calc_tool"))
+    assert inspect.iscoroutinefunction(env.respond)  # awaited on the loop: a waiting call holds only its episode
+    p = env.sample(random.Random(3))
+    assert p.ids == calc.sample(random.Random(3)).ids and p.meta["env"] == "slow_calc"
+    demo = env.demonstration(p)
+
+    async def answer(turns):
+        started = time.monotonic()
+        return await env.respond(p, turns), time.monotonic() - started
+
+    reply, waited = asyncio.run(answer(demo[:1]))  # a tool call: answered as calc_tool does, after 0.2 s
+    assert reply == calc.respond(p, demo[:1]) and reply.tool_call and 0.2 <= waited < 1.0
+    reply, waited = asyncio.run(answer(demo))  # the answer: scored at once, no tool
+    assert reply == Finish(1.0) and waited < 0.1
+    assert env.reward(p, env.reference(p)) == 1.0  # one turn: no tool, no wait
+
+    latency = ToolLatency(median_s=0.05, sigma=1.25, max_s=2.0, seed=0)
+    delays = [latency.delay(f"call {i}") for i in range(4000)]
+    assert delays == [ToolLatency(0.05, 1.25, 2.0, 0).delay(f"call {i}") for i in range(4000)]  # seeded
+    assert delays != [ToolLatency(0.05, 1.25, 2.0, 1).delay(f"call {i}") for i in range(4000)]
+    assert 0.045 < statistics.median(delays) < 0.055 and 0.09 < statistics.mean(delays) < 0.13
+    assert max(delays) == 2.0 and 0.002 < sum(d > 1.0 for d in delays) / len(delays) < 0.02  # a long tail, capped
+    with pytest.raises(ConfigError, match="tool_median_s = 3.0, tool_max_s = 2.0"):
+        make_env(EnvSection(name="slow_calc", options={"tool_median_s": 3.0}))

@@ -17,7 +17,7 @@ from reel.producers.engine import SamplingParams
 from reel.producers.envs import CharTokenizer, make_env
 from reel.producers.envs.registry import check_name
 from reel.producers.episode import run_group
-from reel.producers.rollout import _sample
+from reel.producers.tool_calls import ToolCalls
 from reel.runtime.train import loss as loss_mod
 from reel.runtime.train.batch import Group, build_batch
 from reel.runtime.config.sections import EnvSection
@@ -68,7 +68,7 @@ def _episodes(env, engine_model, new_model, n=2):
         async with SwapBeforeSecondRequest(engine_model, new) as engine:
             prompt = env.sample(random.Random(5))
             params = SamplingParams(n=n, max_tokens=4, stop_token_ids=env.tokenizer.stop_ids, seed=11)
-            return prompt, await run_group(engine, env, prompt, params)
+            return prompt, await run_group(engine, env, prompt, params, ToolCalls(4, 10.0))
 
     return asyncio.run(go())
 
@@ -148,7 +148,7 @@ def test_env_tokens_get_no_gradient(echo_env):
 
 
 def _group(prompt, episodes, rewards=None) -> Group:
-    samples = [_sample(e) for e in episodes]
+    samples = [e.sample() for e in episodes]
     if rewards is not None:
         samples = [msgspec.structs.replace(s, reward=r) for s, r in zip(samples, rewards)]
     trajectory = Trajectory(run="t", producer="rollout:0", seq=0, group_id="g", env="echo",

@@ -8,42 +8,22 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from reel.bus.blob_backends.file import BlobStore
-from reel.bus.events import (
-    RoutingTrace, StepCommitted, StepTiming, WeightsPublished, WorkerStats,
-)
-from reel.bus.streams import BusError, Publisher, connect
+from reel.bus.events import RoutingTrace, WorkerStats
+from reel.bus.streams import BusError
 from faultproxy import FaultProxy
 from reel.producers import rollout
 from reel.producers.rollout import RolloutWorker
 from reel.runtime.train.batch import decode_routing
 from reel.runtime.config.run import load
-from reel.runtime.model.model import MoEModel
-from reel.runtime.model.weights import state_dict_bytes
-from rollout_setup import initial_model, make_run, stream_events, wait_for
+from rollout_setup import initial_model, make_run, publish_weights, stream_events, wait_for
 
 torch.set_num_threads(2)
-
-
-async def publish_weights(url: str, run_dir: Path, version: int, model: MoEModel, *, commit: bool) -> None:
-    """What the trainer does after step `version`: WeightsPublished (+ StepCommitted) in one call."""
-    redis = connect(url)
-    try:
-        ref = BlobStore(run_dir / "blobs").put(state_dict_bytes(model))
-        trainer = Publisher(redis, run_dir.name, "trainer:0", next_seq=10 * version)
-        events = [trainer.stamp(WeightsPublished, version=version, step=version, weights=ref)]
-        if commit:
-            events.append(trainer.stamp(StepCommitted, step=version, version=version, groups=[], dropped=[], loss=0.0,
-                                        grad_norm=0.0, weights_sha256=ref.sha256, timing=StepTiming(0, 0, 0)))
-        await trainer.publish(events)
-    finally:
-        await redis.aclose()
 
 
 async def test_worker_publishes_whole_groups_with_their_routing(redis_url: str, run_name: str, tmp_path) -> None:
@@ -84,7 +64,7 @@ async def test_worker_publishes_whole_groups_with_their_routing(redis_url: str, 
 async def test_async_gate(redis_url: str, run_name: str, tmp_path, async_level: int) -> None:
     run_dir = make_run(tmp_path, run_name, async_level=async_level, concurrency=4, batch_groups=2)
     worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
-    assert worker.round_size == 2  # the worker's share of a batch, below concurrency
+    assert worker.gate.round_size == 2  # the worker's share of a batch, below concurrency
     model = initial_model(run_dir)
     await publish_weights(redis_url, run_dir, 0, model, commit=False)
     stop = asyncio.Event()

@@ -212,6 +212,7 @@ def test_an_env_returning_a_non_numeric_reward_is_a_reward_error():
     from reel.producers.engine import SamplingParams
     from reel.producers.envs.reverse_text import ReverseText
     from reel.producers.episode import run_group, scored_group
+    from reel.producers.tool_calls import ToolCalls
     from reel.runtime.model.config import MoEConfig
     from reel.runtime.model.model import MoEModel
 
@@ -227,8 +228,9 @@ def test_an_env_returning_a_non_numeric_reward_is_a_reward_error():
         async with BuiltinEngine(model, max_batch=4) as engine:
             prompt = env.sample(random.Random(0))
             params = SamplingParams(n=2, max_tokens=3, stop_token_ids=TOK.stop_ids, seed=1)
-            assert await scored_group(engine, env, prompt, params, "test") is None  # left out, and logged
-            await run_group(engine, env, prompt, params)
+            calls = ToolCalls(4, 10.0)
+            assert await scored_group(engine, env, prompt, params, calls, "test") is None  # left out, and logged
+            await run_group(engine, env, prompt, params, calls)
 
     with pytest.raises(RewardError, match=r"env reverse_text returned the reward '1.0' \(str\), not a number"):
         asyncio.run(go())

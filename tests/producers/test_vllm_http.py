@@ -34,7 +34,7 @@ from reel.bus.blobs import BlobError
 from reel.bus.events import BlobRef
 from reel.bus.weight_manifest import WeightShard, encode_manifest
 from reel.producers.engine import EngineClosed, EngineError, SamplingParams
-from reel.producers.rollout import make_engine
+from reel.producers.make_engine import make_engine
 from reel.producers.vllm import known_spans
 from reel.producers.vllm_worker import LOAD_MANIFEST, LOAD_WEIGHTS, ReelWorkerExtension
 from reel.producers.vllm_auth import RequireKey

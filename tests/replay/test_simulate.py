@@ -31,17 +31,20 @@ C0, C1 = 0.05, 0.001  # trainer compute seconds: C0 + C1 · tokens
 PUBLISH, SWAP = 0.02, 0.004
 
 
-def _sample(turns: tuple[int, ...]) -> Sample:
-    """A sample whose turns have these token counts: model, env, model, ... (env turns as env_spans)."""
+def _sample(turns: tuple[int, ...], env_s: tuple[float, ...] = ()) -> Sample:
+    """A sample whose turns have these token counts: model, env, model, ... (env turns as env_spans),
+    the env answering each model turn in env_s seconds."""
     env_spans = [(sum(turns[:i]), sum(turns[:i + 1])) for i in range(1, len(turns), 2)]
     n = sum(turns)
     return Sample(tokens=Tensor.from_numpy(np.zeros(n, np.int32)), logprobs=Tensor.from_numpy(np.zeros(n, np.float32)),
                   reward=0.0, finish_reason="length", seed=0, spans=[(0, 0)], env_spans=env_spans,
-                  turns=len(env_spans) + 1, tool_calls=len(env_spans), turn_lengths=list(turns[::2]))
+                  turns=len(env_spans) + 1, tool_calls=len(env_spans), turn_lengths=list(turns[::2]),
+                  env_s=list(env_s))
 
 
 def _write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: float = 0.0,
-               episodes: list[tuple[int, ...]] | None = None, world_size: int = 1, cores: Cores | None = None) -> Path:
+               episodes: list[tuple[int, ...]] | None = None, world_size: int = 1, cores: Cores | None = None,
+               env_s: tuple[float, ...] = ()) -> Path:
     """A run directory whose log holds exactly the constants above (and `slowdown` while overlapping);
     every group's samples have the turns of `episodes` (default: N one-turn samples of L tokens).
     With `cores`, the log has CPU times and the times are those that processor sharing gives."""
@@ -59,7 +62,7 @@ def _write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: fl
         if cores is not None:
             log.stream("control").append_batch([("900-0", encode(RunStarted(
                 **meta, seq=0, config_toml="", seed=0, code_version="", model_config={}, cpu_count=cores.cores)))])
-        samples = [_sample(turns) for turns in episodes or [(L,)] * N]
+        samples = [_sample(turns, env_s) for turns in episodes or [(L,)] * N]
         # The worker always has a group in flight: one published every 100 ms, started 100 ms before.
         log.stream("trajectories").append_batch([
             (f"{1100 + 100 * i}-0", encode(Trajectory(
@@ -237,6 +240,22 @@ def test_asynchronous_multi_turn_period_is_the_slower_side(tmp_path: Path) -> No
     # Rollout-bound (a round 1.13 s against 0.21 s of training): rounds back to back, one swap each.
     assert r.wall_s / 29 == pytest.approx(_episodes_rollout_s(LONG_TAIL) / 0.25 + SWAP, rel=1e-6)
     assert max(r.staleness) == 1
+
+
+@pytest.mark.parametrize("async_level", [0, 1])
+def test_a_tool_wait_holds_up_its_episode_not_the_engine(tmp_path: Path, async_level: int) -> None:
+    # Every sample's tool call answers in 0.5 s, the final reward at once (Sample.env_s).
+    w = extract(_write_run(tmp_path / "run", async_level=async_level, steps=12, episodes=TWO_TURNS,
+                           env_s=(0.5, 0.0)))
+    assert {tuple(map(tuple, g.env_s)) for g in w.groups} == {((0.5, 0.0),) * N}
+    r = simulate(w, Scenario(pipeline=w.pipeline))
+    sampled = G * sum(sum(e[::2]) for e in TWO_TURNS)
+    round_ = _episodes_rollout_s(TWO_TURNS) + 0.5  # all samples wait side by side: once per round
+    # Synchronous: the round, then training. Asynchronous with one round in flight (concurrency = a
+    # batch): rollout-bound, rounds back to back; the weight swap lands while the engine waits on
+    # the tools, so it costs nothing.
+    step = SWAP + round_ + _train_s(tokens=sampled) if async_level == 0 else round_
+    assert r.wall_s == pytest.approx(11 * step, rel=1e-6)
 
 
 def test_speedups_and_trainer_ranks_scale_the_closed_form(tmp_path: Path) -> None:

@@ -5,18 +5,17 @@ import asyncio
 import time
 from pathlib import Path
 import torch
-from reel.bus.events import (
-    Trajectory, decode, stream_key,
-)
-from reel.bus.streams import connect
+from reel.bus.blob_backends.file import BlobStore
+from reel.bus.events import StepCommitted, StepTiming, Trajectory, WeightsPublished, decode, stream_key
+from reel.bus.streams import Publisher, connect
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel
-from reel.runtime.model.weights import save
+from reel.runtime.model.weights import save, state_dict_bytes
 
 
 def make_run(tmp_path: Path, run_name: str, *, async_level: int, concurrency: int = 2, batch_groups: int = 2,
-             max_tokens: int = 6) -> Path:
-    """A run directory as the trainer leaves it before version 0: config.toml and init/."""
+             max_tokens: int = 6, env: str = "") -> Path:
+    """A run directory as the trainer leaves it before version 0: config.toml and init/ (`env`: an [env] table)."""
     run_dir = tmp_path / run_name
     (run_dir / "blobs").mkdir(parents=True)
     (run_dir / "config.toml").write_text(f"""
@@ -31,7 +30,7 @@ stats_every_s = 0.2
 [trainer]
 batch_groups = {batch_groups}
 max_off_policy_steps = {max(async_level, 4)}
-""")
+{env}""")
     torch.manual_seed(0)
     save(MoEModel(MoEConfig(vocab_size=49, initializer_range=0.1)), run_dir / "init")
     return run_dir
@@ -56,3 +55,18 @@ def initial_model(run_dir: Path) -> MoEModel:
     from reel.runtime.model.weights import load as load_model
 
     return load_model(run_dir / "init")
+
+
+async def publish_weights(url: str, run_dir: Path, version: int, model: MoEModel, *, commit: bool) -> None:
+    """What the trainer does after step `version`: WeightsPublished (+ StepCommitted) in one call."""
+    redis = connect(url)
+    try:
+        ref = BlobStore(run_dir / "blobs").put(state_dict_bytes(model))
+        trainer = Publisher(redis, run_dir.name, "trainer:0", next_seq=10 * version)
+        events = [trainer.stamp(WeightsPublished, version=version, step=version, weights=ref)]
+        if commit:
+            events.append(trainer.stamp(StepCommitted, step=version, version=version, groups=[], dropped=[], loss=0.0,
+                                        grad_norm=0.0, weights_sha256=ref.sha256, timing=StepTiming(0, 0, 0)))
+        await trainer.publish(events)
+    finally:
+        await redis.aclose()

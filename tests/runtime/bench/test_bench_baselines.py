@@ -74,3 +74,18 @@ def test_bench_async_pins_trainer_and_rollout_side_to_disjoint_cores(tmp_path: P
         supervisor._stop_all()
     assert pinned == {"trainer": trainer_cores, "rollout-0": rollout_cores, "archiver": rollout_cores}
     assert _allowed_cores(0) == before  # the bench process itself is left as it was
+
+
+def test_bench_async_time_to_reward_is_when_each_run_first_reaches_a_shared_target():
+    from reel.runtime.bench.async_ import reward_target
+
+    # Both start at 0.1; sync climbs to 0.6 one step per 2 s, async to 0.5 one step per 1 s.
+    sync = [(2.0 * (i + 1), min(0.6, 0.1 + 0.05 * i)) for i in range(20)]
+    overlapped = [(1.0 * (i + 1), min(0.5, 0.1 + 0.05 * i)) for i in range(20)]
+    target, (sync_s, async_s) = reward_target(sync, overlapped)
+    # Running means of 5 steps: starts 0.1, the lower best 0.5; 80% of the way is 0.42.
+    assert target == pytest.approx(0.42)
+    assert (sync_s, async_s) == (2.0 * 10, 1.0 * 10)  # the 10th step's window (0.35 .. 0.55) is the first over
+    flat = [(1.0 * (i + 1), 0.125) for i in range(5)]  # a run that never climbs caps the target at its level
+    target, reached = reward_target(sync, flat)
+    assert target == pytest.approx(0.12) and reached == (4.0, 1.0)

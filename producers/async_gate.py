@@ -1,0 +1,72 @@
+"""The async gate: when a rollout worker may start its next group (rollout.async_level = a).
+
+Let c be the newest policy version that is both committed (the `version` of the newest
+StepCommitted; 0 before any commit, version 0 being the initial policy) and live in this worker's
+engine: a commit counts once its weights are loaded there, so no round is sampled under weights
+older than the gate assumes. A worker splits its groups into rounds of R = ceil(trainer.batch_groups
+/ rollout.workers) groups, R being its share of one trainer batch (with concurrency below R, a round
+takes several waves: were R capped at concurrency, each commit would release fewer groups than the
+next step needs, and the run would stall); round r is meant for the step that turns version r into
+r + 1. Its g-th group (counting from 0 in this process) belongs to round r(g) = c0 + (q + g) // R, c0
+being c when the process started its first group and q the groups of this worker an earlier process
+published that the trainer has yet to train (producers/outstanding.py: they fill the next batches
+first), and may start only when
+
+    r(g) - c <= a.
+
+So a = 0 is synchronous: one batch share under version c, then nothing until version c + 1 is
+committed and loaded; a = 1 lets a worker generate the next round while the trainer computes the
+current one. Either way at most `rollout.concurrency` groups are in flight. A restarted worker
+continues the rounds its queued groups started, at the current c.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import redis.asyncio
+
+from reel.bus.events import StepCommitted
+from reel.bus.log import LogError, RunLog
+from reel.producers.outstanding import outstanding_groups
+
+log = logging.getLogger("reel.rollout")
+
+
+class AsyncGate:
+    round_size: int  # R: the worker's share of one trainer batch
+    async_level: int  # a
+    first_round: int  # c0: c when this process started its first group
+    queued: int  # q: groups an earlier process published, not yet trained
+
+    def __init__(self, batch_groups: int, workers: int, async_level: int):
+        self.round_size = math.ceil(batch_groups / workers)
+        self.async_level = async_level
+        self.first_round = 0
+        self.queued = 0
+
+    def allows(self, group: int, version: int) -> bool:
+        """Whether this process's `group`-th group (from 0, replaced ones not counted) may start at c = `version`."""
+        return self.first_round + (self.queued + group) // self.round_size - version <= self.async_level
+
+    async def recover(self, redis: redis.asyncio.Redis, run_dir: Path, run_name: str, worker: str,
+                      partition: int) -> None:
+        """c0 and q, from one snapshot of the commits."""
+        snapshot = await outstanding_groups(redis, run_dir, run_name, worker, partition)
+        self.first_round, self.queued = snapshot.version, snapshot.groups
+        if self.queued:
+            log.info("%s: %d groups of an earlier run of this worker are still queued for the trainer; "
+                     "counted in rounds from version %d", worker, self.queued, self.first_round)
+
+
+def newest_logged_commit(run_dir: Path) -> int:
+    """Version of the newest StepCommitted in the run's log (0 if none)."""
+    try:
+        with RunLog(run_dir, readonly=True) as run_log:
+            if "steps" not in run_log.names():
+                return 0
+            return max((e.version for _, e in run_log.events("steps") if isinstance(e, StepCommitted)), default=0)
+    except LogError:
+        return 0  # no log yet

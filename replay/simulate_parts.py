@@ -1,0 +1,65 @@
+"""What `reel simulate` moves around: groups, their samples' turns, the rollout workers' engines."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Group:
+    samples: int  # unfinished samples
+    tokens: dict[int, int] = field(default_factory=dict)  # version -> tokens sampled under it
+    oldest: int = 1 << 30
+
+    def sampled(self, version: int, count: int) -> None:
+        self.tokens[version] = self.tokens.get(version, 0) + count
+        self.oldest = min(self.oldest, version)
+
+
+@dataclass
+class Sequence:
+    """One sample: the engine request of its current model turn, then the next turns'."""
+
+    group: Group
+    turns: list[int]  # token counts: model turn, env turn, model turn, ... (GroupShape.samples)
+    context: int  # tokens the current turn's request starts from: the prompt, then the turns before it
+    waits: list[float]  # seconds the env took to answer each model turn (GroupShape.env_s; [] = none)
+    turn: int = 0  # index in `turns` of the model turn being sampled
+    left: int = 0  # tokens still to sample in it
+
+    def __post_init__(self) -> None:
+        self.left = max(1, self.turns[0])
+
+    @property
+    def prefill(self) -> int:
+        """Prompt tokens fed with the request's first step beyond the one sampled from."""
+        return max(0, self.context - 1)
+
+    def env_wait(self) -> float:
+        """Seconds the env takes to answer the model turn just finished."""
+        model_turn = self.turn // 2
+        return self.waits[model_turn] if model_turn < len(self.waits) else 0.0
+
+    def next_turn(self) -> bool:
+        """After a model turn: append the env's turn and start the next model turn, if there is one."""
+        if self.turn + 1 >= len(self.turns):
+            return False
+        self.context += self.turns[self.turn] + self.turns[self.turn + 1]
+        self.turn += 2
+        self.left = max(1, self.turns[self.turn])
+        return True
+
+
+@dataclass
+class Worker:
+    index: int
+    running: list[Sequence] = field(default_factory=list)
+    waiting: collections.deque[Sequence] = field(default_factory=collections.deque)
+    in_flight: int = 0
+    started: int = 0
+    version: int = 0  # live in the engine
+    committed: int = 0  # newest commit seen
+    busy: bool = False  # a decode step or a swap is under way
+    idle_since: float | None = 0.0
+    idle: list[tuple[float, float]] = field(default_factory=list)  # [start, end) without a group in flight
