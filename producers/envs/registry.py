@@ -4,8 +4,8 @@ environment, producers/envs/verifiers_env.py) or "package.module:factory".
 A factory is any callable `factory(section: EnvSection, tokenizer: Tokenizer, max_tokens: int) -> Env`
 (max_tokens = rollout.max_tokens, one model turn's budget); the attribute path after the colon
 may be dotted ("mypkg.tasks:MyEnv.from_section"). The built-in tasks are registered the same
-way, so a user's env gets exactly what they get. `check_name` runs when the config is loaded, so
-a name that cannot be found fails before a run directory exists.
+way, so a user's env gets exactly what they get. `check_config` runs when a user's config is loaded
+(by the shell, runtime/launch/), so a name that cannot be found fails before a run directory exists.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import importlib.util
 import re
 from collections.abc import Callable
 
-from reel.runtime.config.sections import EnvSection
+from reel.runtime.config.sections import Config, EnvSection
 from reel.runtime.config.keys import ConfigError
 from reel.runtime.tokenizer import Tokenizer
 
@@ -71,6 +71,20 @@ def check_options(section: EnvSection) -> None:
     if adapter in OPTION_CHECKS:
         module, function = OPTION_CHECKS[adapter].split(":")
         getattr(importlib.import_module(module), function)(section)
+
+
+def check_config(config: Config, source: str) -> None:
+    """The config's env and, when it evaluates on another, eval.env are usable; ConfigError naming
+    `source` (the config file) and the key otherwise."""
+    try:
+        check_options(config.env)
+        if config.eval.every > 0 and config.eval.env is not None:
+            try:
+                check_options(config.eval.env)
+            except ConfigError as exc:
+                raise ConfigError(f"eval.{exc}") from None  # its keys are eval.env.*
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
 
 
 def resolve(name: str) -> Callable[..., object]:

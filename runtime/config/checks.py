@@ -1,5 +1,9 @@
 """The checks a run's config passes at load, across keys: what no type can say on its own.
 
+env.name and env.options are the envs' to check (producers/envs/registry.py `check_config`): the
+commands that load a user's config (the shell: `reel run`, `config show`, `init`, `launch slurm`)
+call it after these.
+
 Every failure is a `ConfigError` naming the key and the fix. Ranges of sizes and counts and the
 memory a config's shapes need are runtime/config/bounds.py; the [engine] section's own checks are
 runtime/config/engine.py.
@@ -7,7 +11,6 @@ runtime/config/engine.py.
 
 from __future__ import annotations
 
-import importlib
 import re
 import tomllib
 from pathlib import Path
@@ -17,12 +20,6 @@ from reel.runtime.config.engine import validate_engine
 from reel.runtime.config.keys import ConfigError, require
 
 from reel.runtime.config.sections import Config, TrainerSection
-
-# env.name is checked against the env registry, reached by name (runtime/ never imports producers/).
-ENV_NAME_CHECK = "reel.producers.envs.registry:check_name"
-# ... and the task adapters' env.options (reasoning_gym, dataset, verifiers), which may read files.
-ENV_OPTIONS_CHECK = "reel.producers.envs.registry:check_options"
-
 
 def validate(c: Config) -> None:
     """Reject impossible values before anything starts."""
@@ -75,10 +72,6 @@ def validate(c: Config) -> None:
              "(exp(log ρ) overflows float32 past 88); the default 20 is verl's bound")
     require(c.trainer.dual_clip == 0 or c.trainer.dual_clip > 1,
              f"trainer.dual_clip = {c.trainer.dual_clip} must be 0 (off) or above 1 (the default 3 is verl's)")
-    module, function = ENV_NAME_CHECK.split(":")
-    getattr(importlib.import_module(module), function)(c.env.name)
-    module, function = ENV_OPTIONS_CHECK.split(":")
-    getattr(importlib.import_module(module), function)(c.env)
     require(1 <= c.env.min_len <= c.env.max_len,
              f"env.min_len = {c.env.min_len} and env.max_len = {c.env.max_len} need 1 <= min_len <= max_len")
     require(0.0 <= c.env.long_tail <= 1.0, f"env.long_tail = {c.env.long_tail} must be in [0, 1]")
@@ -167,12 +160,6 @@ def _validate_eval(c: Config) -> None:
     require(c.engine.kind == "builtin" or c.engine.vllm_server == "inprocess",
              f"eval.every = {e.every} needs an engine of its own: engine.kind = \"builtin\", or "
              "engine.vllm_server = \"inprocess\"")
-    if e.env is not None:
-        module, function = ENV_OPTIONS_CHECK.split(":")
-        try:
-            getattr(importlib.import_module(module), function)(e.env)
-        except ConfigError as exc:
-            raise ConfigError(f"eval.{exc}") from None  # its keys are eval.env.*
 
 
 def _validate_context_parallel(t: TrainerSection) -> None:

@@ -23,9 +23,12 @@ def _call(target: str, args: argparse.Namespace) -> int:
 
 
 def config_show(args: argparse.Namespace) -> int:
+    from reel.producers.envs.registry import check_config
     from reel.runtime.config import run as config
 
-    print(config.to_toml(config.load(args.config)), end="")
+    loaded = config.load(args.config)
+    check_config(loaded, args.config)
+    print(config.to_toml(loaded), end="")
     return 0
 
 

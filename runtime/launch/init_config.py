@@ -13,6 +13,7 @@ from pathlib import Path
 from reel.runtime.config import checks
 from reel.runtime.config import run as config_mod
 from reel.runtime.config.keys import ConfigError
+from reel.producers.envs.registry import check_config
 
 __all__ = ["main", "scaffold"]
 
@@ -76,7 +77,9 @@ def main(args: argparse.Namespace) -> int:
     if args.from_model and not (Path(args.from_model) / "config.json").is_file():
         raise ConfigError(f"--from-model {args.from_model} has no config.json; pass an HF model directory")
     text = scaffold(args.task, args.from_model)
-    config = config_mod.loads(text, source=f"the config for --task {args.task}")  # names a bad task
+    source = f"the config for --task {args.task}"
+    config = config_mod.loads(text, source=source)
+    check_config(config, source)  # names a bad task
     checks.check_model_path(config, text)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)

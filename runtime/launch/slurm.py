@@ -30,6 +30,7 @@ from pathlib import Path
 from reel.bus.errors import ReelError
 from reel.runtime.config import run as config_mod
 from reel.runtime.launch.slurm_script import JobOptions, render
+from reel.producers.envs.registry import check_config
 
 
 class SlurmError(ReelError):
@@ -41,6 +42,7 @@ class SlurmError(ReelError):
 
 def main_submit(args: argparse.Namespace) -> int:
     config = config_mod.load(args.config)
+    check_config(config, args.config)
     run_dir = Path(args.run_dir or Path(config.run.out_dir) / config.run.name).absolute()
     script = render(config, run_dir, JobOptions.from_args(args))
     if args.dry_run:

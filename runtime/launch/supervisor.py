@@ -32,6 +32,7 @@ from reel.bus.errors import ReelError
 from reel.runtime.config import checks
 from reel.runtime.blob_store import mooncake_for
 from reel.runtime.config.sections import Config
+from reel.producers.envs.registry import check_config
 from reel.runtime.config.overrides import load_with_sets
 from reel.runtime.train.distributed import torchrun_argv
 from reel.runtime.launch import resume as resume_mod
@@ -61,6 +62,7 @@ def main_run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     # Every config error surfaces before anything is written; --set overrides end up in config.toml.
     config, text = load_with_sets(args.config, args.set, allow_empty=args.defaults)
+    check_config(config, args.config)
     if serves_vllm_locally(config):
         vllm_args.check_local_server(config)
     use_cluster_client(config)

@@ -29,6 +29,7 @@ from reel.runtime.tokenizer import CharTokenizer
 from reel.runtime.weights.load import version_bytes
 from runbuilder import TINY_MODEL_TOML
 from paths import SUPPORT
+from user_config import load_as_reel_run
 
 pytest.importorskip("reasoning_gym", reason="the `tasks` extra (pip install '.[tasks]')")
 
@@ -80,7 +81,7 @@ def test_eval_role_takes_the_newest_due_version_and_lists_the_ones_it_skipped():
 ])
 def test_bad_eval_config_fails_at_load(section, message):
     with pytest.raises(ConfigError, match=message):
-        loads(f"[eval]\n{section}\n")
+        load_as_reel_run(f"[eval]\n{section}\n")
 
 
 def _eval_result(version: int, mean: float, skipped: list[int], per_task: dict[str, float] | None = None) -> EvalResult:

@@ -15,7 +15,7 @@ from reel.bus.events import RoutingTrace, Tensor, Trajectory
 from reel.producers.builtin_engine import BuiltinEngine
 from reel.producers.engine import SamplingParams
 from reel.producers.envs import CharTokenizer, make_env
-from reel.producers.envs.registry import check_name
+from reel.producers.envs.registry import check_config, check_name
 from reel.producers.episode import run_group
 from reel.producers.tool_calls import ToolCalls
 from reel.runtime.train import loss as loss_mod
@@ -84,8 +84,8 @@ def test_user_env_loads_from_a_module_outside_the_package(tmp_path, monkeypatch)
         make_env(EnvSection(name="my_tasks:nope"))
     with pytest.raises(ConfigError, match="rejected its settings"):
         make_env(EnvSection(name=name, options={"colour": "red"}))
-    with pytest.raises(ConfigError, match="env.name = 'chess' is unknown"):
-        from_dict({"env": {"name": "chess"}})
+    with pytest.raises(ConfigError, match="c.toml: env.name = 'chess' is unknown"):
+        check_config(from_dict({"env": {"name": "chess"}}), "c.toml")  # as `reel run` checks a config it loads
 
 
 def test_episode_turns_spans_staleness_across_a_weight_update(echo_env):

@@ -15,6 +15,7 @@ from reel.runtime.config.sections import EnvSection
 from reel.runtime.config.keys import ConfigError
 from reel.runtime.config.run import loads
 from reel.runtime.tokenizer import CharTokenizer
+from user_config import load_as_reel_run
 
 reasoning_gym = pytest.importorskip("reasoning_gym", reason="the `tasks` extra (pip install '.[tasks]')")
 
@@ -81,7 +82,7 @@ def test_reasoning_gym_template_uses_entry_metadata():
 ])
 def test_reasoning_gym_bad_options_fail_at_config_load(options, message):
     with pytest.raises(ConfigError, match=message):
-        loads(env_config("reasoning_gym", options))
+        load_as_reel_run(env_config("reasoning_gym", options))
 
 
 def test_answer_extraction_rule():
@@ -188,7 +189,7 @@ def test_reward_function_that_raises_or_returns_a_non_number_is_a_reward_error(t
 def test_dataset_with_missing_columns_fails_at_config_load(tmp_path, rows, message):
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     with pytest.raises(ConfigError, match=message):
-        loads(env_config("dataset", f'path = "{path}"'))
+        load_as_reel_run(env_config("dataset", f'path = "{path}"'))
 
 
 @pytest.mark.parametrize("options, message", [
@@ -200,7 +201,7 @@ def test_dataset_with_missing_columns_fails_at_config_load(tmp_path, rows, messa
 def test_dataset_bad_options_fail_at_config_load(tmp_path, options, message):
     path = write_jsonl(tmp_path / "d.jsonl", VERL_ROWS)
     with pytest.raises(ConfigError, match=message):
-        loads(env_config("dataset", options.replace("PATH", str(path))))
+        load_as_reel_run(env_config("dataset", options.replace("PATH", str(path))))
 
 
 def test_an_env_returning_a_non_numeric_reward_is_a_reward_error():
@@ -252,4 +253,4 @@ def test_verifiers_env_name_carries_the_id_and_bad_input_fails_at_config_load():
     ]
     for name, options, message in cases:
         with pytest.raises(ConfigError, match=message):
-            loads(env_config(name, options))
+            load_as_reel_run(env_config(name, options))
