@@ -29,6 +29,7 @@ from reel.bus.events import (
     WeightsPublished, WorkerStats,
 )
 from reel.bus.partitions import seq_keys
+from reel.bus.redis_boundary import ride_out
 
 __all__ = ["PRODUCERS", "wrong_producer", "SeqMarks", "Order", "SEQ_MARKS", "trusted"]
 
@@ -78,10 +79,14 @@ class SeqMarks:
         producers = sorted({p for p, seq in stamps if seq > self._mark.get(p, -1)})
         if not producers:
             return
-        pipe = client.pipeline(transaction=False)
-        for key in self.keys:
-            pipe.zmscore(key, producers)
-        for scores in await pipe.execute():
+
+        async def attempt() -> list:
+            pipe = client.pipeline(transaction=False)
+            for key in self.keys:
+                pipe.zmscore(key, producers)
+            return await pipe.execute()
+
+        for scores in await ride_out(client, f"ZMSCORE on {', '.join(self.keys)}", attempt):
             for producer, score in zip(producers, scores):
                 if score is not None:
                     self._mark[producer] = max(self._mark.get(producer, -1), int(score))

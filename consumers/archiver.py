@@ -17,7 +17,8 @@ pending. Each round:
     trim    every trim_every_s, safe_trim (never past what any group has not acknowledged)
 
 A full disk (ENOSPC, EDQUOT, EFBIG) stops the archiver before `ack`: it says so once, retries the
-same round every DISK_FULL_RETRY_S, and goes on when space is freed; the entries wait on the bus.
+same round every DISK_FULL_RETRY_S, and goes on when space is freed; the entries wait on the bus
+(consumers/archive_disk.py). A Redis that does not answer is waited for (bus.ride_out_s).
 
 It stops when `stop` is set, or once it has logged a RunFinished and a read finds nothing new.
 
@@ -30,19 +31,18 @@ logged; the log index's (producer, seq) table can (bus/logindex.py, on disk: its
 with the log). It is synced up to the last durable record before each such lookup.
 
 Why not GroupConsumer: it dedupes on (producer, seq) and acks the repeat, so an event published
-twice (a retried XADD) would be twice in the stream but once in the log; and it hands out decoded
-events, whose re-encoding would drop fields a newer producer added. The archiver keeps the bytes
-exactly as they are on the stream and dedupes on entry id only.
+twice (a retried XADD, e.g. while riding out a Redis pause: bus/redis_boundary.py) would be twice
+in the stream but once in the log; and it hands out decoded events, whose re-encoding would drop
+fields a newer producer added. The archiver keeps the bytes exactly as they are on the stream and
+dedupes on entry id only; the log's readers keep the first record of a (producer, seq) (bus/logindex.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import signal
-import sqlite3
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -54,17 +54,17 @@ from redis.exceptions import RedisError, ResponseError
 
 from reel.bus.cluster import SlotReader, is_cluster
 from reel.bus.blob_backends.file import BlobStore
-from reel.bus import weight_manifest
 from reel.bus.blobs import BlobBackend
-from reel.bus.events import STREAMS, AnyEvent, BlobRef, MalformedEvent, RoutingTrace, RunFinished, StepCommitted, \
-    WeightsPublished, decode
-from reel.bus.log import LogError, RunLog
+from reel.bus.events import STREAMS, AnyEvent, MalformedEvent, RunFinished, WeightsPublished, decode
+from reel.bus.log import RunLog
 from reel.bus.logindex import LogIndex
 from reel.bus.logformat import entry_order
 from reel.bus.partitions import lane_key, lanes, stream_of
 from reel.bus.dead_letter import dead_letter_key, queue_dead_letter
+from reel.bus.redis_boundary import no_answer, ride_out, ride_out_bound
 from reel.bus.streams import FIELD, READ_MARGIN_S, BusError, connect, safe_trim, try_stamp
 from reel.bus.trust import Order, SeqMarks, wrong_producer
+from reel.consumers.archive_disk import Entry, Round, RoundWriter, blob_refs
 
 __all__ = ["Archiver", "main", "GROUP", "CONSUMER"]
 
@@ -72,22 +72,6 @@ log = logging.getLogger(__name__)
 
 GROUP = "archiver"
 CONSUMER = "archiver"
-DISK_FULL_RETRY_S = 2.0  # how often a full disk is tried again
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-Entry = tuple[str, str, dict | None]  # (lane, entry id, fields; None if deleted while pending)
-
-
-class _Round(msgspec.Struct):
-    """One read's worth of work."""
-
-    entries: list[Entry]  # all of them are acked once the records are durable
-    records: dict[str, list[tuple[str, bytes]]] = {}  # log stream -> (log entry id, event bytes) to log
-    dead: list[tuple[str, str, bytes, str]] = []  # (lane, entry id, raw, reason)
-    finished: bool = False  # a RunFinished is among the records
-    blobs: list[BlobRef] = []  # named by the records' events, to copy into the run's blobs/
-    manifests: list[BlobRef] = []  # weight manifests among them: their shards are copied too
-
 
 class Archiver:
     """Group `archiver` on all of a run's event streams (every lane of each) -> RunLog(run_dir)."""
@@ -123,16 +107,18 @@ class Archiver:
         self._last_id: dict[str, str | None] = {}  # split log stream -> last log entry id given out
         self._marks = SeqMarks(run, partitions)  # what each producer has published (bus/trust.py)
         self._order = Order()  # the trainer's versions and steps so far, from the log on start
+        self._writer: RoundWriter | None = None  # set by run()
 
     async def run(self, stop: asyncio.Event) -> None:
         self.log = RunLog(self.run_dir, self.segment_bytes)
         self.index = LogIndex(self.log, self.run_dir)
+        self._writer = RoundWriter(self.log, self.index, self.files, self.blobs, self.run_name)
         # No retries (connect's default): see _read.
         self.redis = connect(self.bus_url, socket_timeout=self.block_ms / 1000 + READ_MARGIN_S)
         self._slots = SlotReader(is_cluster(self.redis))
         disk = ThreadPoolExecutor(1, thread_name_prefix="archiver-disk")  # fdatasync off the event loop
         writing: asyncio.Future | None = None  # the previous round's append, on the disk thread
-        written: _Round | None = None
+        written: Round | None = None
         try:
             await self._create_groups()
             self._last_id = {s: self.log.stream(s).last_entry_id() for s in self._split}
@@ -146,7 +132,17 @@ class Archiver:
             while not stop.is_set():
                 # Rounds overlap: while one is written, the next read takes what is there without blocking.
                 blocking = writing is None
-                entries = await self._read(blocking)
+                read_at = time.monotonic()
+                try:
+                    entries = await self._read(blocking)
+                except BusError as exc:
+                    if not no_answer(exc) or time.monotonic() - read_at >= ride_out_bound():
+                        raise
+                    if writing is not None and await writing:  # its entries are acked before the re-read
+                        await self._done(written)
+                    writing = None
+                    await self._ride_out(exc, read_at)
+                    continue
                 if writing is not None:
                     if await writing:
                         await self._done(written)
@@ -155,7 +151,7 @@ class Archiver:
                     await self._refresh_marks(entries)
                     written = self._prepare(entries)
                     await self._dead_letter(written.dead)
-                    writing = asyncio.ensure_future(self._write(disk, written, stop))
+                    writing = asyncio.ensure_future(self._writer.write(disk, written, stop))
                 elif self.finished and blocking:
                     log.info("run %s finished and every stream is drained: %d events logged, %d repeats "
                              "skipped", self.run_name, self.archived, self.repeats)
@@ -203,8 +199,9 @@ class Archiver:
         Entries are logged in stream order, so the log always holds a prefix of what was delivered
         and "at or before the last logged id" means "logged". That is why pending entries must all
         come before any new one, and why reads are never retried: a retried XREADGROUP whose first
-        reply was lost would leave delivered entries behind. A bus error ends the archiver instead;
-        the next one finds those entries in its pending list."""
+        reply was lost would leave delivered entries behind. A Redis that does not answer is waited
+        for instead (run(): _ride_out), and the pending list read again from its start; another bus
+        error ends the archiver, and the next one finds those entries in its pending list."""
         cursors = self._history or {stream: ">" for stream in self.streams}
         ids = {self._key[stream]: cursor for stream, cursor in cursors.items()}
         with self._bus(f"XREADGROUP on {', '.join(ids)}"):
@@ -221,9 +218,19 @@ class Archiver:
                 return await self._read(block)
         return entries
 
-    def _prepare(self, entries: list[Entry]) -> _Round:
+    async def _ride_out(self, exc: BusError, since: float) -> None:
+        """A read Redis did not answer: wait for it (bus.ride_out_s from `since`, bus/redis_boundary.py),
+        then read our pending list from the start, where the entries of a lost reply are (a read is never
+        retried)."""
+        log.warning("%s; waiting for Redis, then re-reading our pending entries", exc)
+        await ride_out(self.redis, "PING", self.redis.ping, bound_s=ride_out_bound() - (time.monotonic() - since))
+        log.warning("archiver of run %s: Redis answered again after %.1f s; re-reading our pending entries",
+                    self.run_name, time.monotonic() - since)
+        self._history = {stream: "0" for stream in self.streams}
+
+    def _prepare(self, entries: list[Entry]) -> Round:
         """Sort a read into records to log and entries to dead-letter; drop repeats."""
-        round_ = _Round(entries)
+        round_ = Round(entries)
         repeats = 0
         redelivered = self._history is not None  # this read came from our pending list
         if redelivered and self._split:
@@ -287,68 +294,24 @@ class Archiver:
         self._last_id[stream] = last
         return out
 
-    async def _done(self, round_: _Round) -> None:
+    async def _done(self, round_: Round) -> None:
         """The round is durable: count it and ack every entry it read."""
         self.archived += sum(map(len, round_.records.values()))
         self.finished |= round_.finished
         await self._ack(round_.entries)
 
-    async def _write(self, disk: ThreadPoolExecutor, round_: _Round, stop: asyncio.Event) -> bool:
-        """Append a round on the disk thread; True once durable, False if stopped while the disk is full.
-
-        A full disk stops the archiver acking (entries stay pending on the bus, where the trainer
-        and workers go on) until space is freed; it never ends the run."""
-        waited = 0.0
-        while True:
-            try:
-                await asyncio.get_running_loop().run_in_executor(disk, self._append, round_)
-                if waited:
-                    log.warning("log %s is writable again after %.0f s; archiving resumes", self.log.root, waited)
-                return True
-            except LogError as exc:
-                if not isinstance(exc.__cause__, OSError) or exc.__cause__.errno not in _DISK_FULL:
-                    raise
-                if not waited:
-                    log.error("archiver of run %s: %s; not acking anything until space is freed (retrying every "
-                              "%.0f s)", self.run_name, exc, DISK_FULL_RETRY_S)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), DISK_FULL_RETRY_S)
-            if stop.is_set():
-                return False
-            waited += DISK_FULL_RETRY_S
-
-    def _append(self, round_: _Round) -> None:
-        for ref in round_.blobs:
-            if not self.files.path(ref).is_file():
-                self.files.put(self.blobs.get(ref))  # get checks the sha256 the event names
-        for ref in round_.manifests:
-            try:
-                manifest = weight_manifest.decode_manifest(self.files.get(ref))
-            except msgspec.DecodeError as exc:
-                log.warning("weight manifest %s is not a WeightManifest (%s); its shards are not copied", ref.sha256, exc)
-                continue
-            for shard in weight_manifest.blob_refs(ref, manifest)[1:]:
-                if not self.files.path(shard).is_file():
-                    self.files.put(self.blobs.get(shard))
-        for stream, batch in round_.records.items():
-            stream_log = self.log.stream(stream)
-            # After a failed append (disk full) some segments of the batch may be durable already.
-            stream_log.append_batch([(entry_id, data) for entry_id, data in batch if not stream_log.covers(entry_id)])
-        try:
-            self.index.sync()
-        except (sqlite3.Error, LogError) as exc:  # derived data: readers index what it missed when they open it
-            log.warning("archiver of run %s: the log index was not updated (%s); readers catch it up", self.run_name,
-                        exc)
-
     async def _ack(self, entries: list[Entry]) -> None:
         by_stream: dict[str, list[str]] = {}
         for stream, entry_id, _ in entries:
             by_stream.setdefault(stream, []).append(entry_id)
-        pipe = self.redis.pipeline(transaction=False)
-        for stream, entry_ids in by_stream.items():
-            pipe.xack(self._key[stream], GROUP, *entry_ids)
-        with self._bus(f"XACK on {', '.join(self._key[s] for s in by_stream)}"):
-            await pipe.execute()
+
+        async def attempt() -> list:  # an XACK repeated after a lost reply acks nothing more
+            pipe = self.redis.pipeline(transaction=False)
+            for stream, entry_ids in by_stream.items():
+                pipe.xack(self._key[stream], GROUP, *entry_ids)
+            return await pipe.execute()
+
+        await ride_out(self.redis, f"XACK on {', '.join(self._key[s] for s in by_stream)}", attempt)
 
     async def _dead_letter(self, dead: list[tuple[str, str, bytes, str]]) -> None:
         """Same fields as GroupConsumer's dead letters; XADD and XACK in one MULTI per slot (the
@@ -372,16 +335,6 @@ class Archiver:
         except (RedisError, OSError) as exc:
             raise BusError(f"archiver of run {self.run_name} at {self.bus_url.rpartition('@')[2]}: {what} failed "
                            f"({type(exc).__name__}: {exc})") from exc
-
-
-def blob_refs(event: AnyEvent) -> list[BlobRef]:
-    """The blobs an event names (what a replay of the run reads)."""
-    match event:
-        case WeightsPublished():
-            return [event.weights]
-        case RoutingTrace(blob=BlobRef() as ref) | StepCommitted(checkpoint=BlobRef() as ref):
-            return [ref]
-    return []
 
 
 def main(run_dir: Path, bus_url: str, run: str, partitions: int | str = 1, stop: asyncio.Event | None = None) -> int:

@@ -34,6 +34,10 @@ class BusSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_deliveries: int = 5  # deliveries before an entry goes to the dead-letter stream
     partitions: int = 1  # trajectory and routing streams split over this many hash tags (bus/partitions.py)
     cluster: bool = False  # bus.url names a node of a Redis Cluster (also REEL_BUS_CLUSTER=1 for roles)
+    # A Redis that stops answering (a paused VM, a failover, a long fork) is retried with backoff for up to
+    # this many seconds, and the wait logged; only a longer pause stops the run (bus/redis_boundary.py).
+    # 60 s: as long as a role should wait for a server to come back (a Kafka producer retries for 120 s). 0 = never.
+    ride_out_s: float = 60.0
 
 
 class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

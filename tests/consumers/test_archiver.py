@@ -207,7 +207,7 @@ def small_disk(tmp_path: Path):
 
 async def test_full_disk_stops_acking_and_freeing_space_resumes(redis_url: str, run_name: str, small_disk: Path,
                                                                 caplog: pytest.LogCaptureFixture, monkeypatch):
-    monkeypatch.setattr("reel.consumers.archiver.DISK_FULL_RETRY_S", 0.2)
+    monkeypatch.setattr("reel.consumers.archive_disk.DISK_FULL_RETRY_S", 0.2)
     run_dir = small_disk / "run"
     async with connect(redis_url) as client:
         publisher = Publisher(client, run_name, "rollout:0")
