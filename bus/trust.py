@@ -25,8 +25,8 @@ from collections.abc import Iterable
 import redis.asyncio
 
 from reel.bus.events import (
-    AnyEvent, ConfigChanged, EvalResult, RoutingTrace, RunFinished, RunStarted, StepCommitted, Trajectory,
-    WeightsPublished, WorkerStats,
+    AnyEvent, CheckpointsPruned, ConfigChanged, EvalResult, RoutingTrace, RunFinished, RunStarted, StepCommitted,
+    Trajectory, WeightsPublished, WorkerStats,
 )
 from reel.bus.partitions import seq_keys
 from reel.bus.redis_boundary import ride_out
@@ -48,6 +48,7 @@ PRODUCERS: dict[type, frozenset[str]] = {
     EvalResult: frozenset({"eval"}),
     ConfigChanged: frozenset({"launcher", "trainer"}),
     RunFinished: frozenset({"launcher", "trainer"}),
+    CheckpointsPruned: frozenset({"trainer"}),
 }
 
 

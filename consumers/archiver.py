@@ -30,11 +30,12 @@ after it. The log therefore cannot say by id whether a re-delivered entry of a s
 logged; the log index's (producer, seq) table can (bus/logindex.py, on disk: its memory does not grow
 with the log). It is synced up to the last durable record before each such lookup.
 
-Why not GroupConsumer: it dedupes on (producer, seq) and acks the repeat, so an event published
-twice (a retried XADD, e.g. while riding out a Redis pause: bus/redis_boundary.py) would be twice
-in the stream but once in the log; and it hands out decoded events, whose re-encoding would drop
-fields a newer producer added. The archiver keeps the bytes exactly as they are on the stream and
-dedupes on entry id only; the log's readers keep the first record of a (producer, seq) (bus/logindex.py).
+Why not GroupConsumer: it hands out decoded events, whose re-encoding would drop fields a newer
+producer added; the archiver keeps the bytes exactly as they are on the stream. It skips an entry
+by its id (a re-delivery) and by its (producer, seq): the copies of a write retried while riding out
+a Redis pause (bus/redis_boundary.py) follow each other within seconds, so a copy repeats either one
+this process logged lately (same bytes) or one the log held when it started (the log index).
+The log holds each event once.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import contextlib
 import logging
 import signal
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -69,6 +71,7 @@ from reel.consumers.archive_disk import Entry, Round, RoundWriter, blob_refs
 __all__ = ["Archiver", "main", "GROUP", "CONSUMER"]
 
 log = logging.getLogger(__name__)
+_RECENT_KEYS = 1 << 16  # (producer, seq) keys logged lately: a retried write's copies follow within seconds
 
 GROUP = "archiver"
 CONSUMER = "archiver"
@@ -107,6 +110,8 @@ class Archiver:
         self._last_id: dict[str, str | None] = {}  # split log stream -> last log entry id given out
         self._marks = SeqMarks(run, partitions)  # what each producer has published (bus/trust.py)
         self._order = Order()  # the trainer's versions and steps so far, from the log on start
+        self._recent: OrderedDict[tuple[str, int], int] = OrderedDict()  # (producer, seq) -> hash of the bytes
+        self._indexed: dict[str, int] = {}  # producer -> its highest seq the log held when run() started
         self._writer: RoundWriter | None = None  # set by run()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -123,6 +128,8 @@ class Archiver:
             await self._create_groups()
             self._last_id = {s: self.log.stream(s).last_entry_id() for s in self._split}
             await self._index_split_logs()
+            await asyncio.to_thread(self.index.sync)  # what predecessors logged, by (producer, seq)
+            self._indexed = self.index.newest_seqs()
             for stream in ("weights", "steps"):
                 for _, event in self.log.events(stream):
                     self._order.learn(event)
@@ -254,6 +261,9 @@ class Archiver:
             if redelivered and stream in self._split and self._logged(stream, event):
                 repeats += 1
                 continue
+            if self._recent.get((event.producer, event.seq)) == hash(data) or self._logged_before(stream, event):
+                repeats += 1  # a copy of a retried write (bus/redis_boundary.py), its first copy logged
+                continue
             untrusted = wrong_producer(event, self.run_name) or self._marks.problem(event) or self._order.admit(event)
             if untrusted is not None:
                 round_.dead.append((lane, entry_id, data, f"untrusted: {untrusted}"))
@@ -264,12 +274,19 @@ class Archiver:
                 if isinstance(event, WeightsPublished) and event.format == "manifest":
                     round_.manifests.append(event.weights)
             round_.records.setdefault(stream, []).append((entry_id, data))
+            self._recent[(event.producer, event.seq)] = hash(data)
+            if len(self._recent) > _RECENT_KEYS:
+                self._recent.popitem(last=False)
         for stream in self._split & round_.records.keys():
             round_.records[stream] = self._log_ids(stream, round_.records[stream])
-        if repeats:  # only right after a restart
-            log.info("%d re-delivered entries were already logged; acking them", repeats)
+        if repeats:  # right after a restart, or a Redis pause
+            log.info("%d re-delivered entries or copies of retried writes were already logged; acking them", repeats)
             self.repeats += repeats
         return round_
+
+    def _logged_before(self, stream: str, event: AnyEvent) -> bool:
+        """Whether a predecessor logged `event` (the first copy of a retried write may be its last record)."""
+        return event.seq <= self._indexed.get(event.producer, -1) and self._logged(stream, event)
 
     def _logged(self, stream: str, event: AnyEvent) -> bool:
         """Whether the log holds `event` in `stream`, by its (producer, seq): unique per producer."""

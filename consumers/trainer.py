@@ -5,7 +5,8 @@
     compute train_step (runtime/train/step.py), in a thread so the bus connection stays live
     commit  1. new weights -> blob store      2. checkpoint -> blob store (every checkpoint_every)
             3. WeightsPublished + StepCommitted in one MULTI/EXEC      4. ack the consumed entries
-            5. delete the weight versions no worker or step can need any more (bus/retention.py)
+            5. delete the weight versions no worker or step can need any more, and the checkpoints
+               log.keep_checkpoints lets go (consumers/trainer_retention.py)
 
 Why this order: blobs are content-addressed, so re-writing them after a crash is harmless; the
 commit is the single atomic point after which a group counts as trained; acking last means a
@@ -31,7 +32,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 import torch
 
-from reel.bus.blobs import BlobBackend, BlobError
+from reel.bus.blobs import BlobBackend
 from reel.bus.errors import ReelError
 from reel.bus.events import (
     AnyEvent, DroppedGroup, MalformedEvent, RoutingTrace, RunStarted, StepCommitted, StepTiming, Trajectory,
@@ -39,10 +40,11 @@ from reel.bus.events import (
 )
 from reel.bus.log import LogCorrupted, LogError, RunLog
 from reel.bus.partitions import lane_key, lanes
-from reel.bus.retention import Retention, RetentionPolicy
+from reel.bus.retention import Retention
 from reel.bus.seqs import recover_seq
 from reel.bus.streams import FIELD, Delivery, GroupConsumer, Publisher, connect
 from reel.bus.trust import Order, SeqMarks, trusted
+from reel.consumers.trainer_retention import retain, trainer_retention
 from reel.runtime import work_progress
 from reel.runtime.train import distributed
 from reel.runtime.train import environment
@@ -113,8 +115,7 @@ class Trainer:
         self.committed_groups = set()
         self.pending = {}
         self.weights = WeightHistory(self.blobs, keep=config.trainer.max_off_policy_steps + 1)
-        self.retention = Retention(RetentionPolicy.of(config.rollout.async_level, config.trainer.max_off_policy_steps,
-                                                      config.log.keep_weights_every), self.blobs)
+        self.retention = trainer_retention(run_dir, config, self.blobs)
         # A loss window the launcher found on resume (runtime/launch/bus_loss.py): recorded in the next commit.
         self.bus_loss = {key: float(os.environ[env]) for key, env in (
             ("bus_lost_events", "REEL_BUS_LOST_EVENTS"), ("bus_lost_window_s", "REEL_BUS_LOST_WINDOW_S"))
@@ -180,11 +181,7 @@ class Trainer:
         self.committed_groups.update(d.group_id for d in dropped)
         await self.consumer.ack([d for _, part in collected.groups + collected.dropped for d in part.deliveries()])
         self._crash_point(step, "acked")
-        self.retention.add([published, commit])
-        try:
-            await asyncio.to_thread(self.retention.collect)
-        except BlobError as exc:  # the versions stay listed: the next step's pass tries them again
-            log.warning("retention after step %d: %s", step, exc)
+        await retain(self.retention, self.publisher, [published, commit], step)
         m = result.metrics
         log.info("step %d committed: loss %.4f grad_norm %.3f reward %.3f kl_k3 %.2e (numerics %.2e drift %.2e) "
                  "dropped %d", step, result.loss, result.grad_norm, m.get("reward_mean", 0.0), m.get("kl_k3", 0.0),
@@ -267,7 +264,8 @@ class Trainer:
         for event in published:
             if isinstance(event, WeightsPublished):
                 self.weights.add(event.version, event.weights, event.format)
-        self.retention.add([*published, *commits.values()])
+        pruned = logged_events(self.run_dir, "control") + await self._bus_events("control")  # CheckpointsPruned
+        self.retention.add([*published, *commits.values(), *pruned])
         await asyncio.to_thread(ensure_initial_policy, self.run_dir, self.config)
         if not commits:
             self.state = await asyncio.to_thread(self.group.initial_state)

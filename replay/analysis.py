@@ -31,8 +31,9 @@ import torch
 
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.errors import ReelError
-from reel.bus.events import StepCommitted
+from reel.bus.events import CheckpointsPruned, StepCommitted
 from reel.bus.log import RunLog
+from reel.replay.pruned import pruned_checkpoints, require_replayable, without_pruned
 from reel.replay.versions import Versions
 from reel.runtime.train import loss as loss_mod
 from reel.runtime.train.batch import Batch, build_batch
@@ -169,7 +170,8 @@ class Run:
     run_dir: Path
     config: Config
     blobs: BlobStore
-    commits: dict[int, StepCommitted]
+    commits: dict[int, StepCommitted]  # without the checkpoints retention deleted
+    pruned: dict[int, CheckpointsPruned]  # checkpoint step -> the event that says it was deleted
     lookup: GroupLookup
     weights: Versions  # policy version -> its published weights (re-derived where retention deleted them)
     damage: str  # where the log is damaged ("" when it is not): steps after it cannot be replayed
@@ -181,10 +183,12 @@ class Run:
         self.blobs = BlobStore(run_dir / "blobs")
         # A damaged log still replays the steps whose inputs lie before the damage (bus/log.py).
         with RunLog(run_dir, readonly=True, valid_prefix=True) as run_log:
-            self.commits = {e.step: e for _, e in run_log.events("steps") if isinstance(e, StepCommitted)}
+            self.pruned = pruned_checkpoints(run_log)  # checkpoints retention deleted (replay/pruned.py)
+            self.commits = without_pruned({e.step: e for _, e in run_log.events("steps")
+                                           if isinstance(e, StepCommitted)}, self.pruned)
             self.lookup = GroupLookup.from_log(run_log, self.blobs)
             self.weights = Versions((e for _, e in run_log.events("weights")), self.blobs, self.commits,
-                                    lambda: self.lookup, self.config, lambda: self.group)
+                                    lambda: self.lookup, self.config, lambda: self.group, pruned=set(self.pruned))
             damage = run_log.damage() | self.lookup.index.damage
             self.damage = "; ".join(str(exc) for exc in damage.values())
         if self.damage:
@@ -214,7 +218,9 @@ class Run:
         """(the state after step-1, the step of the checkpoint it was rebuilt from; 0 = init).
 
         The steps between the checkpoint and step-1 are re-executed and checked: one that does not
-        reproduce its commit raises ReplayMismatch naming the config hash or code version."""
+        reproduce its commit raises ReplayMismatch naming the config hash or code version; a step
+        whose every earlier checkpoint retention deleted raises CheckpointPruned naming the one it needs."""
+        require_replayable(self.commits, self.pruned, step)
         base = self.group.restore(*checkpoint_before(self.commits, step - 1, self.blobs))
         self.require(base.step + 1, step - 1, why=f" (needed to rebuild step {step})")
         check = all(self.same_world(s) for s in range(base.step + 1, step))

@@ -39,6 +39,8 @@ RANGES: dict[str, tuple[float, float]] = {
     "engine.max_seq_len": (0, 1 << 24),
     "engine.threads": (1, 1024),
     "log.segment_bytes": (4096, 1 << 34),
+    "log.keep_checkpoints": (0, 1 << 30),
+    "log.keep_checkpoints_every": (0, 1 << 30),
     "model.max_position_embeddings": (1, 1 << 24),
     "model.hidden_size": (1, 1 << 17),
     "model.intermediate_size": (1, 1 << 20),

@@ -158,6 +158,12 @@ class LogSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Weight versions are deleted from the blob store once no worker or trainer step can need them
     # (bus/retention.py); also keep every version divisible by this. 0 = none (replay re-derives them).
     keep_weights_every: int = 0
+    # Checkpoints (12 bytes a parameter: most of a big run's disk) kept: the newest keep_checkpoints, plus
+    # those of steps divisible by keep_checkpoints_every (a multiple of trainer.checkpoint_every); 0 = all.
+    # Steps after the oldest kept checkpoint replay bit for bit; older ones not (`reel replay step` says
+    # which checkpoint they need), though their trajectories stay for `reel retrain` (bus/retention.py).
+    keep_checkpoints: int = 0
+    keep_checkpoints_every: int = 0  # 0 = none besides the newest keep_checkpoints
 
 
 Tracker = Literal["wandb", "tensorboard", "mlflow"]

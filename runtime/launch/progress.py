@@ -135,7 +135,9 @@ class Progress:
                 except MalformedEvent:
                     continue  # not an event: the archiver dead-letters it; the view goes on
                 if isinstance(event, StepCommitted):
-                    new_steps.append(event)
+                    shown = (self.steps + new_steps)[-1].step if self.steps or new_steps else 0
+                    if event.step > shown:  # else a copy of a write retried in a Redis pause (bus/redis_boundary.py)
+                        new_steps.append(event)
                 elif isinstance(event, RunStarted) and event.init_reward is not None and not self.resumed_after:
                     self._console.print(f"warm-start policy (version 0): mean sampled reward "
                                         f"{event.init_reward:.3f}", highlight=False)
