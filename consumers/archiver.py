@@ -66,6 +66,7 @@ from reel.bus.dead_letter import dead_letter_key, queue_dead_letter
 from reel.bus.redis_boundary import no_answer, ride_out, ride_out_bound
 from reel.bus.streams import FIELD, READ_MARGIN_S, BusError, connect, safe_trim, try_stamp
 from reel.bus.trust import Order, SeqMarks, wrong_producer
+from reel.runtime.heartbeat import BEAT_SUFFIX, Heartbeat
 from reel.consumers.archive_disk import Entry, Round, RoundWriter, blob_refs
 
 __all__ = ["Archiver", "main", "GROUP", "CONSUMER"]
@@ -111,6 +112,7 @@ class Archiver:
         self._marks = SeqMarks(run, partitions)  # what each producer has published (bus/trust.py)
         self._order = Order()  # the trainer's versions and steps so far, from the log on start
         self._recent: OrderedDict[tuple[str, int], int] = OrderedDict()  # (producer, seq) -> hash of the bytes
+        self.heartbeat = Heartbeat(self.run_dir / "roles" / f"archiver{BEAT_SUFFIX}")  # runtime/heartbeat.py
         self._indexed: dict[str, int] = {}  # producer -> its highest seq the log held when run() started
         self._writer: RoundWriter | None = None  # set by run()
 
@@ -154,6 +156,8 @@ class Archiver:
                     if await writing:
                         await self._done(written)
                     writing = None
+                self.heartbeat.alive("archiving" if entries else "waiting for events", f"{self.archived} logged",
+                                     waiting=not entries)
                 if entries:
                     await self._refresh_marks(entries)
                     written = self._prepare(entries)
@@ -315,6 +319,7 @@ class Archiver:
         """The round is durable: count it and ack every entry it read."""
         self.archived += sum(map(len, round_.records.values()))
         self.finished |= round_.finished
+        self.heartbeat.progress("archiving", f"{self.archived} logged")
         await self._ack(round_.entries)
 
     async def _ack(self, entries: list[Entry]) -> None:

@@ -54,6 +54,7 @@ from reel.runtime.config.sections import Config
 from reel.runtime.config.run import config_hash
 from reel.runtime.config.run import load as load_config
 from reel.runtime.config.data_files import dataset_sha256
+from reel.runtime.heartbeat import BEAT_SUFFIX, Heartbeat
 from reel.runtime.train.group_checks import group_problem
 from reel.runtime.train.groups import GroupLookup
 from reel.runtime.train.initial_policy import code_version, ensure_initial_policy, initial_reward
@@ -104,6 +105,7 @@ class Trainer:
     pending: dict[str, PendingGroup]
     weights: WeightHistory  # published versions, for the mismatch split of stale tokens
     retention: Retention  # which published versions the blob store may let go
+    heartbeat: Heartbeat  # what it does, for the launcher's liveness check
 
     def __init__(self, run_dir: Path, url: str, config: Config, group: TrainerGroup | None = None):
         self.config = config
@@ -116,6 +118,7 @@ class Trainer:
         self.pending = {}
         self.weights = WeightHistory(self.blobs, keep=config.trainer.max_off_policy_steps + 1)
         self.retention = trainer_retention(run_dir, config, self.blobs)
+        self.heartbeat = Heartbeat(run_dir / "roles" / f"trainer{BEAT_SUFFIX}")
         # A loss window the launcher found on resume (runtime/launch/bus_loss.py): recorded in the next commit.
         self.bus_loss = {key: float(os.environ[env]) for key, env in (
             ("bus_lost_events", "REEL_BUS_LOST_EVENTS"), ("bus_lost_window_s", "REEL_BUS_LOST_WINDOW_S"))
@@ -150,6 +153,7 @@ class Trainer:
             return
         waited = time.perf_counter() - started
         cpu_started = time.process_time()
+        self.heartbeat.progress("training", f"step {self.state.step + 1}")
         batch = build_batch([part.resolved for _, part in collected.groups])
         self.state, result = await asyncio.to_thread(self.group.step, self.state, batch, self.weights.get)
         computed = time.perf_counter()
@@ -181,6 +185,7 @@ class Trainer:
         self.committed_groups.update(d.group_id for d in dropped)
         await self.consumer.ack([d for _, part in collected.groups + collected.dropped for d in part.deliveries()])
         self._crash_point(step, "acked")
+        self.heartbeat.progress("committed", f"step {step}")
         await retain(self.retention, self.publisher, [published, commit], step)
         m = result.metrics
         log.info("step %d committed: loss %.4f grad_norm %.3f reward %.3f kl_k3 %.2e (numerics %.2e drift %.2e) "
@@ -194,6 +199,8 @@ class Trainer:
         for group_id, part in list(self.pending.items()):  # complete groups left over from the last step
             self._offer(group_id, part, out)
         while len(out.groups) < want and not stop.is_set():
+            self.heartbeat.alive("waiting for groups", f"{len(out.groups)} of {want} for step {self.state.step + 1}",
+                                 waiting=True)
             for delivery in await self.consumer.read(count=2 * want):
                 event = delivery.event
                 if not isinstance(event, (Trajectory, RoutingTrace)):

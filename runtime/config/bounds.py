@@ -34,7 +34,8 @@ RANGES: dict[str, tuple[float, float]] = {
     "bus.claim_idle_ms": (1, 7 * 24 * 3600 * 1000),
     "bus.max_deliveries": (1, 1000),
     "bus.partitions": (1, 1024),
-    "bus.ride_out_s": (0, 3600),  # longer hides a dead server: stop, and `reel run --resume` once it is back
+    "bus.ride_out_s": (0, 3600),
+    "run.stall_s": (1, 7 * 24 * 3600),  # longer hides a dead server: stop, and `reel run --resume` once it is back
     "engine.max_batch": (1, 1 << 16),
     "engine.max_seq_len": (0, 1 << 24),
     "engine.threads": (1, 1024),

@@ -21,6 +21,9 @@ class RunSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int = 0  # seeds warm-start, prompts, sampling and training
     steps: int = 10  # trainer steps; the run ends after the last commit
     out_dir: str = "runs"  # parent of the run directory
+    # A role without progress this long (or 5x its slowest progress so far, if longer: a slow step is not
+    # a stall) is named by the launcher in one line (runtime/launch/liveness.py, runtime/heartbeat.py).
+    stall_s: float = 120.0
 
 
 class BusSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
