@@ -5,7 +5,9 @@ A role is stalled when its loop has not come round, or (unless it waits for anot
 made no progress, for longer than its bound: max(run.stall_s, 5 x the longest gap between two of
 its progress beats so far), so a run whose steps are slow learns that a slow step is not a stall.
 The line for a stalled role also says what the roles waiting on it are waiting for. A role that
-moves again gets one line saying so.
+moves again gets one line saying so. What the launcher does then (runtime/launch/supervisor.py): a
+stalled rollout worker is killed and started again; a trainer or archiver stalled for HUNG_FACTOR
+bounds stops the run as if it had died, with the resume command.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from pathlib import Path
 
 from reel.runtime.heartbeat import BEAT_SUFFIX, Beat, read_beats
 
-__all__ = ["Liveness", "GAP_FACTOR"]
+__all__ = ["Liveness", "GAP_FACTOR", "HUNG_FACTOR"]
 
 GAP_FACTOR = 5.0  # a role's bound is at least this many times its longest gap between progress so far
+HUNG_FACTOR = 3.0  # stalled this many bounds, a trainer or archiver is hung: the launcher stops the run
 
 
 class Liveness:
@@ -28,6 +31,8 @@ class Liveness:
         self._longest: dict[str, float] = {}  # role -> longest gap between two progress beats seen
         self._stalled: dict[str, float] = {}  # role -> since when, for the roles named stalled
         self.newly_stalled: list[str] = []  # the roles the last check() named
+        for stale in roles_dir.glob(f"*{BEAT_SUFFIX}"):  # an earlier launch's (a --resume): not these roles'
+            stale.unlink(missing_ok=True)
 
     def bound(self, role: str) -> float:
         return max(self.stall_s, GAP_FACTOR * self._longest.get(role, 0.0))
@@ -55,6 +60,12 @@ class Liveness:
                 lines.append(f"reel: {role} moves again after {now - self._stalled.pop(role):.0f} s "
                              f"({_doing(beat)})")
         return lines
+
+    def hung(self, role: str, now: float | None = None) -> bool:
+        """Whether `role` has been stalled for HUNG_FACTOR bounds (a trainer or archiver that will not
+        come back: the launcher stops the run, with the resume command)."""
+        since = self._stalled.get(role)
+        return since is not None and (time.time() if now is None else now) - since > HUNG_FACTOR * self.bound(role)
 
     def forget(self, role: str) -> None:
         """`role` was restarted: its old beat and what was learnt from it go."""

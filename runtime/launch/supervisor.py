@@ -419,12 +419,14 @@ class Supervisor:
             self._start(name, "rollout", "--worker", name.removeprefix("rollout-"), env=self._rollout_env())
 
     def _watch(self) -> str | None:
-        """Until the trainer exits; returns the name of a failed role, else None."""
+        """Until the trainer exits; returns the name of a failed (or hung) role, else None."""
         while True:
             self.progress.refresh()
             for line in self.liveness.check():
                 print(line, file=sys.stderr, flush=True)
             self._restart_stalled_workers()
+            if hung := next((n for n in ("trainer", "archiver") if self.liveness.hung(n)), None):
+                return hung  # stopped like a role that died: the resume is exact
             self._start_vllm_when_ready()
             for name, role in list(self.roles.items()):
                 code = role.poll()
@@ -467,10 +469,11 @@ class Supervisor:
 
     def _fail(self, name: str) -> int:
         role = self.roles[name]
-        self._record_end(f"{FAILED}: {name} exited {role.poll()}")
+        code = role.poll()  # None: it hung (the liveness check), and is stopped with the others
+        self._record_end(f"{FAILED}: {name} exited {code}" if code is not None else f"{FAILED}: {name} stalled")
         self._stop_all()
-        print(f"reel: role {name} stopped with exit code {role.poll()}, so the run was stopped; "
-              f"last lines of {role.log_path}:", file=sys.stderr)
+        what = f"stopped with exit code {code}" if code is not None else "stalled"
+        print(f"reel: role {name} {what}, so the run was stopped; last lines of {role.log_path}:", file=sys.stderr)
         print(role.log_tail(), file=sys.stderr)
         print(f"reel: fix the cause, then `{self.resume_command}` continues this run (a resume may change only "
               f"{resume_mod.safe_keys()}; another fix needs a new run: another --out)", file=sys.stderr)

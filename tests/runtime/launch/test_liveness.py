@@ -51,8 +51,8 @@ def test_a_role_frozen_while_waiting_is_named_and_a_slow_role_earns_a_longer_bou
     _beat(tmp_path, "archiver", Beat("waiting for events", "", now - 11, now - 100, True, 1))
     assert [line.split(" (")[0] for line in liveness.check(now)] == ["reel: archiver has made no progress for 11 s"]
     # The trainer's steps take 20 s: its bound becomes 5 x 20 s, so a 30 s step is not a stall.
-    liveness = Liveness(tmp_path, stall_s=10)
-    (tmp_path / f"archiver{BEAT_SUFFIX}").unlink()
+    liveness = Liveness(tmp_path, stall_s=10)  # a new launch: the beats of the last one are gone
+    assert read_beats(tmp_path) == {}
     _beat(tmp_path, "trainer", Beat("training", "step 1", now - 60, now - 60, progress_count=1))
     liveness.check(now - 60)
     _beat(tmp_path, "trainer", Beat("training", "step 2", now - 40, now - 40, progress_count=2))
