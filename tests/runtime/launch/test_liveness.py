@@ -8,7 +8,9 @@ from pathlib import Path
 import msgspec
 
 from reel.runtime.heartbeat import BEAT_SUFFIX, Beat, Heartbeat, read_beats
+from reel.runtime.config import run as config_mod
 from reel.runtime.launch.liveness import Liveness
+from reel.runtime.launch.progress import Progress
 
 
 def _beat(roles: Path, role: str, beat: Beat) -> None:
@@ -62,3 +64,14 @@ def test_a_role_frozen_while_waiting_is_named_and_a_slow_role_earns_a_longer_bou
     assert liveness.check(now) == []
     liveness.forget("trainer")
     assert "trainer" not in read_beats(tmp_path) and liveness.bound("trainer") == 10
+
+
+def test_the_live_view_says_what_a_quiet_trainer_waits_for(tmp_path: Path):
+    progress = Progress("redis://127.0.0.1:1", config_mod.from_dict({}), live=False,
+                        work_file=tmp_path / "progress.json")
+    assert progress.trainer_doing() is None  # no beat yet
+    now = time.time()
+    _beat(tmp_path, "trainer", Beat("waiting for groups", "3 of 8 for step 12", now, now - 40, True, 11))
+    assert progress.trainer_doing() == "trainer: waiting for groups, 3 of 8 for step 12 (no progress for 40 s)"
+    _beat(tmp_path, "trainer", Beat("training", "step 12", now, now - 2, progress_count=12))
+    assert progress.trainer_doing() is None  # moving: nothing to say
