@@ -19,7 +19,7 @@ from reel.bus.errors import ReelError
 __all__ = [
     "BlobRef", "Tensor", "Event", "RunStarted", "WeightsPublished", "Sample", "Trajectory",
     "RoutingTrace", "DroppedGroup", "StepTiming", "StepCommitted", "MismatchSplit", "WorkerStats", "EvalResult",
-    "ConfigChanged", "RunFinished",
+    "ConfigChanged", "RunFinished", "CheckpointsPruned",
     "AnyEvent", "MalformedEvent", "encode", "decode", "event_key", "STREAM_OF", "stream_key",
 ]
 
@@ -293,6 +293,17 @@ class ConfigChanged(Event, tag="config_changed"):
     after_step: int
 
 
+class CheckpointsPruned(Event, tag="checkpoints_pruned"):
+    """Trainer -> log readers (verify, replay, du): the checkpoints of `steps` are deleted by retention
+    (bus/retention.py, log.keep_checkpoints); published before they are, so a missing checkpoint is
+    either named here or damage. Replay rebuilds a step from the newest checkpoint still kept."""
+
+    steps: list[int]  # commits whose checkpoint is deleted (their events stay in the log)
+    after_step: int  # the newest committed step when the policy let them go
+    keep_last: int  # the policy then: the newest checkpoints kept ...
+    keep_every: int = 0  # ... and those of steps divisible by this (0 = none)
+
+
 class RunFinished(Event, tag="run_finished"):
     """Launcher -> everyone: the run is over, or (not "completed") ended before its last step."""
 
@@ -302,7 +313,7 @@ class RunFinished(Event, tag="run_finished"):
 
 AnyEvent = Union[
     RunStarted, WeightsPublished, Trajectory, RoutingTrace, StepCommitted, WorkerStats, EvalResult,
-    ConfigChanged, RunFinished, MismatchSplit,
+    ConfigChanged, RunFinished, MismatchSplit, CheckpointsPruned,
 ]
 
 # Which stream each event type travels on (DESIGN.md "Events").
@@ -317,6 +328,7 @@ STREAM_OF: dict[type, str] = {
     EvalResult: "control",
     ConfigChanged: "control",
     RunFinished: "control",
+    CheckpointsPruned: "control",
 }
 STREAMS = ("control", "weights", "trajectories", "routing", "steps")
 

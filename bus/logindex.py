@@ -156,6 +156,10 @@ class LogIndex:
                               (producer, seq)).fetchone()
         return None if row is None else (row[0], self._read(*row))
 
+    def newest_seqs(self) -> dict[str, int]:
+        """Producer -> the highest seq indexed."""
+        return dict(self.db.execute("SELECT producer, MAX(seq) FROM keys GROUP BY producer").fetchall())
+
     def _read(self, stream: str, segment: int, offset: int) -> LogRecord:
         """The record at `offset` of the segment, CRC-checked (without opening the stream's log)."""
         path = self.run_log.root / stream / f"{segment:020d}.seg"

@@ -12,7 +12,7 @@ from reel.bus.cluster import SlotReader, is_cluster
 from reel.bus.dead_letter import dead_letter_key, queue_dead_letter
 from reel.bus.events import AnyEvent, MalformedEvent, decode, encode
 from reel.bus.partitions import lane_key, lanes
-from reel.bus.streams import FIELD, READ_MARGIN_S, as_str, boundary, by_stream, connect
+from reel.bus.redis_boundary import FIELD, READ_MARGIN_S, as_str, by_stream, connect, ride_out
 
 __all__ = ["Tail", "dead_letter_read"]
 
@@ -50,9 +50,9 @@ class Tail:
         client = await self._client(block_ms)
         if "$" in self._cursor.values():
             await self._resolve_now(client)
-        with boundary(client, f"XREAD on {', '.join(self._cursor)}"):
-            reply = await self._slots.read(lambda some, block: client.xread(some, count=count, block=block),
-                                           dict(self._cursor), block_ms or None)
+        # A plain XREAD from a cursor may be repeated: it rides out a Redis pause (bus/redis_boundary.py).
+        reply = await ride_out(client, f"XREAD on {', '.join(self._cursor)}", lambda: self._slots.read(
+            lambda some, block: client.xread(some, count=count, block=block), dict(self._cursor), block_ms or None))
         out = []
         for key, entries in by_stream(reply):
             for entry_id, fields in entries:
@@ -74,11 +74,14 @@ class Tail:
     async def _resolve_now(self, client: redis.asyncio.Redis) -> None:
         """Pin "$" to each stream's last entry, so nothing added between two reads is missed."""
         keys = [key for key, cursor in self._cursor.items() if cursor == "$"]
-        pipe = client.pipeline(transaction=False)
-        for key in keys:
-            pipe.xrevrange(key, count=1)
-        with boundary(client, f"XREVRANGE on {', '.join(keys)}"):
-            lasts = await pipe.execute()
+
+        async def attempt() -> list:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.xrevrange(key, count=1)
+            return await pipe.execute()
+
+        lasts = await ride_out(client, f"XREVRANGE on {', '.join(keys)}", attempt)
         for key, last in zip(keys, lasts):
             self._cursor[key] = as_str(last[0][0]) if last else "0-0"
 
@@ -91,8 +94,11 @@ async def dead_letter_read(client: redis.asyncio.Redis, run: str, lane: str, ent
     shard missing or corrupted) is recorded here with no group: there is nothing to ack, and the entry
     stays for the other readers."""
     key = lane_key(run, lane)
-    pipe = client.pipeline(transaction=False)
-    queue_dead_letter(pipe, key, run=run, stream=lane, entry_id=entry_id, raw=encode(event), reason=reason,
-                      group="", consumer=reader)
-    with boundary(client, f"dead-lettering {entry_id} of {key} to {dead_letter_key(key)}"):
+
+    async def attempt() -> None:
+        pipe = client.pipeline(transaction=False)
+        queue_dead_letter(pipe, key, run=run, stream=lane, entry_id=entry_id, raw=encode(event), reason=reason,
+                          group="", consumer=reader)
         await pipe.execute()
+
+    await ride_out(client, f"dead-lettering {entry_id} of {key} to {dead_letter_key(key)}", attempt)

@@ -25,10 +25,11 @@ from collections.abc import Iterable
 import redis.asyncio
 
 from reel.bus.events import (
-    AnyEvent, ConfigChanged, EvalResult, MismatchSplit, RoutingTrace, RunFinished, RunStarted, StepCommitted,
-    Trajectory, WeightsPublished, WorkerStats,
+    AnyEvent, CheckpointsPruned, ConfigChanged, EvalResult, MismatchSplit, RoutingTrace, RunFinished, RunStarted,
+    StepCommitted, Trajectory, WeightsPublished, WorkerStats,
 )
 from reel.bus.partitions import seq_keys
+from reel.bus.redis_boundary import ride_out
 
 __all__ = ["PRODUCERS", "wrong_producer", "SeqMarks", "Order", "SEQ_MARKS", "trusted"]
 
@@ -48,6 +49,7 @@ PRODUCERS: dict[type, frozenset[str]] = {
     MismatchSplit: frozenset({"mismatch"}),
     ConfigChanged: frozenset({"launcher", "trainer"}),
     RunFinished: frozenset({"launcher", "trainer"}),
+    CheckpointsPruned: frozenset({"trainer"}),
 }
 
 
@@ -79,10 +81,14 @@ class SeqMarks:
         producers = sorted({p for p, seq in stamps if seq > self._mark.get(p, -1)})
         if not producers:
             return
-        pipe = client.pipeline(transaction=False)
-        for key in self.keys:
-            pipe.zmscore(key, producers)
-        for scores in await pipe.execute():
+
+        async def attempt() -> list:
+            pipe = client.pipeline(transaction=False)
+            for key in self.keys:
+                pipe.zmscore(key, producers)
+            return await pipe.execute()
+
+        for scores in await ride_out(client, f"ZMSCORE on {', '.join(self.keys)}", attempt):
             for producer, score in zip(producers, scores):
                 if score is not None:
                     self._mark[producer] = max(self._mark.get(producer, -1), int(score))

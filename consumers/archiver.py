@@ -17,7 +17,8 @@ pending. Each round:
     trim    every trim_every_s, safe_trim (never past what any group has not acknowledged)
 
 A full disk (ENOSPC, EDQUOT, EFBIG) stops the archiver before `ack`: it says so once, retries the
-same round every DISK_FULL_RETRY_S, and goes on when space is freed; the entries wait on the bus.
+same round every DISK_FULL_RETRY_S, and goes on when space is freed; the entries wait on the bus
+(consumers/archive_disk.py). A Redis that does not answer is waited for (bus.ride_out_s).
 
 It stops when `stop` is set, or once it has logged a RunFinished and a read finds nothing new.
 
@@ -29,21 +30,22 @@ after it. The log therefore cannot say by id whether a re-delivered entry of a s
 logged; the log index's (producer, seq) table can (bus/logindex.py, on disk: its memory does not grow
 with the log). It is synced up to the last durable record before each such lookup.
 
-Why not GroupConsumer: it dedupes on (producer, seq) and acks the repeat, so an event published
-twice (a retried XADD) would be twice in the stream but once in the log; and it hands out decoded
-events, whose re-encoding would drop fields a newer producer added. The archiver keeps the bytes
-exactly as they are on the stream and dedupes on entry id only.
+Why not GroupConsumer: it hands out decoded events, whose re-encoding would drop fields a newer
+producer added; the archiver keeps the bytes exactly as they are on the stream. It skips an entry
+by its id (a re-delivery) and by its (producer, seq): the copies of a write retried while riding out
+a Redis pause (bus/redis_boundary.py) follow each other within seconds, so a copy repeats either one
+this process logged lately (same bytes) or one the log held when it started (the log index).
+The log holds each event once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import signal
-import sqlite3
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -55,38 +57,25 @@ from redis.exceptions import RedisError, ResponseError
 from reel.bus.cluster import SlotReader, is_cluster
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.blobs import BlobBackend
-from reel.bus.events import STREAMS, AnyEvent, BlobRef, MalformedEvent, RunFinished, WeightsPublished, decode
-from reel.bus.log import LogError, RunLog
+from reel.bus.events import STREAMS, AnyEvent, MalformedEvent, RunFinished, WeightsPublished, decode
+from reel.bus.log import RunLog
 from reel.bus.logindex import LogIndex
 from reel.bus.logformat import entry_order
 from reel.bus.partitions import lane_key, lanes, stream_of
 from reel.bus.dead_letter import dead_letter_key, queue_dead_letter
+from reel.bus.redis_boundary import no_answer, ride_out, ride_out_bound
 from reel.bus.streams import FIELD, READ_MARGIN_S, BusError, connect, safe_trim, try_stamp
 from reel.bus.trust import Order, SeqMarks, wrong_producer
-from reel.consumers.archive_blobs import copy_blobs, event_blobs
+from reel.runtime.heartbeat import BEAT_SUFFIX, Heartbeat
+from reel.consumers.archive_disk import Entry, Round, RoundWriter, blob_refs
 
 __all__ = ["Archiver", "main", "GROUP", "CONSUMER"]
 
 log = logging.getLogger(__name__)
+_RECENT_KEYS = 1 << 16  # (producer, seq) keys logged lately: a retried write's copies follow within seconds
 
 GROUP = "archiver"
 CONSUMER = "archiver"
-DISK_FULL_RETRY_S = 2.0  # how often a full disk is tried again
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-Entry = tuple[str, str, dict | None]  # (lane, entry id, fields; None if deleted while pending)
-
-
-class _Round(msgspec.Struct):
-    """One read's worth of work."""
-
-    entries: list[Entry]  # all of them are acked once the records are durable
-    records: dict[str, list[tuple[str, bytes]]] = {}  # log stream -> (log entry id, event bytes) to log
-    dead: list[tuple[str, str, bytes, str]] = []  # (lane, entry id, raw, reason)
-    finished: bool = False  # a RunFinished is among the records
-    blobs: list[BlobRef] = []  # named by the records' events, to copy into the run's blobs/
-    manifests: list[BlobRef] = []  # weight manifests among them: their shards are copied too
-
 
 class Archiver:
     """Group `archiver` on all of a run's event streams (every lane of each) -> RunLog(run_dir)."""
@@ -122,20 +111,27 @@ class Archiver:
         self._last_id: dict[str, str | None] = {}  # split log stream -> last log entry id given out
         self._marks = SeqMarks(run, partitions)  # what each producer has published (bus/trust.py)
         self._order = Order()  # the trainer's versions and steps so far, from the log on start
+        self._recent: OrderedDict[tuple[str, int], int] = OrderedDict()  # (producer, seq) -> hash of the bytes
+        self.heartbeat = Heartbeat(self.run_dir / "roles" / f"archiver{BEAT_SUFFIX}")  # runtime/heartbeat.py
+        self._indexed: dict[str, int] = {}  # producer -> its highest seq the log held when run() started
+        self._writer: RoundWriter | None = None  # set by run()
 
     async def run(self, stop: asyncio.Event) -> None:
         self.log = RunLog(self.run_dir, self.segment_bytes)
         self.index = LogIndex(self.log, self.run_dir)
+        self._writer = RoundWriter(self.log, self.index, self.files, self.blobs, self.run_name)
         # No retries (connect's default): see _read.
         self.redis = connect(self.bus_url, socket_timeout=self.block_ms / 1000 + READ_MARGIN_S)
         self._slots = SlotReader(is_cluster(self.redis))
         disk = ThreadPoolExecutor(1, thread_name_prefix="archiver-disk")  # fdatasync off the event loop
         writing: asyncio.Future | None = None  # the previous round's append, on the disk thread
-        written: _Round | None = None
+        written: Round | None = None
         try:
             await self._create_groups()
             self._last_id = {s: self.log.stream(s).last_entry_id() for s in self._split}
             await self._index_split_logs()
+            await asyncio.to_thread(self.index.sync)  # what predecessors logged, by (producer, seq)
+            self._indexed = self.index.newest_seqs()
             for stream in ("weights", "steps"):
                 for _, event in self.log.events(stream):
                     self._order.learn(event)
@@ -145,16 +141,28 @@ class Archiver:
             while not stop.is_set():
                 # Rounds overlap: while one is written, the next read takes what is there without blocking.
                 blocking = writing is None
-                entries = await self._read(blocking)
+                read_at = time.monotonic()
+                try:
+                    entries = await self._read(blocking)
+                except BusError as exc:
+                    if not no_answer(exc) or time.monotonic() - read_at >= ride_out_bound():
+                        raise
+                    if writing is not None and await writing:  # its entries are acked before the re-read
+                        await self._done(written)
+                    writing = None
+                    await self._ride_out(exc, read_at)
+                    continue
                 if writing is not None:
                     if await writing:
                         await self._done(written)
                     writing = None
+                self.heartbeat.alive("archiving" if entries else "waiting for events", f"{self.archived} logged",
+                                     waiting=not entries)
                 if entries:
                     await self._refresh_marks(entries)
                     written = self._prepare(entries)
                     await self._dead_letter(written.dead)
-                    writing = asyncio.ensure_future(self._write(disk, written, stop))
+                    writing = asyncio.ensure_future(self._writer.write(disk, written, stop))
                 elif self.finished and blocking:
                     log.info("run %s finished and every stream is drained: %d events logged, %d repeats "
                              "skipped", self.run_name, self.archived, self.repeats)
@@ -202,8 +210,9 @@ class Archiver:
         Entries are logged in stream order, so the log always holds a prefix of what was delivered
         and "at or before the last logged id" means "logged". That is why pending entries must all
         come before any new one, and why reads are never retried: a retried XREADGROUP whose first
-        reply was lost would leave delivered entries behind. A bus error ends the archiver instead;
-        the next one finds those entries in its pending list."""
+        reply was lost would leave delivered entries behind. A Redis that does not answer is waited
+        for instead (run(): _ride_out), and the pending list read again from its start; another bus
+        error ends the archiver, and the next one finds those entries in its pending list."""
         cursors = self._history or {stream: ">" for stream in self.streams}
         ids = {self._key[stream]: cursor for stream, cursor in cursors.items()}
         with self._bus(f"XREADGROUP on {', '.join(ids)}"):
@@ -220,9 +229,19 @@ class Archiver:
                 return await self._read(block)
         return entries
 
-    def _prepare(self, entries: list[Entry]) -> _Round:
+    async def _ride_out(self, exc: BusError, since: float) -> None:
+        """A read Redis did not answer: wait for it (bus.ride_out_s from `since`, bus/redis_boundary.py),
+        then read our pending list from the start, where the entries of a lost reply are (a read is never
+        retried)."""
+        log.warning("%s; waiting for Redis, then re-reading our pending entries", exc)
+        await ride_out(self.redis, "PING", self.redis.ping, bound_s=ride_out_bound() - (time.monotonic() - since))
+        log.warning("archiver of run %s: Redis answered again after %.1f s; re-reading our pending entries",
+                    self.run_name, time.monotonic() - since)
+        self._history = {stream: "0" for stream in self.streams}
+
+    def _prepare(self, entries: list[Entry]) -> Round:
         """Sort a read into records to log and entries to dead-letter; drop repeats."""
-        round_ = _Round(entries)
+        round_ = Round(entries)
         repeats = 0
         redelivered = self._history is not None  # this read came from our pending list
         if redelivered and self._split:
@@ -246,22 +265,32 @@ class Archiver:
             if redelivered and stream in self._split and self._logged(stream, event):
                 repeats += 1
                 continue
+            if self._recent.get((event.producer, event.seq)) == hash(data) or self._logged_before(stream, event):
+                repeats += 1  # a copy of a retried write (bus/redis_boundary.py), its first copy logged
+                continue
             untrusted = wrong_producer(event, self.run_name) or self._marks.problem(event) or self._order.admit(event)
             if untrusted is not None:
                 round_.dead.append((lane, entry_id, data, f"untrusted: {untrusted}"))
                 continue
             round_.finished |= isinstance(event, RunFinished)
             if self.blobs is not None:
-                round_.blobs += event_blobs(event)
+                round_.blobs += blob_refs(event)
                 if isinstance(event, WeightsPublished) and event.format == "manifest":
                     round_.manifests.append(event.weights)
             round_.records.setdefault(stream, []).append((entry_id, data))
+            self._recent[(event.producer, event.seq)] = hash(data)
+            if len(self._recent) > _RECENT_KEYS:
+                self._recent.popitem(last=False)
         for stream in self._split & round_.records.keys():
             round_.records[stream] = self._log_ids(stream, round_.records[stream])
-        if repeats:  # only right after a restart
-            log.info("%d re-delivered entries were already logged; acking them", repeats)
+        if repeats:  # right after a restart, or a Redis pause
+            log.info("%d re-delivered entries or copies of retried writes were already logged; acking them", repeats)
             self.repeats += repeats
         return round_
+
+    def _logged_before(self, stream: str, event: AnyEvent) -> bool:
+        """Whether a predecessor logged `event` (the first copy of a retried write may be its last record)."""
+        return event.seq <= self._indexed.get(event.producer, -1) and self._logged(stream, event)
 
     def _logged(self, stream: str, event: AnyEvent) -> bool:
         """Whether the log holds `event` in `stream`, by its (producer, seq): unique per producer."""
@@ -286,57 +315,25 @@ class Archiver:
         self._last_id[stream] = last
         return out
 
-    async def _done(self, round_: _Round) -> None:
+    async def _done(self, round_: Round) -> None:
         """The round is durable: count it and ack every entry it read."""
         self.archived += sum(map(len, round_.records.values()))
         self.finished |= round_.finished
+        self.heartbeat.progress("archiving", f"{self.archived} logged")
         await self._ack(round_.entries)
-
-    async def _write(self, disk: ThreadPoolExecutor, round_: _Round, stop: asyncio.Event) -> bool:
-        """Append a round on the disk thread; True once durable, False if stopped while the disk is full.
-
-        A full disk stops the archiver acking (entries stay pending on the bus, where the trainer
-        and workers go on) until space is freed; it never ends the run."""
-        waited = 0.0
-        while True:
-            try:
-                await asyncio.get_running_loop().run_in_executor(disk, self._append, round_)
-                if waited:
-                    log.warning("log %s is writable again after %.0f s; archiving resumes", self.log.root, waited)
-                return True
-            except LogError as exc:
-                if not isinstance(exc.__cause__, OSError) or exc.__cause__.errno not in _DISK_FULL:
-                    raise
-                if not waited:
-                    log.error("archiver of run %s: %s; not acking anything until space is freed (retrying every "
-                              "%.0f s)", self.run_name, exc, DISK_FULL_RETRY_S)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), DISK_FULL_RETRY_S)
-            if stop.is_set():
-                return False
-            waited += DISK_FULL_RETRY_S
-
-    def _append(self, round_: _Round) -> None:
-        copy_blobs(self.blobs, self.files, round_.blobs, round_.manifests)
-        for stream, batch in round_.records.items():
-            stream_log = self.log.stream(stream)
-            # After a failed append (disk full) some segments of the batch may be durable already.
-            stream_log.append_batch([(entry_id, data) for entry_id, data in batch if not stream_log.covers(entry_id)])
-        try:
-            self.index.sync()
-        except (sqlite3.Error, LogError) as exc:  # derived data: readers index what it missed when they open it
-            log.warning("archiver of run %s: the log index was not updated (%s); readers catch it up", self.run_name,
-                        exc)
 
     async def _ack(self, entries: list[Entry]) -> None:
         by_stream: dict[str, list[str]] = {}
         for stream, entry_id, _ in entries:
             by_stream.setdefault(stream, []).append(entry_id)
-        pipe = self.redis.pipeline(transaction=False)
-        for stream, entry_ids in by_stream.items():
-            pipe.xack(self._key[stream], GROUP, *entry_ids)
-        with self._bus(f"XACK on {', '.join(self._key[s] for s in by_stream)}"):
-            await pipe.execute()
+
+        async def attempt() -> list:  # an XACK repeated after a lost reply acks nothing more
+            pipe = self.redis.pipeline(transaction=False)
+            for stream, entry_ids in by_stream.items():
+                pipe.xack(self._key[stream], GROUP, *entry_ids)
+            return await pipe.execute()
+
+        await ride_out(self.redis, f"XACK on {', '.join(self._key[s] for s in by_stream)}", attempt)
 
     async def _dead_letter(self, dead: list[tuple[str, str, bytes, str]]) -> None:
         """Same fields as GroupConsumer's dead letters; XADD and XACK in one MULTI per slot (the

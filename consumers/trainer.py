@@ -6,7 +6,8 @@
     compute train_step (runtime/train/step.py), in a thread so the bus connection stays live
     commit  1. new weights -> blob store      2. checkpoint -> blob store (every checkpoint_every)
             3. WeightsPublished + StepCommitted in one MULTI/EXEC      4. ack the consumed entries
-            5. delete the weight versions no worker or step can need any more (bus/retention.py)
+            5. delete the weight versions no worker or step can need any more, and the checkpoints
+               log.keep_checkpoints lets go (consumers/trainer_retention.py)
 
 Why this order: blobs are content-addressed, so re-writing them after a crash is harmless; the
 commit is the single atomic point after which a group counts as trained; acking last means a
@@ -36,15 +37,16 @@ from pathlib import Path
 import redis.asyncio as aioredis
 import torch
 
-from reel.bus.blobs import BlobBackend, BlobError
+from reel.bus.blobs import BlobBackend
 from reel.bus.events import AnyEvent, MalformedEvent, RunStarted, StepCommitted, StepTiming, WeightsPublished, decode
 from reel.bus.log import LogCorrupted, LogError, RunLog
 from reel.bus.partitions import lane_key, lanes
-from reel.bus.retention import Retention, RetentionPolicy
+from reel.bus.retention import Retention
 from reel.bus.seqs import recover_seq
 from reel.bus.streams import FIELD, GroupConsumer, Publisher, connect
 from reel.bus.trust import Order, SeqMarks, trusted
 from reel.consumers.trainer_batches import BatchGatherer
+from reel.consumers.trainer_retention import retain, trainer_retention
 from reel.runtime import work_progress
 from reel.runtime.train import distributed
 from reel.runtime.train import environment
@@ -59,6 +61,7 @@ from reel.runtime.train.initial_policy import WarmStart, code_version, ensure_in
 from reel.runtime.train.reexecute import catch_up, checkpoint_before
 from reel.runtime.train.step import TrainState
 from reel.runtime.train.trainer_group import TrainerGroup, run_as_group
+from reel.runtime.heartbeat import BEAT_SUFFIX, Heartbeat
 
 log = logging.getLogger("reel.trainer")
 PRODUCER = "trainer:0"
@@ -86,6 +89,7 @@ class Trainer:
     publisher: Publisher
     state: TrainState
     retention: Retention  # which published versions the blob store may let go
+    heartbeat: Heartbeat  # what it does, for the launcher's liveness check
     commit_s: float  # the last step's commit protocol after its event was stamped (the next StepTiming.commit)
     warm_start: WarmStart  # makes version 0 when the config asks for a warm-start (passed in by the shell)
 
@@ -99,9 +103,8 @@ class Trainer:
         self.blobs = run_blobs(run_dir, config)
         self.group = group or TrainerGroup(distributed.LOCAL, run_dir, config)
         self.commit_s = 0.0
-        lag = config.mismatch.max_lag_steps if config.mismatch.every > 0 else 0  # the mismatch role's versions
-        self.retention = Retention(RetentionPolicy.of(config.rollout.async_level, config.trainer.max_off_policy_steps,
-                                                      config.log.keep_weights_every, lag), self.blobs)
+        self.retention = trainer_retention(run_dir, config, self.blobs)
+        self.heartbeat = Heartbeat(run_dir / "roles" / f"trainer{BEAT_SUFFIX}")
         # A loss window the launcher found on resume (runtime/launch/bus_loss.py): recorded in the next commit.
         self.bus_loss = {key: float(os.environ[env]) for key, env in (
             ("bus_lost_events", "REEL_BUS_LOST_EVENTS"), ("bus_lost_window_s", "REEL_BUS_LOST_WINDOW_S"))
@@ -117,7 +120,7 @@ class Trainer:
             block_ms=self.config.bus.block_ms, claim_idle_ms=NEVER_RECLAIM_MS,
             max_deliveries=self.config.bus.max_deliveries, partitions=self.config.bus.partitions,
         )
-        self.batches = BatchGatherer(self.config, self.blobs, self.consumer)
+        self.batches = BatchGatherer(self.config, self.blobs, self.consumer, self.heartbeat)
         try:
             next_seq = await recover_seq(self.redis, self.run_dir, self.run, PRODUCER, PUBLISHED_STREAMS,
                                          self.config.bus.partitions)
@@ -137,6 +140,7 @@ class Trainer:
             return
         waited = time.perf_counter() - started
         cpu_started = time.process_time()
+        self.heartbeat.progress("training", f"step {self.state.step + 1}")
         batch = build_batch([part.resolved for _, part in collected.groups])
         self.state, result = await asyncio.to_thread(self.group.step, self.state, batch)
         computed = time.perf_counter()
@@ -169,11 +173,8 @@ class Trainer:
         self.batches.committed_groups.update(d.group_id for d in dropped)
         await self.consumer.ack(collected.deliveries())
         self._crash_point(step, "acked")
-        self.retention.add([published, commit])
-        try:
-            await asyncio.to_thread(self.retention.collect)
-        except BlobError as exc:  # the versions stay listed: the next step's pass tries them again
-            log.warning("retention after step %d: %s", step, exc)
+        self.heartbeat.progress("committed", f"step {step}")
+        await retain(self.retention, self.publisher, [published, commit], step)
         m = result.metrics
         log.info("step %d committed: loss %.4f grad_norm %.3f reward %.3f kl_k3 %.2e dropped %d", step, result.loss,
                  result.grad_norm, m.get("reward_mean", 0.0), m.get("kl_k3", 0.0), len(dropped))
@@ -182,7 +183,8 @@ class Trainer:
     async def _setup_or_resume(self) -> None:
         commits = await self._read_commits()
         published = logged_events(self.run_dir, "weights") + await self._bus_events("weights")
-        self.retention.add([*published, *commits.values()])
+        pruned = logged_events(self.run_dir, "control") + await self._bus_events("control")  # CheckpointsPruned
+        self.retention.add([*published, *commits.values(), *pruned])
         await asyncio.to_thread(ensure_initial_policy, self.run_dir, self.config, self.warm_start)
         if not commits:
             self.state = await asyncio.to_thread(self.group.initial_state)

@@ -21,6 +21,7 @@ from reel.runtime.config.sections import Config
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.train.batch import Group, decode_routing, routing_problem
 from reel.runtime.train.group_checks import group_problem
+from reel.runtime.heartbeat import Heartbeat
 
 
 @dataclass
@@ -51,9 +52,11 @@ class BatchGatherer:
     consumer: GroupConsumer
     committed_groups: set[str]  # trained or dropped by a commit (the trainer adds each commit's)
     pending: dict[str, PendingGroup]  # groups read and not yet in a batch
+    heartbeat: Heartbeat  # the trainer's: says what it waits for
 
-    def __init__(self, config: Config, blobs: BlobBackend, consumer: GroupConsumer):
+    def __init__(self, config: Config, blobs: BlobBackend, consumer: GroupConsumer, heartbeat: Heartbeat):
         self.config = config
+        self.heartbeat = heartbeat
         self.blobs = blobs
         self.consumer = consumer
         self.committed_groups = set()
@@ -67,6 +70,7 @@ class BatchGatherer:
         for group_id, part in list(self.pending.items()):  # complete groups left over from the last step
             self._offer(group_id, part, out, step, model)
         while len(out.groups) < want and not stop.is_set():
+            self.heartbeat.alive("waiting for groups", f"{len(out.groups)} of {want} for step {step + 1}", waiting=True)
             for delivery in await self.consumer.read(count=2 * want):
                 event = delivery.event
                 if not isinstance(event, (Trajectory, RoutingTrace)):

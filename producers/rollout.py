@@ -55,6 +55,7 @@ from reel.producers.envs.rewards import RewardError
 from reel.runtime.blob_store import run_blobs
 from reel.runtime.config.sections import Config
 from reel.runtime.config.run import load
+from reel.runtime.heartbeat import BEAT_SUFFIX, Heartbeat
 from reel.runtime.train.initial_policy import init_dir
 from reel.runtime.weights.load import WeightLoadError, engine_weights
 
@@ -92,6 +93,7 @@ class RolloutWorker:
     dead_lettered: int  # groups dead-lettered (a reward that failed or is not finite, a non-finite logprob); each replaced
     in_flight: dict[str, asyncio.Task[None]]
     abandoned: list[str]
+    heartbeat: Heartbeat  # what it does, for the launcher's liveness check (runtime/heartbeat.py)
 
     def __init__(self, run_dir: Path, url: str, index: int, config: Config):
         self.run_dir = Path(run_dir)
@@ -124,6 +126,7 @@ class RolloutWorker:
         self._split = TimeSplit()  # where the wall time goes: engine busy, tool wait, idle
         self._swaps: list[float] = []  # weight swap seconds since the last WorkerStats
         self._marks = SeqMarks(self.run_name, config.bus.partitions)  # producers' published ranges
+        self.heartbeat = Heartbeat(self.run_dir / "roles" / f"rollout-{index}{BEAT_SUFFIX}")
 
     async def run(self, stop: asyncio.Event) -> None:
         redis = self.redis = connect(self.url)
@@ -183,6 +186,10 @@ class RolloutWorker:
     async def _wait(self, stop: asyncio.Event) -> None:
         """Until stop, a gate change or a background failure (which is raised here)."""
         self._changed.clear()
+        if self.in_flight:
+            self.heartbeat.alive("generating", f"{len(self.in_flight)} groups in flight, {self.published} published")
+        else:  # the gate is closed: the trainer's next commit opens it
+            self.heartbeat.alive("waiting for the trainer", f"{self.published} groups published", waiting=True)
         waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(self._changed.wait())]
         try:
             await asyncio.wait([*waiters, *self._background], timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
@@ -252,6 +259,7 @@ class RolloutWorker:
         finally:
             self._publishing.discard(group_id)
         self.published += 1
+        self.heartbeat.progress("generating", f"{self.published} groups published")
 
     async def _drain(self) -> None:
         if self.in_flight:

@@ -22,9 +22,10 @@ import numpy as np
 
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.errors import ReelError
-from reel.bus.events import MismatchSplit, StepCommitted
+from reel.bus.events import CheckpointsPruned, MismatchSplit, StepCommitted
 from reel.bus.log import RunLog
 from reel.replay.batch_analysis import KL, BatchAnalysis, Ratio, analyse_batch, split_kl
+from reel.replay.pruned import pruned_checkpoints, require_replayable, without_pruned
 from reel.replay.versions import Versions
 from reel.runtime.train import loss as loss_mod
 from reel.runtime.train.batch import build_batch
@@ -126,7 +127,8 @@ class Run:
     run_dir: Path
     config: Config
     blobs: BlobStore
-    commits: dict[int, StepCommitted]
+    commits: dict[int, StepCommitted]  # without the checkpoints retention deleted
+    pruned: dict[int, CheckpointsPruned]  # checkpoint step -> the event that says it was deleted
     splits: dict[int, MismatchSplit]  # the mismatch role's events by step
     lookup: GroupLookup
     weights: Versions  # policy version -> its published weights (re-derived where retention deleted them)
@@ -140,11 +142,12 @@ class Run:
         # A damaged log still replays the steps whose inputs lie before the damage (bus/log.py).
         with RunLog(run_dir, readonly=True, valid_prefix=True) as run_log:
             steps = [e for _, e in run_log.events("steps")]
-            self.commits = {e.step: e for e in steps if isinstance(e, StepCommitted)}
+            self.pruned = pruned_checkpoints(run_log)  # checkpoints retention deleted (replay/pruned.py)
+            self.commits = without_pruned({e.step: e for e in steps if isinstance(e, StepCommitted)}, self.pruned)
             self.splits = {e.step: e for e in steps if isinstance(e, MismatchSplit)}
             self.lookup = GroupLookup.from_log(run_log, self.blobs)
             self.weights = Versions((e for _, e in run_log.events("weights")), self.blobs, self.commits,
-                                    lambda: self.lookup, self.config, lambda: self.group)
+                                    lambda: self.lookup, self.config, lambda: self.group, pruned=set(self.pruned))
             damage = run_log.damage() | self.lookup.index.damage
             self.damage = "; ".join(str(exc) for exc in damage.values())
         if self.damage:
@@ -183,7 +186,9 @@ class Run:
         """(the state after step-1, the step of the checkpoint it was rebuilt from; 0 = init).
 
         The steps between the checkpoint and step-1 are re-executed and checked: one that does not
-        reproduce its commit raises ReplayMismatch naming the config hash or code version."""
+        reproduce its commit raises ReplayMismatch naming the config hash or code version; a step
+        whose every earlier checkpoint retention deleted raises CheckpointPruned naming the one it needs."""
+        require_replayable(self.commits, self.pruned, step)
         base = self.group.restore(*checkpoint_before(self.commits, step - 1, self.blobs))
         self.require(base.step + 1, step - 1, why=f" (needed to rebuild step {step})")
         check = all(self.same_world(s) for s in range(base.step + 1, step))

@@ -7,14 +7,17 @@ trace's per (token x MoE layer x top-k) expert id as measured, times the id widt
     weight version   bf16 weights                          2 bytes / parameter
     checkpoint       fp32 weights + AdamW's two moments    12 bytes / parameter
 
-`before` keeps every weight version (Reel before retention); `after` keeps the retention window,
-every keep_weights_every-th version and the checkpoints (bus/retention.py). Both keep every event.
+`before` keeps every weight version and checkpoint (Reel before retention); `after` keeps the
+retention window, every keep_weights_every-th version and the checkpoints log.keep_checkpoints /
+log.keep_checkpoints_every keep (bus/retention.py: all of them when keep_checkpoints = 0). Both keep
+every event.
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from reel.bus.retention import CheckpointPolicy
 from reel.runtime.model.config import MoEConfig
 
 __all__ = ["Shape", "SHAPES", "shape_of", "param_count", "Extrapolated", "extrapolate", "BASIS"]
@@ -62,7 +65,8 @@ class Extrapolated(msgspec.Struct, kw_only=True):
     weight_version_bytes: int
     checkpoint_bytes: int
     event_bytes_per_step: int
-    checkpoints: int
+    checkpoints: int  # written over the run
+    checkpoints_kept: int  # in the store at the end of the run, after retention
     versions_kept: int  # weight versions in the store at the end of the run, after retention
     before_bytes: int  # every weight version kept
     after_bytes: int  # the retention policy
@@ -70,18 +74,20 @@ class Extrapolated(msgspec.Struct, kw_only=True):
 
 
 def extrapolate(shape: Shape, *, trajectory_bytes_per_token: float, routing_bytes_per_id: float, steps: int,
-                tokens_per_step: int, checkpoint_every: int, window: int, keep_every: int) -> Extrapolated:
+                tokens_per_step: int, checkpoint_every: int, window: int, keep_every: int,
+                checkpoint_policy: CheckpointPolicy = CheckpointPolicy()) -> Extrapolated:
     id_bytes = 1 if shape.num_experts <= 256 else 2
     # routing_bytes_per_id: per trained token and byte of expert id (so framing overhead scales too)
     per_token = trajectory_bytes_per_token + routing_bytes_per_id * shape.moe_layers * shape.top_k * id_bytes
     events = round(per_token * tokens_per_step)
     weights = shape.params * WEIGHT_BYTES_PER_PARAM
     ckpt = shape.params * CHECKPOINT_BYTES_PER_PARAM
-    checkpoints = steps // checkpoint_every + (steps % checkpoint_every != 0)  # the last step always has one
+    written = {*range(checkpoint_every, steps + 1, checkpoint_every), steps} if steps else set()  # and the last
+    checkpoints_kept = len(checkpoint_policy.kept(written))
     versions = steps + 1  # version 0 .. steps
     kept = len({v for v in range(versions) if v > steps - window or (keep_every and v % keep_every == 0)})
-    stored = steps * events + checkpoints * ckpt
     return Extrapolated(shape=shape, steps=steps, tokens_per_step=tokens_per_step, weight_version_bytes=weights,
-                        checkpoint_bytes=ckpt, event_bytes_per_step=events, checkpoints=checkpoints,
-                        versions_kept=kept, before_bytes=stored + versions * weights,
-                        after_bytes=stored + kept * weights)
+                        checkpoint_bytes=ckpt, event_bytes_per_step=events, checkpoints=len(written),
+                        checkpoints_kept=checkpoints_kept, versions_kept=kept,
+                        before_bytes=steps * events + len(written) * ckpt + versions * weights,
+                        after_bytes=steps * events + checkpoints_kept * ckpt + kept * weights)

@@ -4,7 +4,8 @@ when a step does not reproduce: tampering is named as tampering, not as non-dete
     init/        the version-0 weights: their safetensors blob hashes to WeightsPublished(version 0)
     blobs/       every blob an event names (routing traces, checkpoints, weights) that is present
                  hashes to its BlobRef; a missing routing trace or checkpoint is a problem (replay
-                 needs them), a missing weights blob is not (versions are transient)
+                 needs them), a missing weights blob is not (versions are transient), nor a
+                 checkpoint a CheckpointsPruned names (retention deleted it: bus/retention.py)
     checkpoints/ a DCP checkpoint's files match the manifest the commit's checkpoint blob holds
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.blobs import BlobError, BlobMissing
 from reel.bus.errors import ReelError
-from reel.bus.events import AnyEvent, BlobRef, RoutingTrace, StepCommitted, WeightsPublished
+from reel.bus.events import AnyEvent, BlobRef, CheckpointsPruned, RoutingTrace, StepCommitted, WeightsPublished
 from reel.bus.log import RunLog
 
 __all__ = ["run_file_problems", "tampering_note"]
@@ -29,7 +30,8 @@ def run_file_problems(run_dir: Path) -> tuple[int, list[str]]:
     checked, problems = 0, []
     with RunLog(run_dir, readonly=True) as run_log:
         events = [e for name in run_log.names() for _, e in run_log.events(name)]
-    for what, ref, required in _named_blobs(events):
+    pruned = {step for e in events if isinstance(e, CheckpointsPruned) for step in e.steps}
+    for what, ref, required in _named_blobs(events, pruned):
         checked += 1
         if problem := _blob_problem(blobs, ref, what, required):
             problems.append(problem)
@@ -38,7 +40,8 @@ def run_file_problems(run_dir: Path) -> tuple[int, list[str]]:
         checked += 1
         if problem := _init_problem(run_dir, blobs, version_zero):
             problems.append(problem)
-    for commit in (e for e in events if isinstance(e, StepCommitted) and e.checkpoint and e.world_size > 1):
+    for commit in (e for e in events if isinstance(e, StepCommitted) and e.checkpoint and e.world_size > 1
+                   and e.step not in pruned):
         checked += 1
         if problem := _dcp_problem(run_dir, blobs, commit):
             problems.append(problem)
@@ -54,7 +57,7 @@ def tampering_note(run_dir: Path) -> str:
     return f"the run directory was tampered with: {problems[0]}{more}"
 
 
-def _named_blobs(events: list[AnyEvent]) -> Iterator[tuple[str, BlobRef, bool]]:
+def _named_blobs(events: list[AnyEvent], pruned: set[int]) -> Iterator[tuple[str, BlobRef, bool]]:
     for event in events:
         match event:
             case WeightsPublished():
@@ -62,7 +65,7 @@ def _named_blobs(events: list[AnyEvent]) -> Iterator[tuple[str, BlobRef, bool]]:
             case RoutingTrace(blob=BlobRef() as ref):
                 yield f"the routing trace of group {event.group_id}", ref, True
             case StepCommitted(checkpoint=BlobRef() as ref):
-                yield f"the checkpoint of step {event.step}", ref, True
+                yield f"the checkpoint of step {event.step}", ref, event.step not in pruned
 
 
 def _blob_problem(blobs: BlobStore, ref: BlobRef, what: str, required: bool) -> str | None:

@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 
 from reel.bus.errors import printable
-from reel.bus.events import Tensor, Trajectory
+from reel.bus.events import CheckpointsPruned, Tensor, Trajectory
 from reel.bus.jsonout import json_line
 from reel.bus.log import LogError, RunLog
 from reel.replay.integrity import run_file_problems
@@ -59,12 +59,16 @@ def verify(args: argparse.Namespace) -> int:
                   f"keeps the valid records of each stream (after copying the log)", file=sys.stderr)
             return 1
         print(f"ok: {total} records in {len(run_log.names())} streams, every CRC checked")
+        pruned = sorted({step for _, e in run_log.events("control") if isinstance(e, CheckpointsPruned)
+                         for step in e.steps}) if "control" in run_log.names() else []
     checked, problems = run_file_problems(Path(args.run_dir))
     for problem in problems:
         print(f"tampered: {printable(problem)}")
     if problems:
         raise LogError(f"{len(problems)} of {checked} files the log names do not match it; the first: {problems[0]}")
-    print(f"ok: {checked} blobs, init/ and checkpoints match the hashes the log names")
+    print(f"ok: {checked} blobs, init/ and checkpoints match the hashes the log names" +
+          (f"; the checkpoints of steps {', '.join(map(str, pruned))} were deleted by retention (CheckpointsPruned)"
+           if pruned else ""))
     return 0
 
 

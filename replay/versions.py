@@ -7,7 +7,8 @@ names, exactly as `reel replay step` rebuilds the state before a step. Re-derive
 (the last `keep`), and so is the state the last derivation reached: asking for versions in order,
 as `replay range` and `bisect` do, re-executes each step once, not once per request. On N ranks
 nothing is re-derived (the followers hold one state), nor on another number of ranks than the run
-trained on (not bitwise): those tokens are left out of the split.
+trained on (not bitwise), nor before the oldest checkpoint retention kept (replay/pruned.py): those
+tokens are left out of the split.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Versions:
 
     def __init__(self, events: Iterable[AnyEvent], blobs: BlobBackend, commits: dict[int, StepCommitted],
                  lookup: Callable[[], GroupLookup], config: Config, group: Callable[[], TrainerGroup],
-                 keep: int = 4):
+                 keep: int = 4, pruned: set[int] | None = None):
         self.stored = WeightHistory.from_events(events, blobs, keep)
         self.blobs = blobs
         self.commits = commits
@@ -47,6 +48,7 @@ class Versions:
         self.config = config
         self.group = group  # the ranks that re-execute (replay may start more after this object exists)
         self.keep = keep
+        self.pruned = pruned or set()  # checkpoint steps retention deleted (`commits` are without them)
         self.reexecuted = 0
         self._derived = OrderedDict()
         self._cursor = None
@@ -68,6 +70,9 @@ class Versions:
         if version != 0 and version not in self.commits or group.world.distributed:
             return None
         if version != 0 and self.commits[version].world_size != group.world.size:
+            return None
+        # Nor a version whose every earlier checkpoint retention deleted: that would re-train the run up to it.
+        if newest_checkpoint(self.commits, version) is None and any(s <= version for s in self.pruned):
             return None
         data = group.weights(self._state_at(version, group))
         self._derived[version] = data

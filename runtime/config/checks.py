@@ -98,6 +98,12 @@ def validate(c: Config) -> None:
     require(not (c.bus.tls_ca or c.bus.tls_cert or c.bus.tls_key) or c.bus.url.startswith("rediss://"),
              "bus.tls_ca, bus.tls_cert and bus.tls_key need a rediss:// bus.url")
     require(bool(c.bus.tls_cert) == bool(c.bus.tls_key), "bus.tls_cert and bus.tls_key go together; set both or neither")
+    every = c.log.keep_checkpoints_every
+    require(not every or every % c.trainer.checkpoint_every == 0,
+             f"log.keep_checkpoints_every = {every} keeps the checkpoints of steps divisible by it, but checkpoints "
+             f"are written every trainer.checkpoint_every = {c.trainer.checkpoint_every} steps: make it a multiple")
+    require(not every or c.log.keep_checkpoints > 0,
+             "log.keep_checkpoints_every needs log.keep_checkpoints > 0 (0 keeps every checkpoint already)")
     require(c.bus.partitions >= 1, f"bus.partitions = {c.bus.partitions} must be at least 1")
     require(not c.bus.cluster or c.bus.url.split("://")[0] in ("redis", "rediss"),
              "bus.cluster = true needs bus.url = redis://HOST:PORT naming a node of the cluster "

@@ -21,6 +21,9 @@ class RunSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int = 0  # seeds warm-start, prompts, sampling and training
     steps: int = 10  # trainer steps; the run ends after the last commit
     out_dir: str = "runs"  # parent of the run directory
+    # A role without progress this long (or 5x its slowest progress so far, if longer: a slow step is not
+    # a stall) is named by the launcher in one line (runtime/launch/liveness.py, runtime/heartbeat.py).
+    stall_s: float = 120.0
 
 
 class BusSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -34,6 +37,10 @@ class BusSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_deliveries: int = 5  # deliveries before an entry goes to the dead-letter stream
     partitions: int = 1  # trajectory and routing streams split over this many hash tags (bus/partitions.py)
     cluster: bool = False  # bus.url names a node of a Redis Cluster (also REEL_BUS_CLUSTER=1 for roles)
+    # A Redis that stops answering (a paused VM, a failover, a long fork) is retried with backoff for up to
+    # this many seconds, and the wait logged; only a longer pause stops the run (bus/redis_boundary.py).
+    # 60 s: as long as a role should wait for a server to come back (a Kafka producer retries for 120 s). 0 = never.
+    ride_out_s: float = 60.0
 
 
 class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -160,6 +167,12 @@ class LogSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Weight versions are deleted from the blob store once no worker or trainer step can need them
     # (bus/retention.py); also keep every version divisible by this. 0 = none (replay re-derives them).
     keep_weights_every: int = 0
+    # Checkpoints (12 bytes a parameter: most of a big run's disk) kept: the newest keep_checkpoints, plus
+    # those of steps divisible by keep_checkpoints_every (a multiple of trainer.checkpoint_every); 0 = all.
+    # Steps after the oldest kept checkpoint replay bit for bit; older ones not (`reel replay step` says
+    # which checkpoint they need), though their trajectories stay for `reel retrain` (bus/retention.py).
+    keep_checkpoints: int = 0
+    keep_checkpoints_every: int = 0  # 0 = none besides the newest keep_checkpoints
 
 
 Tracker = Literal["wandb", "tensorboard", "mlflow"]

@@ -18,10 +18,12 @@ from rich.table import Table
 from reel.bus.events import MalformedEvent, MismatchSplit, RunStarted, StepCommitted, decode, stream_key
 from reel.runtime.config.sections import Config
 from reel.runtime.fit_tables import fit
+from reel.runtime.heartbeat import read_beats
 from reel.runtime.work_progress import Work, describe, read
 
 THROUGHPUT_WINDOW = 5  # steps the tokens/s figure is measured over
 WORK_LINE_EVERY_S = 10.0  # without a terminal, a line per this many seconds of long work (the warm-start)
+QUIET_S = 10.0  # a trainer this long without progress: the live view says what it does
 
 
 class Progress:
@@ -78,7 +80,7 @@ class Progress:
         work = self._work()
         if self._live is not None:
             table = self._table()
-            table.caption = work and describe(work)
+            table.caption = describe(work) if work else self.trainer_doing()
             self._live.update(fit(table, self._console))
         else:
             self._print_work(work)
@@ -91,6 +93,15 @@ class Progress:
         if self.steps or self.work_file is None:
             return None
         return read(self.work_file)
+
+    def trainer_doing(self, quiet_s: float = QUIET_S) -> str | None:
+        """What the trainer does, once it has made no progress for quiet_s (its heartbeat,
+        runtime/heartbeat.py): the live view says what it waits for instead of going silent."""
+        beat = read_beats(self.work_file.parent).get("trainer") if self.work_file is not None else None
+        if beat is None or time.time() - beat.progress_at < quiet_s:
+            return None
+        detail = f", {beat.detail}" if beat.detail else ""
+        return f"trainer: {beat.phase}{detail} (no progress for {time.time() - beat.progress_at:.0f} s)"
 
     def _print_work(self, work: Work | None) -> None:
         """A line when a work starts or ends, and every WORK_LINE_EVERY_S seconds in between."""
@@ -137,7 +148,9 @@ class Progress:
                 except MalformedEvent:
                     continue  # not an event: the archiver dead-letters it; the view goes on
                 if isinstance(event, StepCommitted):
-                    new_steps.append(event)
+                    shown = (self.steps + new_steps)[-1].step if self.steps or new_steps else 0
+                    if event.step > shown:  # else a copy of a write retried in a Redis pause (bus/redis_boundary.py)
+                        new_steps.append(event)
                 elif isinstance(event, MismatchSplit):
                     self.splits[event.step] = event.figures
                 elif isinstance(event, RunStarted) and event.init_reward is not None and not self.resumed_after:

@@ -24,7 +24,7 @@ __all__ = ["SAFE_TO_CHANGE", "ResumeError", "config_changes", "check_changes", "
            "record_resume"]
 
 # Keys (or sections, ending in ".") whose change keeps every committed step valid.
-SAFE_TO_CHANGE = ("run.steps", "log.", "sinks.", "eval.")
+SAFE_TO_CHANGE = ("run.steps", "log.", "sinks.", "eval.", "bus.ride_out_s", "run.stall_s")
 
 
 class ResumeError(ReelError):

@@ -16,11 +16,14 @@ from reel.runtime.launch import resume as resume_mod
 
 def use_cluster_client(config: Config) -> None:
     """bus.cluster = true: every bus client of this process and of the roles it starts is a cluster
-    client (reel.bus.streams.connect reads REEL_BUS_CLUSTER)."""
+    client (reel.bus.streams.connect reads REEL_BUS_CLUSTER). Likewise bus.ride_out_s, the Redis pause
+    they ride out (reel.bus.redis_boundary reads REEL_BUS_RIDE_OUT_S)."""
     from reel.bus.cluster import CLUSTER_ENV
+    from reel.bus.redis_boundary import RIDE_OUT_ENV
 
     if config.bus.cluster:
         os.environ[CLUSTER_ENV] = "1"
+    os.environ[RIDE_OUT_ENV] = f"{config.bus.ride_out_s:g}"
 
 
 def prepare_run_dir(run_dir: Path, config_text: str, config: Config, *, resume: bool) -> dict[str, list]:

@@ -38,6 +38,7 @@ from reel.runtime.train.distributed import torchrun_argv
 from reel.runtime.launch import resume as resume_mod
 from reel.runtime.launch import vllm_args
 from reel.runtime.launch.vllm_key import KEY_ENV, run_api_key
+from reel.runtime.launch.liveness import Liveness
 from reel.runtime.launch.progress import Progress
 from reel.runtime.launch.signals import StopRequested, exit_code, stop_on_signals
 from reel.runtime.work_progress import PROGRESS_FILE
@@ -121,6 +122,7 @@ class Supervisor:
     trainer_env: dict[str, str]  # set before run(): what the trainer must record (a bus loss window)
     role_urls: dict[str, str]  # set before run(): each role's own Redis user (empty: every role uses url)
     resume_command: str  # what continues this run, for the messages of a stopped or failed run
+    liveness: Liveness  # names a role whose heartbeat stops moving (runtime/launch/liveness.py)
 
     def __init__(self, run_dir: Path, url: str, config: Config, *, live: bool, resumed_after: int = 0):
         self.run_dir = run_dir
@@ -133,6 +135,7 @@ class Supervisor:
         self.trainer_env = {}
         self.role_urls = {}
         self.resume_command = f"reel run CONFIG --resume --out {run_dir}"
+        self.liveness = Liveness(run_dir / "roles", config.run.stall_s)
 
     def _start(self, name: str, role: str, *extra: str, threads: int = 1, env: dict[str, str] | None = None,
                ranks: int = 1) -> None:
@@ -164,8 +167,7 @@ class Supervisor:
 
     def run(self) -> int:
         trainer_threads = self.config.trainer.threads or 1
-        rollout_env = {"REEL_VLLM_URL": f"http://127.0.0.1:{self.vllm_port}",  # and its key, by environment
-                       KEY_ENV: run_api_key(self.run_dir)} if self.vllm_port else None
+        rollout_env = self._rollout_env()
         try:
             self._start("archiver", "archiver")
             self._start("trainer", "trainer", threads=trainer_threads, ranks=self.config.trainer.ranks)
@@ -195,10 +197,31 @@ class Supervisor:
         finally:
             self._stop_all()
 
+    def _rollout_env(self) -> dict[str, str] | None:
+        return {"REEL_VLLM_URL": f"http://127.0.0.1:{self.vllm_port}",  # and its key, by environment
+                KEY_ENV: run_api_key(self.run_dir)} if self.vllm_port else None
+
+    def _restart_stalled_workers(self) -> None:
+        """A rollout worker the liveness check names is killed (SIGKILL, frozen or not) and started again:
+        its in-flight groups are lost as after kill -9 (a group is published whole or not at all), and
+        the new process takes its seq and draws from the bus and the log. Other stalled roles are named only."""
+        for name in self.liveness.newly_stalled:
+            if name not in self.roles or not name.startswith("rollout-"):
+                continue
+            self.roles[name].wait(timeout=0.0)
+            self.liveness.forget(name)
+            print(f"reel: killed {name}, which had stalled, and started it again", file=sys.stderr, flush=True)
+            self._start(name, "rollout", "--worker", name.removeprefix("rollout-"), env=self._rollout_env())
+
     def _watch(self) -> str | None:
-        """Until the trainer exits; returns the name of a failed role, else None."""
+        """Until the trainer exits; returns the name of a failed (or hung) role, else None."""
         while True:
             self.progress.refresh()
+            for line in self.liveness.check():
+                print(line, file=sys.stderr, flush=True)
+            self._restart_stalled_workers()
+            if hung := next((n for n in ("trainer", "archiver") if self.liveness.hung(n)), None):
+                return hung  # stopped like a role that died: the resume is exact
             self._start_vllm_when_ready()
             for name, role in list(self.roles.items()):
                 code = role.poll()
@@ -253,10 +276,11 @@ class Supervisor:
 
     def _fail(self, name: str) -> int:
         role = self.roles[name]
-        self._record_end(f"{FAILED}: {name} exited {role.poll()}")
+        code = role.poll()  # None: it hung (the liveness check), and is stopped with the others
+        self._record_end(f"{FAILED}: {name} exited {code}" if code is not None else f"{FAILED}: {name} stalled")
         self._stop_all()
-        print(f"reel: role {name} stopped with exit code {role.poll()}, so the run was stopped; "
-              f"last lines of {role.log_path}:", file=sys.stderr)
+        what = f"stopped with exit code {code}" if code is not None else "stalled"
+        print(f"reel: role {name} {what}, so the run was stopped; last lines of {role.log_path}:", file=sys.stderr)
         print(role.log_tail(), file=sys.stderr)
         print(f"reel: fix the cause, then `{self.resume_command}` continues this run (a resume may change only "
               f"{resume_mod.safe_keys()}; another fix needs a new run: another --out)", file=sys.stderr)

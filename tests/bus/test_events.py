@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reel.bus.events import (
-    STREAM_OF, AnyEvent, BlobRef, DroppedGroup, MalformedEvent, RoutingTrace, RunFinished, RunStarted, Sample,
-    StepCommitted, StepTiming, Tensor, Trajectory, WeightsPublished, WorkerStats, decode, encode, event_key,
-    stream_key,
+    STREAM_OF, AnyEvent, BlobRef, CheckpointsPruned, DroppedGroup, MalformedEvent, RoutingTrace, RunFinished,
+    RunStarted, Sample, StepCommitted, StepTiming, Tensor, Trajectory, WeightsPublished, WorkerStats, decode, encode,
+    event_key, stream_key,
 )
 
 REF = BlobRef(uri="file:///tmp/blobs/ab/" + "ab" * 32, sha256="ab" * 32, nbytes=12)
@@ -35,6 +35,7 @@ EVENTS: list[AnyEvent] = [
     WorkerStats(**META, worker="rollout:0", tokens_per_s=100.0, running=3, waiting=1, policy_version=4,
                 groups_published=9, idle_share=0.25),
     RunFinished(**META, reason="completed"),
+    CheckpointsPruned(**META, steps=[2, 4], after_step=10, keep_last=2, keep_every=20),
 ]
 
 

@@ -14,6 +14,7 @@ import pytest
 import redis.asyncio
 
 from reel.bus.events import BlobRef, RunFinished, WeightsPublished, decode, encode, stream_key
+from reel.bus.redis_boundary import RIDE_OUT_ENV
 from reel.bus.server import EmbeddedRedis
 from reel.bus.streams import (DEAD, BusError, GroupConsumer, Publisher, connect, recover_next_seq,
                          safe_trim)
@@ -323,7 +324,8 @@ async def test_tail_from_start_from_now_and_from_an_id(bus_url, run_name):
             assert await from_start.read(block_ms=50) == []  # skipped, not fatal
 
 
-async def test_errors_name_the_server_and_stream(run_name):
+async def test_errors_name_the_server_and_stream(run_name, monkeypatch):
+    monkeypatch.setenv(RIDE_OUT_ENV, "0")  # fail at once: a refused connection is otherwise retried for a minute
     r = connect("redis://reel:s3cret@127.0.0.1:1/0")
     try:
         publisher = Publisher(r, run_name, "p:0")

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from reel.bus.blob_backends.file import BlobStore
-from reel.bus.events import RoutingTrace, WorkerStats
-from reel.bus.streams import BusError
+from reel.bus.events import (
+    RoutingTrace, WorkerStats,
+)
 from faultproxy import FaultProxy
 from reel.producers import rollout
 from reel.producers.rollout import RolloutWorker
@@ -194,18 +195,21 @@ async def test_killed_worker_loses_no_group_and_a_new_one_uses_fresh_seqs(redis_
 
 
 async def test_a_cut_connection_never_leaves_half_a_group(redis_url: str, run_name: str, tmp_path) -> None:
-    """The connection dies between a group's Trajectory and its RoutingTrace: Redis keeps neither."""
+    """The connection dies between a group's Trajectory and its RoutingTrace: Redis keeps neither, and
+    the publish is tried again on a new connection (bus/redis_boundary.py), so the worker goes on."""
     run_dir = make_run(tmp_path, run_name, async_level=0)
     async with FaultProxy(redis_url) as proxy:
         worker = RolloutWorker(run_dir, proxy.url, 0, load(run_dir / "config.toml"))
-        task = asyncio.create_task(worker.run(asyncio.Event()))
+        stop = asyncio.Event()
+        task = asyncio.create_task(worker.run(stop))
         while worker.publisher is None:  # seq recovery reads the routing stream too: arm the cut after it
             await asyncio.sleep(0.01)
         proxy.cut_before(f"{{{run_name}}}:routing".encode())
         await publish_weights(redis_url, run_dir, 0, initial_model(run_dir), commit=False)
-        with pytest.raises(BusError):  # the worker stops on the failed publish (the launcher restarts it)
-            await asyncio.wait_for(task, 60)
+        await wait_for(redis_url, run_name, 2, timeout=60)
+        stop.set()
+        await asyncio.wait_for(task, 20)
         assert proxy.cuts == 1
-    groups = {t.group_id for t in await stream_events(redis_url, run_name, "trajectories")}
-    traces = {t.group_id for t in await stream_events(redis_url, run_name, "routing")}
-    assert groups == traces
+    groups = [t.group_id for t in await stream_events(redis_url, run_name, "trajectories")]
+    traces = [t.group_id for t in await stream_events(redis_url, run_name, "routing")]
+    assert len(groups) >= 2 and groups == traces

@@ -20,6 +20,7 @@ CASES = [
     ("engine", "max_batch", 1_000_000_000, "engine.max_batch = 1000000000 is outside [1, 65,536]"),
     ("model", "max_position_embeddings", 1_000_000_000, "model.max_position_embeddings = 1000000000 is outside"),
     ("bus", "block_ms", -5, "bus.block_ms = -5 is outside [1, 600,000]"),
+    ("bus", "ride_out_s", -1.0, "bus.ride_out_s = -1.0 is outside [0, 3,600]"),
     ("trainer", "micro_batch_tokens", -1, "trainer.micro_batch_tokens = -1 is outside [0,"),
     ("engine", "max_seq_len", -1, "engine.max_seq_len = -1 is outside [0,"),
 ]
