@@ -167,7 +167,7 @@ def test_a_manifest_version_loads_from_mooncake_one_object_per_shard(store: Moon
     from reel.runtime.model.weights import hub_tensors
     from reel.runtime.weights.load import WeightLoadError
     from reel.runtime.weights.publish import publish_version
-    from test_weight_sync import model
+    from weight_setup import model
 
     blobs = MooncakeBlobs(store.address, fallback=BlobStore(tmp_path / "blobs"), retry_s=1.0)
     try:

@@ -72,7 +72,8 @@ def test_after_pruning_later_steps_replay_earlier_ones_say_why_and_verify_passes
     out = capsys.readouterr().out
     assert "and 1 checkpoints (2)" in out and "steps after 4 (the oldest checkpoint kept) replay bit for bit" in out
     with RunLog(run_dir, readonly=True) as run_log:
-        checkpoints = {e.step: e.checkpoint for _, e in run_log.events("steps") if e.checkpoint is not None}
+        checkpoints = {e.step: e.checkpoint for _, e in run_log.events("steps")
+                       if isinstance(e, StepCommitted) and e.checkpoint is not None}
         (pruned,) = [e for _, e in run_log.events("control") if isinstance(e, CheckpointsPruned)]
     assert (pruned.steps, pruned.after_step, pruned.keep_last, pruned.keep_every) == ([2], 6, 1, 4)
     store = BlobStore(run_dir / "blobs")
