@@ -4,9 +4,11 @@ Figures: per-rank measured peak memory of building the model and training STEPS 
 (runtime/bench/common/peak_memory.py: peak RSS above the process's RSS before the model existed on CPU,
 torch.cuda.max_memory_allocated on CUDA; parameters, gradients, AdamW state, activations,
 all-gather buffers and allocator slack all included); `ratio` = 1 process / 2 ranks of it (target
->= 1.8, reported as measured even when below). Also the counted bytes of parameters + gradients +
-AdamW state (`*_held_bytes`: what FSDP's sharding halves by construction), seconds per step of
-both, and max |Δ| between the weights after the last step (not zero: the ranks' gradient sums
+>= 1.8, reported as measured even when below; the weights' gather that compares the sides comes after
+the measured steps: the trainer publishes per-rank pieces). Also the counted bytes of parameters +
+gradients + AdamW state (`*_held_bytes`: what FSDP's sharding halves by construction), each peak in
+parts (`*_peak_parts`: parameters, gradients, optimizer state, activations, the rest), seconds per
+step of both, and max |Δ| between the weights after the last step (not zero: the ranks' gradient sums
 round differently from one process; ~1e-5 expected). A one-process trainer runs on CPU, so on a
 CUDA machine the 2-rank side (NCCL) is measured on the GPU and no ratio is printed (`memory` says
 why); `--quick` hides CUDA from both sides. Each side runs in a fresh process, `python -m
@@ -42,11 +44,14 @@ from reel.runtime.train.distributed import World
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.parallelize import apply_fsdp
-from reel.runtime.bench.common.peak_memory import MALLOC_ENV, PeakMemory, release_free_memory
+from reel.runtime.bench.common.peak_memory import (MALLOC_ENV, Held, PeakMemory, SavedForBackward, held_bytes,
+                                                   release_free_memory)
 from reel.runtime.train.step import TrainState, full_weights, make_optimizer, train_step
 
+# 12 layers, as deep models are what FSDP is for: one gathered layer (what a rank holds beyond its
+# shards while that layer runs) is 1/6 of a rank's share of the parameters; with 4 layers it was 1/2.
 MODEL = MoEConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
-                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                   num_experts=8, num_experts_per_tok=2, max_position_embeddings=256)
 QUICK = MoEConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -82,27 +87,23 @@ def _batches(model: MoEConfig, groups: int, steps: int) -> list[Batch]:
     return out
 
 
-def _held_bytes(state: TrainState) -> int:
-    """This rank's bytes of parameters, gradients and optimizer state (local shards of DTensors)."""
-    def local(t: torch.Tensor) -> int:
-        t = getattr(t, "_local_tensor", t)
-        return t.numel() * t.element_size()
-
-    total = 0
-    for p in state.model.parameters():
-        total += local(p) + (local(p.grad) if p.grad is not None else 0)
-        total += sum(local(v) for v in state.optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))
-    return total
-
-
 class Figures(msgspec.Struct):
     """One side's figures, as rank 0 writes them (the per-rank maxima)."""
 
     peak_bytes: int  # measured peak memory of one rank (PeakMemory)
     memory: str  # what measured it: "cpu" (resident set) or "cuda" (allocator)
-    held_bytes: int  # counted parameters + gradients + optimizer state of one rank
+    held: Held  # counted parameters, gradients and optimizer state of one rank
+    activation_bytes: int  # the most bytes saved for backward at once (SavedForBackward)
+    grads_with_activations: int  # gradient bytes alive at that moment
     step_s: float
     backend: str
+
+    def parts(self) -> dict[str, int]:
+        """The peak in parts as they stood when activations peaked (the end of a forward, gradients
+        not yet made); `rest`: what else the peak held (transients, gathered layer, buffers, slack)."""
+        counted = dict(params=self.held.params, grads=self.grads_with_activations, optimizer=self.held.optimizer,
+                       activations=self.activation_bytes)
+        return counted | {"rest": self.peak_bytes - sum(counted.values())}
 
 
 def measure(world: World, model_cfg: MoEConfig, groups: int) -> tuple[Figures, bytes]:
@@ -114,16 +115,20 @@ def measure(world: World, model_cfg: MoEConfig, groups: int) -> tuple[Figures, b
     mark = PeakMemory.start(world.device)
     model = apply_fsdp(MoEModel(model_cfg), world)
     state = TrainState(model, make_optimizer(model, config.trainer), 0)
-    held, seconds = 0, []
-    for batch in batches:
-        started = time.perf_counter()
-        state, _ = train_step(state, batch, config, world)
-        seconds.append(time.perf_counter() - started)
-        held = max(held, _held_bytes(state))
-    weights = full_weights(state.model, world)
+    held, seconds = Held(), []
+    with SavedForBackward(model.parameters) as saved:
+        for batch in batches:
+            started = time.perf_counter()
+            state, _ = train_step(state, batch, config, world)
+            seconds.append(time.perf_counter() - started)
+            now = held_bytes(state.model.parameters(), state.optimizer)
+            held = now if now.total > held.total else held
+    peak = mark.peak_bytes()
+    weights = full_weights(state.model, world)  # to compare the sides (not training: the trainer publishes pieces)
     backend = torch.distributed.get_backend() if world.distributed else "none"
     # The first step pays for lazy init.
-    return Figures(mark.peak_bytes(), mark.device, held, min(seconds[1:] or seconds), backend), weights
+    return Figures(peak, mark.device, held, saved.peak, saved.grads_at_peak, min(seconds[1:] or seconds),
+                   backend), weights
 
 
 def _warm_up(world: World, model_cfg: MoEConfig, config: Config, batch: Batch) -> None:
@@ -160,8 +165,10 @@ def run(args: argparse.Namespace) -> int:
         "tokens_per_step": groups * 8 * 16, "steps": STEPS, "backend": two.backend,
         "memory": one.memory if comparable else f"{one.memory} (1 process) vs {two.memory} (2 ranks): no ratio",
         "one_rank_peak_bytes": one.peak_bytes, "two_rank_peak_bytes_per_rank": two.peak_bytes,
-        "one_rank_held_bytes": one.held_bytes, "two_rank_held_bytes_per_rank": two.held_bytes,
-        "held_ratio": round(one.held_bytes / two.held_bytes, 3),
+        "one_rank_held_bytes": one.held.total, "two_rank_held_bytes_per_rank": two.held.total,
+        "held_ratio": round(one.held.total / two.held.total, 3),
+        # the peaks in parts, as they stood when activations peaked: counted state, measured activations, the rest
+        "one_rank_peak_parts": one.parts(), "two_rank_peak_parts_per_rank": two.parts(),
         "one_rank_step_s": round(one.step_s, 4), "two_rank_step_s": round(two.step_s, 4),
         "max_abs_weight_diff": diff,
         "ratio": round(one.peak_bytes / two.peak_bytes, 3) if comparable else None,
@@ -175,9 +182,12 @@ def _rank_main(out: str, quick: str = "") -> None:
     model_cfg, groups = (QUICK, 2) if quick else (MODEL, 4)
     torch.set_num_threads(1)
     figures, weights = measure(world, model_cfg, groups)
-    peak, held = (_max_over_ranks(world, x) for x in (figures.peak_bytes, figures.held_bytes))
+    peak, params, grads, optimizer, activations, alive = (_max_over_ranks(world, x) for x in (
+        figures.peak_bytes, figures.held.params, figures.held.grads, figures.held.optimizer, figures.activation_bytes,
+        figures.grads_with_activations))
     if world.rank == 0:
-        figures = msgspec.structs.replace(figures, peak_bytes=peak, held_bytes=held)
+        figures = msgspec.structs.replace(figures, peak_bytes=peak, held=Held(params, grads, optimizer),
+                                          activation_bytes=activations, grads_with_activations=alive)
         (Path(out) / f"figures-{world.size}.json").write_bytes(msgspec.json.encode(figures))
         (Path(out) / f"weights-{world.size}.safetensors").write_bytes(weights)
     distributed.shutdown(world)

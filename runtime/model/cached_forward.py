@@ -55,11 +55,11 @@ def forward_cached(model: MoEModel, input_ids_N: torch.Tensor, slot_ids_N: torch
     slot_N, pos_N = (t if t.dtype == torch.long else t.long() for t in (slot_ids_N, positions_N))
     w = prepared_weights(model, cache.max_len)
     if native.usable(model, input_ids_N):
-        logits_NV, ids = native.forward_cached(model, w, input_ids_N, slot_N, pos_N, cache, replay_routing_NLK)
+        logits_NV, routing_NLK = native.forward_cached(model, w, input_ids_N, slot_N, pos_N, cache, replay_routing_NLK)
     else:
         logits_NV, ids = _forward_torch(model, w, input_ids_N, slot_N, pos_N, span, cache, replay_routing_NLK)
-    routing = torch.stack(ids, dim=1) if return_routing and ids else None
-    return ModelOutput(logits_NV, routing, None)
+        routing_NLK = torch.stack(ids, dim=1) if return_routing and ids else None
+    return ModelOutput(logits_NV, routing_NLK if return_routing else None, None)
 
 
 def release_prepared(model: MoEModel) -> None:

@@ -52,6 +52,7 @@ class _Plan(NamedTuple):
 
     prepared: PreparedWeights
     layers: ctypes.Array
+    tables: tuple  # embed, final norm, lm_head, cos, sin: the same every step (made once: ~20 us a step)
 
 
 def _ptr(t: torch.Tensor | None):
@@ -80,13 +81,15 @@ def _plan(model: MoEModel, w: PreparedWeights) -> _Plan:
         out.q, out.k, out.v, out.o = (_ptr(t) for t in (lw.q_QH, lw.k_GH, lw.v_GH, lw.o_HQ))
         out.router, out.gate, out.up, out.down = (_ptr(t) for t in (lw.router_EH, lw.gate_EIH, lw.up_EIH, lw.down_EHI))
         out.experts, out.width = lw.gate_EIH.shape[0], lw.gate_EIH.shape[1]
-    _plans[model] = plan = _Plan(w, layers)
+    tables = tuple(_ptr(t) for t in (w.embed_VH, w.norm_H, w.lm_head_VH, w.cos_PD, w.sin_PD))
+    _plans[model] = plan = _Plan(w, layers, tables)
     return plan
 
 
 def forward_cached(model: MoEModel, w: PreparedWeights, ids_N: torch.Tensor, slot_N: torch.Tensor, pos_N: torch.Tensor,
-                   cache: KVCache, replay_NLK: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """cached_forward._forward_torch's result, from one C call."""
+                   cache: KVCache, replay_NLK: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits [N, V], expert ids [N, L, K]; None without MoE layers): cached_forward._forward_torch's
+    result, from one C call."""
     cfg = model.config
     plan = _plan(model, w)
     N, K, moe_layers = ids_N.shape[0], cfg.num_experts_per_tok, sum(lw.router_EH is not None for lw in w.layers)
@@ -97,8 +100,7 @@ def forward_cached(model: MoEModel, w: PreparedWeights, ids_N: torch.Tensor, slo
     logits_NV = torch.empty(N, cfg.vocab_size)
     routing_NLK = torch.empty(N, moe_layers, K, dtype=torch.int64)
     status = _library().reel_forward_cached(
-        ctypes.byref(dims), plan.layers, _i64(len(w.layers)), _ptr(w.embed_VH), _ptr(w.norm_H), _ptr(w.lm_head_VH),
-        _ptr(w.cos_PD), _ptr(w.sin_PD), _ptr(cache.k), _ptr(cache.v), _i64(N),
+        ctypes.byref(dims), plan.layers, _i64(len(w.layers)), *plan.tables, _ptr(cache.k), _ptr(cache.v), _i64(N),
         *(ctypes.cast(t.data_ptr(), _i64p) for t in (ids, slots, pos)),
         None if replay is None else ctypes.cast(replay.data_ptr(), _i64p),
         _ptr(logits_NV), ctypes.cast(routing_NLK.data_ptr(), _i64p))
@@ -108,4 +110,4 @@ def forward_cached(model: MoEModel, w: PreparedWeights, ids_N: torch.Tensor, slo
         name, t, bound = (("token id", ids, cfg.vocab_size), ("slot", slots, cache.slots),
                           ("position", pos, cache.max_len), ("replayed expert id", replay, cfg.num_experts))[status - 1]
         raise ModelError(f"{name}s must lie in [0, {bound}), got {int(t.min())}..{int(t.max())}")
-    return logits_NV, list(routing_NLK.unbind(1))
+    return logits_NV, routing_NLK if moe_layers else None

@@ -70,7 +70,9 @@ def apply_fsdp(model: MoEModel, world: World) -> MoEModel:
                 fully_shard(experts, mesh=experts.efsdp_mesh)
             else:
                 unsharded |= set(experts.parameters())
-        fully_shard(layer, ignored_params=unsharded or None)
+        # Resharded after its forward: a rank holds one gathered layer at a time beyond its shards
+        # (FSDP2 prefetches at most the next layer in backward), whatever the depth.
+        fully_shard(layer, ignored_params=unsharded or None, reshard_after_forward=True)
     fully_shard(model, ignored_params=unsharded or None)
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -48,6 +48,10 @@ def test_bench_fsdp_measures_peak_memory_and_sharding_lowers_it(capsys: pytest.C
     assert result["memory"] == "cpu" and result["held_ratio"] == 2.0
     assert result["one_rank_peak_bytes"] > result["one_rank_held_bytes"]
     assert result["two_rank_peak_bytes_per_rank"] > result["two_rank_held_bytes_per_rank"]
+    # The peaks in parts: they add up, and each rank saves activations for its half of the batch only.
+    one, two = result["one_rank_peak_parts"], result["two_rank_peak_parts_per_rank"]
+    assert sum(one.values()) == result["one_rank_peak_bytes"] and sum(two.values()) == result["two_rank_peak_bytes_per_rank"]
+    assert 0 < two["activations"] < one["activations"] and two["params"] * 2 >= one["params"]
     assert result["ratio"] >= FSDP_QUICK_RATIO_FLOOR, result
 
 
