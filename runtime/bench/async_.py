@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -134,8 +135,13 @@ def _running_mean(curve: list[tuple[float, float]]) -> list[tuple[float, float]]
     return out
 
 
+@functools.cache
 def role_cores() -> tuple[set[int], set[int]] | None:
-    """(trainer cores, rollout-side cores): this process's cores split in two; None with one core."""
+    """(trainer cores, rollout-side cores): this process's cores split in two; None with one core.
+
+    Read once, before any pinning: inside `forking_on(1)` (the embedded Redis and the watching process
+    run on the rollout side) this process's own affinity is the rollout side alone, and a split read
+    there found one core and pinned nothing, so the trainer shared the rollout side's core."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         return None
