@@ -20,7 +20,8 @@ from pathlib import Path
 
 import msgspec
 
-from reel.bus.log import LogCorrupted, LogError, LogRecord, RunLog
+from reel.bus.log import LogCorrupted, LogError, LogRecord
+from reel.bus.run_log import RunLog
 from reel.bus.logcodec import unpack
 from reel.bus.logformat import HEADER, BadRecord, check, good_record_after
 

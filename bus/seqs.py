@@ -14,7 +14,8 @@ from pathlib import Path
 import msgspec
 import redis.asyncio
 
-from reel.bus.log import LogError, RunLog
+from reel.bus.log import LogError
+from reel.bus.run_log import RunLog
 from reel.bus.streams import recover_next_seq
 
 __all__ = ["recover_seq", "next_seq_in_log"]

@@ -17,7 +17,8 @@ from reel.bus import weight_manifest
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.blobs import BlobBackend
 from reel.bus.events import AnyEvent, BlobRef, RoutingTrace, StepCommitted, WeightsPublished
-from reel.bus.log import LogError, RunLog
+from reel.bus.log import LogError
+from reel.bus.run_log import RunLog
 from reel.bus.logindex import LogIndex
 
 __all__ = ["Entry", "Round", "RoundWriter", "blob_refs", "DISK_FULL_RETRY_S"]

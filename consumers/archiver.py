@@ -58,7 +58,7 @@ from reel.bus.cluster import SlotReader, is_cluster
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.blobs import BlobBackend
 from reel.bus.events import STREAMS, AnyEvent, MalformedEvent, RunFinished, WeightsPublished, decode
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.bus.logindex import LogIndex
 from reel.bus.logformat import entry_order
 from reel.bus.partitions import lane_key, lanes, stream_of

@@ -30,7 +30,7 @@ from rich.live import Live
 from reel.bus.errors import ReelError
 from reel.bus.events import AnyEvent, ConfigChanged, RunFinished
 from reel.bus.jsonout import json_line
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.bus.streams import BusError, connect, dead_letters_added
 from reel.bus.tail import Tail
 from reel.consumers.aggregates import MISMATCH_KEYS, RunAggregates, Snapshot, StepRow

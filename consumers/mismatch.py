@@ -30,7 +30,8 @@ import torch
 from reel.bus.blobs import BlobBackend
 from reel.bus.errors import ReelError
 from reel.bus.events import AnyEvent, MismatchSplit, RoutingTrace, StepCommitted, Trajectory, WeightsPublished
-from reel.bus.log import LogCorrupted, LogError, RunLog
+from reel.bus.log import LogCorrupted, LogError
+from reel.bus.run_log import RunLog
 from reel.bus.seqs import recover_seq
 from reel.bus.streams import Publisher, connect
 from reel.bus.tail import Tail

@@ -28,7 +28,7 @@ import torch
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.errors import ReelError
 from reel.bus.events import AnyEvent, RunStarted, StepCommitted, StepTiming, Trajectory, WeightsPublished, encode
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.bus.retention import Retention, RetentionPolicy
 from reel.runtime.config import run as config_mod
 from reel.runtime.train import distributed

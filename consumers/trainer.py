@@ -39,7 +39,8 @@ import torch
 
 from reel.bus.blobs import BlobBackend
 from reel.bus.events import AnyEvent, MalformedEvent, RunStarted, StepCommitted, StepTiming, WeightsPublished, decode
-from reel.bus.log import LogCorrupted, LogError, RunLog
+from reel.bus.log import LogCorrupted, LogError
+from reel.bus.run_log import RunLog
 from reel.bus.partitions import lane_key, lanes
 from reel.bus.retention import Retention
 from reel.bus.seqs import recover_seq

@@ -29,7 +29,8 @@ from pathlib import Path
 import redis.asyncio
 
 from reel.bus.events import StepCommitted
-from reel.bus.log import LogError, RunLog
+from reel.bus.log import LogError
+from reel.bus.run_log import RunLog
 from reel.producers.outstanding import outstanding_groups
 
 log = logging.getLogger("reel.rollout")

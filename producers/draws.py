@@ -12,6 +12,7 @@ order, then goes on after its newest.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ from typing import Any
 import msgspec
 import redis.asyncio
 
-from reel.bus.log import LogError, RunLog
+from reel.bus.log import LogError
+from reel.bus.run_log import RunLog
 from reel.bus.partitions import lane_key, lane_of, slot_key
 from reel.bus.streams import DEAD, FIELD
 
@@ -86,3 +88,9 @@ def _draws(entries: Iterable[bytes], producer: str) -> set[int]:
         if head.type == "trajectory" and head.producer == producer and isinstance(draw, int):
             made.add(draw)
     return made
+
+
+def group_seed(run_seed: int, worker: int, seq_base: int, counter: int) -> int:
+    """A 63-bit seed for one group's prompt and samples (sample i uses seed + i)."""
+    digest = hashlib.sha256(f"reel-group:{run_seed}:{worker}:{seq_base}:{counter}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2

@@ -36,7 +36,8 @@ import msgspec
 
 from reel.bus.errors import ReelError
 from reel.bus.events import EvalResult, WeightsPublished
-from reel.bus.log import LogError, RunLog
+from reel.bus.log import LogError
+from reel.bus.run_log import RunLog
 from reel.bus.seqs import recover_seq
 from reel.bus.streams import Publisher, connect
 from reel.bus.tail import Tail

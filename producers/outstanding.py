@@ -22,7 +22,8 @@ import msgspec
 import redis.asyncio
 
 from reel.bus.events import MalformedEvent, StepCommitted, decode
-from reel.bus.log import LogError, RunLog
+from reel.bus.log import LogError
+from reel.bus.run_log import RunLog
 from reel.bus.partitions import lane_key, lane_of
 from reel.bus.streams import FIELD
 from reel.bus.trust import wrong_producer

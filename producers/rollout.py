@@ -21,7 +21,6 @@ this process, unique across restarts. A group's prompt rng and sample seeds deri
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import random
@@ -31,7 +30,6 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
-import redis.asyncio
 
 from reel.bus.blobs import BlobBackend
 from reel.bus.events import (AnyEvent, BlobRef, RoutingTrace, StepCommitted, Tensor, Trajectory, WeightsPublished,
@@ -44,7 +42,7 @@ from reel.bus.tail import Tail, dead_letter_read
 from reel.bus.trust import SeqMarks, trusted
 from reel.bus.weight_manifest import WeightManifest
 from reel.producers.async_gate import AsyncGate, newest_logged_commit
-from reel.producers.draws import Draws, recover_draws
+from reel.producers.draws import Draws, group_seed, recover_draws
 from reel.producers.engine import Engine, SamplingParams
 from reel.producers.envs import Env, env_for
 from reel.producers.make_engine import make_engine
@@ -371,12 +369,6 @@ async def _entries_to_end(tail: Tail, block_ms: int) -> list[tuple[str, str, Any
         batch = await tail.read(count=_READ, block_ms=0)
         entries += batch
     return entries
-
-
-def group_seed(run_seed: int, worker: int, seq_base: int, counter: int) -> int:
-    """A 63-bit seed for one group's prompt and samples (sample i uses seed + i)."""
-    digest = hashlib.sha256(f"reel-group:{run_seed}:{worker}:{seq_base}:{counter}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 2
 
 
 def main(run_dir: Path, bus_url: str, worker: int) -> int:

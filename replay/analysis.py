@@ -23,7 +23,7 @@ import numpy as np
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.errors import ReelError
 from reel.bus.events import CheckpointsPruned, MismatchSplit, StepCommitted
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.replay.batch_analysis import KL, BatchAnalysis, Ratio, analyse_batch, split_kl
 from reel.replay.pruned import pruned_checkpoints, require_replayable, without_pruned
 from reel.replay.versions import Versions

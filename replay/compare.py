@@ -15,7 +15,7 @@ import msgspec
 
 from reel.bus.errors import ReelError
 from reel.bus.events import EvalResult, StepCommitted
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 
 
 class CompareError(ReelError):

@@ -19,7 +19,7 @@ import msgspec
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import BlobRef, CheckpointsPruned, RunStarted, StepCommitted, WeightsPublished
 from reel.bus.jsonout import print_json
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.bus.logcodec import HEAD_BYTES, unpacked_size
 from reel.bus.retention import CheckpointPolicy
 from reel.bus.weight_manifest import blob_refs, decode_manifest

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import CheckpointsPruned, encode
-from reel.bus.log import LogError, RunLog
+from reel.bus.log import LogError
+from reel.bus.run_log import RunLog
 from reel.bus.logformat import entry_order
 from reel.bus.retention import CheckpointPolicy, Retention, RetentionPolicy
 from reel.bus.seqs import next_seq_in_log

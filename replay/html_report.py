@@ -23,7 +23,7 @@ from reel.bus.errors import ReelError
 from reel.bus.events import (
     ConfigChanged, EvalResult, MismatchSplit, RunFinished, RunStarted, StepCommitted, WorkerStats,
 )
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.replay import timeline
 from reel.replay.svg_charts import bar_chart, line_chart
 

@@ -19,7 +19,7 @@ from reel.bus.blob_backends.file import BlobStore
 from reel.bus.blobs import BlobError, BlobMissing
 from reel.bus.errors import ReelError
 from reel.bus.events import AnyEvent, BlobRef, CheckpointsPruned, RoutingTrace, StepCommitted, WeightsPublished
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 
 __all__ = ["run_file_problems", "tampering_note"]
 

@@ -24,7 +24,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from reel.bus.errors import ReelError
-from reel.bus.log import LogCorrupted, RunLog
+from reel.bus.log import LogCorrupted
+from reel.bus.run_log import RunLog
 
 __all__ = ["main", "repair"]
 

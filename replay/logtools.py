@@ -26,7 +26,8 @@ import numpy as np
 from reel.bus.errors import printable
 from reel.bus.events import CheckpointsPruned, Tensor, Trajectory
 from reel.bus.jsonout import json_line
-from reel.bus.log import LogError, RunLog
+from reel.bus.log import LogError
+from reel.bus.run_log import RunLog
 from reel.replay.integrity import run_file_problems
 from reel.runtime.config import run as config
 from reel.runtime.tokenizer import Tokenizer, load_tokenizer

@@ -14,7 +14,7 @@ from __future__ import annotations
 import msgspec
 
 from reel.bus.events import CheckpointsPruned, StepCommitted
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.runtime.train.reexecute import CheckpointUnusable, newest_checkpoint
 
 __all__ = ["CheckpointPruned", "pruned_checkpoints", "without_pruned", "require_replayable"]

@@ -16,7 +16,8 @@ import msgspec
 
 from reel.bus.errors import ReelError
 from reel.bus.events import StepCommitted
-from reel.bus.log import LogError, RunLog
+from reel.bus.log import LogError
+from reel.bus.run_log import RunLog
 
 ASSUMED = 0.9
 

@@ -19,7 +19,8 @@ from safetensors.torch import load as st_load
 from reel.bus.blobs import BlobBackend, BlobError
 from reel.bus.errors import ReelError
 from reel.bus.events import StepCommitted, WeightsPublished
-from reel.bus.log import LogError, RunLog
+from reel.bus.log import LogError
+from reel.bus.run_log import RunLog
 from reel.bus.weight_manifest import decode_manifest
 from reel.runtime.train.initial_policy import load_initial_model
 from reel.runtime.model.model import MoEModel

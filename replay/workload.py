@@ -38,7 +38,8 @@ import numpy as np
 
 from reel.bus.errors import ReelError
 from reel.bus.events import RunStarted, Sample, StepCommitted, Trajectory, WorkerStats
-from reel.bus.log import LogError, RunLog
+from reel.bus.log import LogError
+from reel.bus.run_log import RunLog
 from reel.replay.simulate_cores import Cores, CpuRate, fit_cores
 from reel.runtime.config.sections import Config
 from reel.runtime.config.keys import ConfigError

@@ -43,7 +43,7 @@ from pathlib import Path
 
 from reel.bus.events import StepCommitted, StepTiming, WorkerStats
 from reel.bus.jsonout import print_json
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.runtime.config import run as config_mod
 from reel.runtime.config.sections import Config
 from reel.runtime.launch.run_dir import bus_for, prepare_run_dir

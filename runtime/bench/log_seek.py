@@ -22,7 +22,7 @@ import numpy as np
 
 from reel.bus.events import RoutingTrace, Sample, StepCommitted, StepTiming, Tensor, Trajectory, encode
 from reel.bus.jsonout import print_json
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.bus.logindex import LogIndex
 
 GROUPS_PER_STEP = 8  # a step's events: 8 trajectories, 8 routing traces, 1 commit
@@ -32,7 +32,7 @@ _LOCATE = """
 import sys, time
 from pathlib import Path
 from reel.bus.events import decode
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.bus.logindex import LogIndex
 
 run_dir, step = Path(sys.argv[1]), int(sys.argv[2])

@@ -13,7 +13,8 @@ import redis
 
 from reel.bus.cluster import cluster_from_env
 from reel.bus.events import STREAMS
-from reel.bus.log import LogError, RunLog
+from reel.bus.log import LogError
+from reel.bus.run_log import RunLog
 from reel.bus.partitions import lane_key, lanes
 
 __all__ = ["LossWindow", "find_loss_window", "describe"]

@@ -17,7 +17,8 @@ from typing import Any
 import msgspec
 
 from reel.bus.errors import ReelError
-from reel.bus.log import LogError, RunLog
+from reel.bus.log import LogError
+from reel.bus.run_log import RunLog
 from reel.runtime.config.sections import Config
 
 __all__ = ["SAFE_TO_CHANGE", "ResumeError", "config_changes", "check_changes", "safe_keys", "last_committed_step",

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from reel.bus.blobs import BlobBackend
 from reel.bus.errors import ReelError
 from reel.bus.events import AnyEvent, RoutingTrace, StepCommitted, Trajectory, decode
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.bus.logindex import LogIndex
 from reel.runtime.train.batch import Group, decode_routing
 

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from reel.bus.events import RunFinished, StepCommitted
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.bus.streams import BusError, GroupConsumer, Publisher, boundary, connect, recover_next_seq, safe_trim
 from runbuilder import TINY_MODEL_TOML
 from reel.runtime.config import run as config_mod

@@ -12,7 +12,8 @@ import orjson
 import pytest
 
 from reel.bus.events import BlobRef, RoutingTrace, Sample, Tensor, Trajectory, WorkerStats, encode
-from reel.bus.log import INDEX_EVERY, LogCorrupted, LogError, RunLog, StreamLog
+from reel.bus.log import INDEX_EVERY, LogCorrupted, LogError, StreamLog
+from reel.bus.run_log import RunLog
 from reel.bus.logcodec import HEAD_BYTES, PACKED, pack, unpacked_size
 from reel.bus.logformat import Appender, check
 from reel.runtime.train.batch import decode_routing

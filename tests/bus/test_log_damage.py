@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from reel.bus.events import StepCommitted, Trajectory
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.bus.logformat import HEADER
 from reel.runtime.launch.cli import main
 from runbuilder import build_run

@@ -9,7 +9,8 @@ import pytest
 
 from reel.runtime.bench.log_seek import _write
 from reel.bus.events import decode
-from reel.bus.log import LogCorrupted, RunLog
+from reel.bus.log import LogCorrupted
+from reel.bus.run_log import RunLog
 from reel.bus.logindex import INDEX_FILE, LogIndex
 from reel.runtime.launch.cli import main as reel
 

@@ -16,7 +16,7 @@ from reel.bus.blob_backends.mooncake import MooncakeBlobs
 from reel.bus.blob_backends.mooncake_service import MooncakeService
 from reel.bus.blobs import BlobError, BlobMissing
 from reel.bus.events import BlobRef, WeightsPublished
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from runbuilder import e2e_config
 from reel.runtime.launch.cli import main
 

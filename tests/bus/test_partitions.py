@@ -15,7 +15,7 @@ import pytest
 
 from reel.bus.cluster import CLUSTER_ENV, SlotReader
 from reel.bus.events import (STREAMS, RunFinished, Trajectory, WorkerStats, decode, stream_key)
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.bus.logformat import entry_order
 from reel.bus.partitions import lane_key, lanes, seq_keys, slot_key, stream_of, worker_partition
 from reel.bus.streams import DEAD, GroupConsumer, Publisher, connect, recover_next_seq, safe_trim

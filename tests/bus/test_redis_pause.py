@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from reel.bus.events import RunFinished, WorkerStats, stream_key
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.bus.redis_boundary import RIDE_OUT_ENV
 from reel.bus.server import EmbeddedRedis, service_redis_server
 from reel.bus.streams import BusError, GroupConsumer, Publisher, connect

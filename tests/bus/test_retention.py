@@ -17,7 +17,7 @@ import torch
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.blobs import BlobMissing
 from reel.bus.events import BlobRef, StepCommitted, StepTiming, WeightsPublished
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.bus.retention import Retention, RetentionPolicy
 from reel.bus.weight_manifest import WeightManifest, WeightShard, encode_manifest
 from reel.replay.analysis import Run, replay_range, replay_step

@@ -18,7 +18,8 @@ import pytest
 
 from reel.bus.events import (STREAM_OF, STREAMS, BlobRef, RunFinished, Sample, StepCommitted, StepTiming, Tensor, Trajectory,
                         WeightsPublished, WorkerStats, decode, stream_key)
-from reel.bus.log import LogError, RunLog
+from reel.bus.log import LogError
+from reel.bus.run_log import RunLog
 from reel.bus.streams import DEAD, Publisher, connect
 from reel.consumers.archiver import GROUP, Archiver
 

@@ -20,7 +20,7 @@ from reel.bus.events import (
     STREAM_OF, STREAMS, BlobRef, DroppedGroup, MismatchSplit, RunFinished, Sample, StepCommitted, StepTiming,
     Tensor, Trajectory, WeightsPublished, WorkerStats, decode, encode, stream_key,
 )
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.bus.streams import DEAD, GroupConsumer, Publisher, connect
 from reel.consumers.aggregates import RunAggregates
 from reel.consumers.metric_views import SnapshotCollector

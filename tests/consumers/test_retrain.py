@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from reel.bus.events import StepCommitted
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.bus.retention import RetentionPolicy
 from reel.runtime.config.run import load
 from reel.runtime.launch.cli import main

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from reel.bus.events import EvalResult, MismatchSplit, StepCommitted, encode
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.runtime.config.keys import ConfigError
 from reel.runtime.config.run import loads
 from runbuilder import build_run, e2e_config

@@ -15,7 +15,7 @@ import pytest
 
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import EvalResult, RunFinished, Sample, StepCommitted, Tensor, Trajectory, WeightsPublished
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.consumers.aggregates import RunAggregates
 from reel.bus.streams import connect
 from reel.consumers.metric_views import SnapshotCollector, render

@@ -192,7 +192,7 @@ def test_a_tool_call_runs_the_examples_tool_and_its_result_is_an_env_turn(monkey
 @pytest.mark.slow
 def test_failed_episodes_dead_letter_their_groups_and_a_resumed_run_goes_on(tmp_path, monkeypatch):
     from reel.bus.events import RunFinished, StepCommitted, Trajectory
-    from reel.bus.log import RunLog
+    from reel.bus.run_log import RunLog
     from reel.runtime.launch.cli import main
     from paths import SUPPORT
 

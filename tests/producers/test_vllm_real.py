@@ -464,7 +464,7 @@ def test_the_vllm_example_learns_and_every_step_replays_bitwise(tmp_path, capsys
     import json
 
     from reel.bus.events import StepCommitted, Trajectory
-    from reel.bus.log import RunLog
+    from reel.bus.run_log import RunLog
     from reel.runtime.launch.cli import main
 
     example = REPO / "examples" / "reverse_text_vllm.toml"

@@ -17,7 +17,7 @@ import torch
 
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import BlobRef, CheckpointsPruned, StepCommitted, StepTiming
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.bus.retention import CheckpointPolicy, Retention, RetentionPolicy
 from reel.runtime.launch.cli import main as reel
 from runbuilder import build_run

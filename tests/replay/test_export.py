@@ -11,7 +11,7 @@ import torch
 
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import StepCommitted, WeightsPublished
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.runtime.train.initial_policy import load_initial_model
 from reel.runtime.launch.cli import main
 from reel.runtime.model.weights import load_state_dict_bytes

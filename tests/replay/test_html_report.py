@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from reel.bus.events import EvalResult, encode
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from runbuilder import e2e_config
 
 CHROMIUM = shutil.which("chromium") or "chromium"  # Debian's; ops/install.sh installs it on the test path

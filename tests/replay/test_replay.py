@@ -16,7 +16,8 @@ import orjson
 import pytest
 import torch
 
-from reel.bus.log import LogCorrupted, RunLog
+from reel.bus.log import LogCorrupted
+from reel.bus.run_log import RunLog
 from reel.replay.analysis import Run, StepNotLogged, replay_step
 from reel.runtime.launch.cli import main as reel
 from reel.runtime.train.reexecute import ReplayMismatch

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from reel.bus.events import RunStarted, Sample, StepCommitted, StepTiming, Tensor, Trajectory, WorkerStats, encode
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.replay.simulate import Scenario, SimulationError, simulate
 from reel.replay.simulate_cores import Cores
 from reel.replay.simulate_report import tv_distance

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import StepCommitted
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.runtime.launch.cli import main
 from runbuilder import build_run
 

@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from reel.bus.events import STREAMS, StepCommitted, Trajectory, stream_key
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.bus.server import EmbeddedRedis
 from reel.bus.streams import DEAD
 from runbuilder import TINY_MODEL_TOML

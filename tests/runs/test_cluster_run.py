@@ -15,7 +15,7 @@ import pytest
 
 from reel.bus.cluster import CLUSTER_ENV
 from reel.bus.events import StepCommitted, Trajectory, stream_key
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.bus.partitions import lane_key
 from runbuilder import e2e_config
 from reel.runtime.launch.cli import main

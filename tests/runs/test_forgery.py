@@ -16,7 +16,7 @@ from reel.bus.events import (
     BlobRef, RoutingTrace, RunFinished, Sample, StepCommitted, StepTiming, Tensor, Trajectory, WeightsPublished,
     encode, stream_key,
 )
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.bus.partitions import slot_key
 from reel.bus.server import EmbeddedRedis
 from reel.bus.streams import DEAD, Publisher, connect

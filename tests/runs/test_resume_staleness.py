@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from reel.bus.events import StepCommitted
-from reel.bus.log import LogError, RunLog
+from reel.bus.log import LogError
+from reel.bus.run_log import RunLog
 from runbuilder import e2e_config
 
 pytestmark = pytest.mark.slow

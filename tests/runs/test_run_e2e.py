@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from reel.bus.events import RunFinished, StepCommitted, Trajectory, WeightsPublished
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from runbuilder import e2e_config
 from reel.runtime.launch.cli import main
 

@@ -13,7 +13,7 @@ import pytest
 
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import StepCommitted, WeightsPublished
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.runtime.weights.load import read_manifest
 from paths import REPO
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from reel.bus.events import Trajectory
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 
 from reel.replay.simulate import Scenario, simulate
 from reel.replay.simulate_report import caveats, compare

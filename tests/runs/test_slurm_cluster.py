@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from reel.bus.events import EvalResult
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.runtime.launch import slurm
 from reel.runtime.launch import slurm_script
 from reel.runtime.launch.cli import main

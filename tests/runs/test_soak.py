@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from runbuilder import e2e_config
 
 STEPS, EARLY, LATE = 1000, 15, 995  # the run, and the steps after which the trainer is killed

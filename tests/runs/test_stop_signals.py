@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from reel.bus.events import ConfigChanged, RunFinished, StepCommitted
-from reel.bus.log import LogError, RunLog
+from reel.bus.log import LogError
+from reel.bus.run_log import RunLog
 from reel.runtime.launch.cli import main
 from runbuilder import e2e_config
 

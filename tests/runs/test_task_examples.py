@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from reel.bus.events import EvalResult
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.runtime.launch.cli import main
 from paths import REPO
 

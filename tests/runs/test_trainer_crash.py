@@ -20,7 +20,7 @@ import torch
 
 from reel.bus.events import (STREAMS, MalformedEvent, RoutingTrace, Sample, StepCommitted, StepTiming, Tensor,
                         Trajectory, WeightsPublished, decode, stream_key)
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.bus.streams import DEAD, Publisher, connect, safe_trim
 from reel.consumers import trainer as trainer_mod
 from reel.consumers.archiver import Archiver

@@ -2,7 +2,7 @@
 
 The run directory looks like one `reel run` leaves behind: config.toml, init/ (the warm-started
 version-0 policy), blobs/ (weights after every step, checkpoints every `checkpoint_every`) and a
-log written through reel.bus.log.RunLog with the events the roles would have published: RunStarted,
+log written through reel.bus.run_log.RunLog with the events the roles would have published: RunStarted,
 WeightsPublished, Trajectory + RoutingTrace per group, StepCommitted per step and, as the mismatch role
 (consumers/mismatch.py) would, a MismatchSplit per step (`split`; "metrics" writes a log of before that
 role, the split inside StepCommitted.metrics; "none" one without any split).
@@ -31,7 +31,7 @@ from reel.bus.events import (
     AnyEvent, MismatchSplit, RoutingTrace, RunStarted, Sample, StepCommitted, StepTiming, Tensor, Trajectory,
     WeightsPublished, encode,
 )
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.producers.envs import Env, make_env
 from reel.runtime.checkpoint import single as checkpoint
 from reel.runtime.config import run as config_mod

@@ -19,7 +19,7 @@ import torch
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.errors import ReelError
 from reel.bus.events import Trajectory, WeightsPublished
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.runtime.train.initial_policy import load_initial_model
 from reel.runtime.config.run import load_run_config
 from reel.runtime.model.model import MoEModel

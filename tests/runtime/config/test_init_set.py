@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from reel.bus.events import RunStarted, StepCommitted
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.replay.export import export
 from reel.runtime.config import run as config_mod
 from reel.replay.simulate_cli import _scenario

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from reel.bus.events import ConfigChanged, RunFinished, StepCommitted
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from runbuilder import e2e_config
 
 pytestmark = pytest.mark.slow

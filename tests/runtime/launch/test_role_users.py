@@ -16,7 +16,7 @@ import redis
 import redis.cluster
 
 from reel.bus.events import StepCommitted, WeightsPublished
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.bus.partitions import lane_key, worker_partition
 from reel.bus.server import EmbeddedRedis
 from reel.bus.streams import BusError, GroupConsumer, Publisher, connect, safe_trim

@@ -13,7 +13,7 @@ from safetensors.torch import load as st_load
 
 from reel.bus.blob_backends.file import BlobStore
 from reel.bus.events import Trajectory, WeightsPublished
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from hf_checkpoint import make_checkpoint
 from reel.runtime.launch.cli import main
 from reel.runtime.model import state_dict_adapter

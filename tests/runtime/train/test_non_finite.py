@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from reel.bus.events import RunFinished, StepCommitted, Trajectory, WeightsPublished
-from reel.bus.log import RunLog
+from reel.bus.run_log import RunLog
 from reel.producers.episode import Episode, non_finite
 from reel.runtime.train.batch import build_batch
 from reel.runtime.blob_store import run_blobs
