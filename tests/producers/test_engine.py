@@ -245,6 +245,7 @@ def test_vllm_engine_says_how_to_install_vllm(tmp_path, monkeypatch) -> None:
         vllm.VLLMEngine(tmp_path)
 
 
+@pytest.mark.slow  # tens of seconds: a bench run (the quick tier leaves it to CI)
 def test_bench_engine_quick_prints_one_json_line(capsys: pytest.CaptureFixture) -> None:
     from reel.runtime.launch import cli
 

@@ -47,6 +47,7 @@ def test_init_from_an_hf_model_directory(source_run: Path, tmp_path: Path) -> No
     assert main(["init", "--from-model", str(tmp_path), "--out", str(tmp_path / "d.toml")]) == 2
 
 
+@pytest.mark.slow  # a whole `reel run` (the quick tier leaves it to CI)
 def test_run_set_overrides_are_recorded_and_an_empty_config_is_refused(tmp_path: Path) -> None:
     empty = tmp_path / "empty.toml"
     empty.write_text("# nothing yet\n")
