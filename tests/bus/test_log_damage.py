@@ -30,8 +30,8 @@ def _first_record_after_step_2(run_dir: Path, stream: str) -> int:
     with RunLog(run_dir, readonly=True) as log:
         commits = {e.step: e for _, e in log.events("steps") if isinstance(e, StepCommitted)}
         events = [e for _, e in log.events(stream)]
-    if stream == "steps":
-        return 2
+    if stream == "steps":  # after step 2's commit (the mismatch role's MismatchSplit events lie between commits)
+        return max(i for i, e in enumerate(events) if isinstance(e, StepCommitted) and e.step <= 2) + 1
     if stream == "weights":
         return 3  # versions 0, 1, 2 come first
     early = set(commits[1].groups) | set(commits[2].groups)

@@ -160,7 +160,7 @@ def test_reverse_text_runs_end_to_end_through_slurm(tmp_path: Path, capsys: pyte
     capsys.readouterr()
     assert main(["log", "verify", "--run", str(run_dir)]) == 0
     verified = capsys.readouterr().out
-    assert re.search(r"steps\s+2 records", verified), verified
+    assert re.search(r"steps\s+4 records", verified), verified  # 2 StepCommitted + the mismatch role's 2 MismatchSplit
     for step in (1, 2):  # the run replays bit for bit from its log, like a local one
         assert main(["replay", "step", str(step), "--run", str(run_dir), "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["bitwise"] is True

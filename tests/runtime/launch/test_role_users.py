@@ -169,7 +169,8 @@ def test_a_run_with_one_user_per_role_and_three_partitions_completes(tmp_path: P
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 0, out[-3000:]
-    assert seen == {role_users.user_name(run_name, r) for r in ("trainer", "rollout", "archiver")}, seen
+    # ... and the mismatch role's ([mismatch] every = 1 by default): it publishes MismatchSplit on the steps stream.
+    assert seen == {role_users.user_name(run_name, r) for r in ("trainer", "rollout", "archiver", "mismatch")}, seen
     assert all(admin.acl_getuser(role_users.user_name(run_name, r)) is None for r in role_users.ROLES)  # dropped
     with RunLog(run_dir, readonly=True) as log:
         assert [e.step for _, e in log.events("steps") if isinstance(e, StepCommitted)] == [1, 2]
