@@ -19,6 +19,7 @@ RL should improve on.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import inspect
 import json
@@ -75,16 +76,26 @@ def warm_start(config: Config) -> tuple[MoEModel, float]:
         mcfg, config.init, config.env, config.run.seed, r.max_tokens, r.temperature, r.top_p, code_version(), recipe,
     ])).hexdigest()[:16]
     cached = cache_dir("warmstart") / key
-    if (cached / "config.json").is_file() and (cached / EVAL_FILE).is_file():
-        reward = json.loads((cached / EVAL_FILE).read_text())["reward_mean"]
-        log.info("warm-start %s from cache %s: mean sampled reward %.3f", key, cached, reward)
-        report("warm-start", 1, 1, f"from the cache {cached} (REEL_CACHE moves the cache)")
-        return load(cached), reward
-    report("warm-start", 0, warmup_steps(config), f"cached in {cached} for later runs (REEL_CACHE moves the cache)")
-    model = train(config, env, lambda: MoEModel(mcfg))
-    reward = _logged_reward(model, env, config, key)
     cached.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cached.parent))
+    # Processes that need the same warm-start at once (test workers, a rerun beside a run) wait for
+    # the one computing it instead of each paying for it.
+    with open(cached.parent / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (cached / "config.json").is_file() and (cached / EVAL_FILE).is_file():
+            reward = json.loads((cached / EVAL_FILE).read_text())["reward_mean"]
+            log.info("warm-start %s from cache %s: mean sampled reward %.3f", key, cached, reward)
+            report("warm-start", 1, 1, f"from the cache {cached} (REEL_CACHE moves the cache)")
+            return load(cached), reward
+        report("warm-start", 0, warmup_steps(config), f"cached in {cached} for later runs (REEL_CACHE moves the cache)")
+        model = train(config, env, lambda: MoEModel(mcfg))
+        reward = _logged_reward(model, env, config, key)
+        _store(model, reward, cached)
+    return model, reward
+
+
+def _store(model: MoEModel, reward: float, cached: Path) -> None:
+    """Written aside and renamed into place, so a reader never sees half a cache entry."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{cached.name}.", dir=cached.parent))
     try:
         save(model, staging)
         (staging / EVAL_FILE).write_text(json.dumps({"reward_mean": reward, "prompts": EVAL_PROMPTS}))
@@ -94,7 +105,6 @@ def warm_start(config: Config) -> tuple[MoEModel, float]:
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return model, reward
 
 
 def _logged_reward(model: MoEModel, env: Env, config: Config, what: str) -> float:

@@ -1,4 +1,8 @@
-"""Session fixtures: one real Redis server on a free port for the whole test session."""
+"""Session fixtures: one real Redis server on a free port for the whole test session.
+
+Under pytest-xdist (ops/test.sh runs `-n 2`) each worker is a session of its own, with its own Redis
+server; the warm-start and kernel cache is shared by the workers of one run (warm-starts take tens
+of seconds, and producers/warmstart.py lets one process compute a key while the others wait)."""
 
 from __future__ import annotations
 
@@ -69,6 +73,8 @@ def run_name(request: pytest.FixtureRequest) -> str:
 
 
 WHOLE_RUNS = Path(__file__).parent / "runs"
+# The single-host Slurm cluster's nodes and a vLLM server's cores are shared by the tests that use them.
+SHARED_SERVICES = ("slurm", "vllm")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects: the marker must be there when it looks
@@ -76,6 +82,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:  # whole runs are the slow tier, marked or not
         if WHOLE_RUNS in item.path.parents:
             item.add_marker(pytest.mark.slow)
+        for shared in SHARED_SERVICES:  # one xdist worker takes all tests of a shared service, one at a time
+            if shared in item.keywords:
+                item.add_marker(pytest.mark.xdist_group(shared))
+    # Longest first, so that under xdist the last minutes are short tests spread over the workers
+    # rather than one whole run that started late: the shared services' chains of tests, then the
+    # slow tier (sort is stable: otherwise the collected order).
+    items.sort(key=lambda item: (not any(s in item.keywords for s in SHARED_SERVICES), "slow" not in item.keywords))
     try:
         import torch
 
@@ -109,7 +122,12 @@ def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 def warm_start_cache(tmp_path_factory: pytest.TempPathFactory):
     """Warm-starts and compiled kernels are cached per test session (never in the user's ~/.cache)."""
     previous = os.environ.get("REEL_CACHE")
-    os.environ["REEL_CACHE"] = str(tmp_path_factory.mktemp("reel-cache"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the run's directory, above each worker's own
+        cache = tmp_path_factory.getbasetemp().parent / "reel-cache"
+        cache.mkdir(exist_ok=True)
+    else:
+        cache = tmp_path_factory.mktemp("reel-cache")
+    os.environ["REEL_CACHE"] = str(cache)
     yield
     if previous is None:
         os.environ.pop("REEL_CACHE", None)
