@@ -29,7 +29,12 @@
                     for the scenario's worker count (replay/simulate_cores.py), else the factors
                     fitted on the log's overlap (replay/workload.py). With that model, each role's
                     measured speed is also rescaled from the logged machine to the scenario's: its
-                    worker count, and `background` (other runnable threads) when given.
+                    worker count, and `background` (other runnable threads) when given. Roles pinned to
+                    disjoint cores (their logged affinities) do not slow each other.
+    mismatch role   after each due commit the role splits that step: a job of the wall seconds the log's
+                    splits give for its passes (π_old and each older version among its tokens) and tokens
+                    (replay/simulate_split.py), one at a time; while one runs, decode steps starting and
+                    the trainer's compute are slowed as far as the role shares their cores (unless `dedicated`).
 
 Figures are those of `reel bench async`: wall time and idle shares over steps 2..N.
 """
@@ -45,7 +50,8 @@ import numpy as np
 
 from reel.bus.errors import ReelError
 from reel.replay.simulate_cores import Factors, factors
-from reel.replay.simulate_parts import Group, Sequence, Worker
+from reel.replay.simulate_parts import Group, Sequence, Worker, bottleneck, clip_length
+from reel.replay.simulate_split import passes
 from reel.replay.workload import Pipeline, Workload
 
 __all__ = ["Scenario", "SimResult", "SimulationError", "simulate", "GROUP_EVENTS"]
@@ -107,6 +113,9 @@ class _Simulation:
     staleness: dict[int, int]
     used: int
     dropped: int
+    # The mismatch role: seconds of each split still to start; whether one is running.
+    splits: collections.deque[float]
+    splitting: bool
     # Redis.
     redis_free: float  # when the Redis thread is next free
     redis_busy: list[tuple[float, float]]
@@ -137,6 +146,8 @@ class _Simulation:
         self.used = self.dropped = 0
         self.redis_free = 0.0
         self.redis_busy = []
+        self.splits = collections.deque()
+        self.splitting = False
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -165,6 +176,9 @@ class _Simulation:
                     self._at(self.workload.trainer.publish_s * self.factors.trainer_scale, "commit")
                 case "commit":
                     self._commit()
+                case "split":
+                    self.splitting = False
+                    self._next_split()
             self._retime_compute()
         return self._result()
 
@@ -210,8 +224,8 @@ class _Simulation:
         d = self.workload.decode
         seconds = (d.base_s + d.per_seq_s * len(worker.running) + d.per_prefill_token_s * prefill)
         seconds *= self.factors.decode_scale / self.scenario.speedup_rollout
-        if self.computing and not self.scenario.dedicated:
-            seconds *= 1.0 + self.factors.decode_slowdown
+        if not self.scenario.dedicated:
+            seconds *= 1.0 + self.factors.decode_slowdown * self.computing + self.factors.decode_split * self.splitting
         worker.busy = True
         self._at(seconds, "step", worker.index)
 
@@ -286,7 +300,8 @@ class _Simulation:
         if self.compute_left is None:
             return
         decoding = sum(1 for w in self.workers if w.running) / len(self.workers)
-        factor = 1.0 if self.scenario.dedicated else 1.0 + self.factors.trainer_slowdown * decoding
+        factor = 1.0 if self.scenario.dedicated else \
+            1.0 + self.factors.trainer_slowdown * decoding + self.factors.trainer_split * self.splitting
         if factor == self.compute_factor:
             return
         if self.compute_factor:
@@ -295,15 +310,27 @@ class _Simulation:
         self.compute_timer += 1
         self._at(self.compute_left * factor, "computed", payload=self.compute_timer)
 
+    def _next_split(self) -> None:
+        if self.splitting or not self.splits:
+            return
+        self.splitting = True
+        self._at(self.splits.popleft(), "split")
+
     def _rank_speed(self, ranks: int) -> float:
         """Trainer throughput of `ranks` ranks relative to one process."""
         return 1.0 if ranks <= 1 else ranks * self.scenario.rank_efficiency
 
     def _commit(self) -> None:
+        batch: dict[int, int] = {}  # versions behind -> tokens
         for group in self.batch:
             for version, tokens in group.tokens.items():
-                behind = self.version - version
-                self.staleness[behind] = self.staleness.get(behind, 0) + tokens
+                batch[self.version - version] = batch.get(self.version - version, 0) + tokens
+        for behind, tokens in batch.items():
+            self.staleness[behind] = self.staleness.get(behind, 0) + tokens
+        split = self.workload.split
+        if split is not None and split.due(self.version + 1, self.pipeline.steps):
+            self.splits.append(split.seconds(passes(batch), sum(batch.values())))
+            self._next_split()
         self.used += len(self.batch)
         self.batch = []
         self.version += 1
@@ -324,18 +351,17 @@ class _Simulation:
         idle = []
         for worker in self.workers:
             spans = worker.idle + ([(worker.idle_since, end)] if worker.idle_since is not None else [])
-            idle.append(sum(_clip(a, b, first, end) for a, b in spans) / wall if wall else 0.0)
-        redis = sum(_clip(a, b, first, end) for a, b in self.redis_busy) / wall if wall else 0.0
+            idle.append(sum(clip_length(a, b, first, end) for a, b in spans) / wall if wall else 0.0)
+        redis = sum(clip_length(a, b, first, end) for a, b in self.redis_busy) / wall if wall else 0.0
         trainer_idle = waited / wall if wall else 0.0
         rollout_idle = float(np.mean(idle))
-        bottleneck = _bottleneck(trainer_idle, rollout_idle, redis)
         offered = self.used + self.dropped
         return SimResult(steps=len(self.commits), wall_s=wall,
                          steps_per_hour=3600 * (len(self.commits) - 1) / wall if wall else 0.0,
                          trainer_idle=trainer_idle, rollout_idle=rollout_idle,
                          staleness=dict(sorted(self.staleness.items())),
                          dropped_share=self.dropped / offered if offered else 0.0, redis_busy=redis,
-                         bottleneck=bottleneck)
+                         bottleneck=bottleneck(trainer_idle, rollout_idle, redis))
 
     def _stuck(self) -> str:
         p = self.pipeline
@@ -363,18 +389,3 @@ def simulate(workload: Workload, scenario: Scenario) -> SimResult:
                               f"times (recorded since 2026-12-03); {workload.run_dir} has "
                               f"{'them' if workload.cores else 'none'}")
     return _Simulation(workload, scenario).run()
-
-
-def _bottleneck(trainer_idle: float, rollout_idle: float, redis_busy: float) -> str:
-    """What sets the pace. "latency": trainer and workers both wait a fifth of the time or more, so
-    neither is saturated; a step waits for its round's slowest group while the async gate holds the
-    workers (raise async_level, or shorten the tail)."""
-    if redis_busy > 0.8:
-        return "redis"
-    if min(trainer_idle, rollout_idle) >= 0.2:
-        return "latency"
-    return "trainer" if trainer_idle <= rollout_idle else "rollout"
-
-
-def _clip(a: float, b: float, lo: float, hi: float) -> float:
-    return max(0.0, min(b, hi) - max(a, lo))

@@ -1,4 +1,5 @@
-"""What `reel simulate` moves around: groups, their samples' turns, the rollout workers' engines."""
+"""What `reel simulate` moves around: groups, their samples' turns, the rollout workers' engines; what its
+figures say (the bottleneck)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,18 @@ class Worker:
     busy: bool = False  # a decode step or a swap is under way
     idle_since: float | None = 0.0
     idle: list[tuple[float, float]] = field(default_factory=list)  # [start, end) without a group in flight
+
+
+def bottleneck(trainer_idle: float, rollout_idle: float, redis_busy: float) -> str:
+    """What sets the pace. "latency": trainer and workers both wait a fifth of the time or more, so
+    neither is saturated; a step waits for its round's slowest group while the async gate holds the
+    workers (raise async_level, or shorten the tail)."""
+    if redis_busy > 0.8:
+        return "redis"
+    if min(trainer_idle, rollout_idle) >= 0.2:
+        return "latency"
+    return "trainer" if trainer_idle <= rollout_idle else "rollout"
+
+
+def clip_length(a: float, b: float, lo: float, hi: float) -> float:
+    return max(0.0, min(b, hi) - max(a, lo))

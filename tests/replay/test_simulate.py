@@ -91,9 +91,11 @@ def _write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: fl
                 steps_done += count
                 tokens_done += count * batch
                 forward += count * (batch + prefill)
-                busy += count * (A + B * batch + X * prefill) * (1 + decode_slowdown * share)
-                if cores is not None:
-                    cpu += cores.worker_threads * 0.7 * ((1 - share) * cores.share(0, 1) + share * cores.share(1, 1))
+                decoding = count * (A + B * batch + X * prefill) * (1 + decode_slowdown * share)
+                busy += decoding
+                if cores is not None:  # the worker's threads run while its engine decodes
+                    g = (1 - share) * cores.share(0, 1) + share * cores.share(1, 1)
+                    cpu += cores.worker_threads * decoding * g
             stats.append((f"{ms}-0", encode(WorkerStats(
                 **meta, seq=100 + i, worker="rollout:0", tokens_per_s=0.0, running=0, waiting=0, policy_version=0,
                 groups_published=0, decode_steps=steps_done, decode_tokens=tokens_done, forward_tokens=forward, busy_s=busy,
