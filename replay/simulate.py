@@ -50,7 +50,7 @@ import numpy as np
 
 from reel.bus.errors import ReelError
 from reel.replay.simulate_cores import Factors, factors
-from reel.replay.simulate_parts import Group, Sequence, Worker, bottleneck, clip_length
+from reel.replay.simulate_parts import Group, Sequence, SimResult, Worker, bottleneck, clip_length, mean_result
 from reel.replay.simulate_split import passes
 from reel.replay.workload import Pipeline, Workload
 
@@ -73,18 +73,7 @@ class Scenario(msgspec.Struct, kw_only=True):
     dedicated: bool = False  # rollout and trainer on their own hardware: no shared-core slowdown
     background: float | None = None  # other runnable threads on the machine (a log with CPU times); None: as logged
     seed: int = 0  # of the group resampling
-
-
-class SimResult(msgspec.Struct, kw_only=True):
-    steps: int
-    wall_s: float  # steps 2..N
-    steps_per_hour: float
-    trainer_idle: float  # share of the wall time the trainer waited for groups
-    rollout_idle: float  # mean share of the wall time a worker had no group in flight
-    staleness: dict[int, int]  # versions behind -> tokens, over every step
-    dropped_share: float  # groups dropped as too stale / groups that reached the trainer
-    redis_busy: float  # share of the wall time the Redis thread spent on group events
-    bottleneck: str  # "redis" | "latency" (both sides wait on each other) | "trainer" | "rollout"
+    repeats: int = 8  # runs with seeds seed, seed + 1, ...: their mean (one draw of groups is noisy)
 
 
 class _Simulation:
@@ -388,4 +377,7 @@ def simulate(workload: Workload, scenario: Scenario) -> SimResult:
         raise SimulationError(f"--background = {scenario.background}: needs a value of 0 or more and a log with CPU "
                               f"times (recorded since 2026-12-03); {workload.run_dir} has "
                               f"{'them' if workload.cores else 'none'}")
-    return _Simulation(workload, scenario).run()
+    if scenario.repeats < 1:
+        raise SimulationError(f"--repeats = {scenario.repeats} must be 1 or more")
+    return mean_result([_Simulation(workload, msgspec.structs.replace(scenario, seed=scenario.seed + i)).run()
+                        for i in range(scenario.repeats)])

@@ -1,10 +1,12 @@
-"""What `reel simulate` moves around: groups, their samples' turns, the rollout workers' engines; what its
-figures say (the bottleneck)."""
+"""What `reel simulate` moves around: groups, their samples' turns, the rollout workers' engines; and its
+figures (SimResult: one run's, the mean of several, the bottleneck they show)."""
 
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
+
+import msgspec
 
 
 @dataclass
@@ -79,3 +81,31 @@ def bottleneck(trainer_idle: float, rollout_idle: float, redis_busy: float) -> s
 
 def clip_length(a: float, b: float, lo: float, hi: float) -> float:
     return max(0.0, min(b, hi) - max(a, lo))
+
+
+class SimResult(msgspec.Struct, kw_only=True):
+    steps: int
+    wall_s: float  # steps 2..N
+    steps_per_hour: float
+    trainer_idle: float  # share of the wall time the trainer waited for groups
+    rollout_idle: float  # mean share of the wall time a worker had no group in flight
+    staleness: dict[int, int]  # versions behind -> tokens, over every step
+    dropped_share: float  # groups dropped as too stale / groups that reached the trainer
+    redis_busy: float  # share of the wall time the Redis thread spent on group events
+    bottleneck: str  # "redis" | "latency" (both sides wait on each other) | "trainer" | "rollout"
+
+
+def mean_result(results: list[SimResult]) -> SimResult:
+    """The mean of runs that differ only in their draw of groups (token counts rounded)."""
+    n = len(results)
+    wall = sum(r.wall_s for r in results) / n
+    trainer_idle = sum(r.trainer_idle for r in results) / n
+    rollout_idle = sum(r.rollout_idle for r in results) / n
+    redis = sum(r.redis_busy for r in results) / n
+    behind = sorted({k for r in results for k in r.staleness})
+    return SimResult(steps=results[0].steps, wall_s=wall,
+                     steps_per_hour=3600 * (results[0].steps - 1) / wall if wall else 0.0,
+                     trainer_idle=trainer_idle, rollout_idle=rollout_idle,
+                     staleness={k: round(sum(r.staleness.get(k, 0) for r in results) / n) for k in behind},
+                     dropped_share=sum(r.dropped_share for r in results) / n, redis_busy=redis,
+                     bottleneck=bottleneck(trainer_idle, rollout_idle, redis))

@@ -19,7 +19,7 @@ import pytest
 from reel.replay.simulate import Scenario, SimulationError, simulate
 from reel.replay.simulate_cores import Cores
 from reel.replay.simulate_report import tv_distance
-from reel.replay.workload import WorkloadError, extract
+from reel.replay.workload import GroupShape, WorkloadError, extract
 from reel.runtime.launch.cli import main as reel
 from simulate_log import A, B, C0, C1, G, L, N, P, PUBLISH, SWAP, X, write_run
 
@@ -330,3 +330,18 @@ def test_a_synchronous_log_says_it_cannot_tell_what_sharing_costs(tmp_path: Path
     assert notes["as logged"] == []
     assert reel(["simulate", "--run", str(run), "--async-level", "1"]) == 0
     assert "note: calibrated on a synchronous log" in capsys.readouterr().out
+
+
+def test_repeats_report_the_mean_of_their_draws(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    w = extract(write_run(tmp_path / "run", async_level=1, steps=10))
+    w = msgspec.structs.replace(w, groups=[w.groups[0], GroupShape(P, [[3 * L]] * N)])  # a short and a long group
+    one = [simulate(w, Scenario(pipeline=w.pipeline, seed=s, repeats=1)) for s in range(4)]
+    assert len({r.wall_s for r in one}) > 1  # the draws differ
+    mean = simulate(w, Scenario(pipeline=w.pipeline, seed=0, repeats=4))
+    assert mean.wall_s == pytest.approx(sum(r.wall_s for r in one) / 4, rel=1e-12)
+    assert mean.trainer_idle == pytest.approx(sum(r.trainer_idle for r in one) / 4, rel=1e-12)
+    assert mean.steps_per_hour == pytest.approx(3600 * 9 / mean.wall_s)
+    assert sum(mean.staleness.values()) == pytest.approx(sum(sum(r.staleness.values()) for r in one) / 4, abs=2)
+    run = write_run(tmp_path / "cli", async_level=1)
+    assert reel(["simulate", "--run", str(run), "--repeats", "0"]) != 0
+    assert "--repeats = 0 must be 1 or more" in capsys.readouterr().err
