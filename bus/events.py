@@ -238,6 +238,7 @@ class MismatchSplit(Event, tag="mismatch_split"):
     lag_s: float = 0.0  # seconds from the step's commit to this event
     compute_s: float = 0.0  # wall seconds the role spent on this step
     cpus: list[int] = []  # which cores the role may run on (its affinity; the simulator's shared cores); [] = unknown
+    nice: int = 0  # the role's CPU priority (os.getpriority): how much of a shared core it takes
 
 
 class WorkerStats(Event, tag="worker_stats"):

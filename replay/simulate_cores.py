@@ -16,11 +16,12 @@ WorkerStats.cpus, MismatchSplit.cpus) share nothing: with the trainer `apart` fr
 of its own cores (its pool), the workers' those of theirs, and the mismatch role counts only in the
 pool whose cores it shares. A log without affinities is one pool, as before they were recorded.
 
-Calibration (replay/workload.py) reads it from CPU time: C is RunStarted.cpu_count, the trainer's
-threads are its config's, and each StepCommitted.cpu_s over its compute seconds, each worker's
-ΔWorkerStats.cpu_s over its active seconds, is a measured `n · g` at a known overlap. The
-background and the workers' threads are the pair that best explains those rates (a grid, relative
-error). A synchronous log, in which the roles never overlap, so gives what overlapping will cost:
+Calibration (replay/workload.py) reads it from CPU time: C is RunStarted.cpu_count (or the logged
+affinities' cores), the trainer's and the mismatch role's threads are trainer.threads, a decoding
+worker's its engine's step thread (engine.threads), and each StepCommitted.cpu_s over its compute
+seconds, each worker's ΔWorkerStats.cpu_s over its decoding seconds (ΔWorkerStats.busy_s: waiting
+on a tool it is not runnable), is a measured `n · g` at a known overlap with the other roles. The
+background (of each pool) is the one that best explains those rates (a grid, relative error). A synchronous log, in which the roles never overlap, so gives what overlapping will cost:
 the cores each role used alone, and how busy the machine already was. Logs without CPU times
 (written before Reel recorded them) cannot tell, and the calibration says so.
 """
@@ -33,14 +34,13 @@ import numpy as np
 __all__ = ["Cores", "CpuRate", "Factors", "fit_cores", "factors"]
 
 _BACKGROUND = np.linspace(0.0, 24.0, 481)  # runnable threads besides the run's roles
-_WORKER_THREADS = np.linspace(0.05, 4.0, 80)
 
 
 class Cores(msgspec.Struct, kw_only=True):
     cores: int  # the workers' cores (RunStarted.cpu_count when the roles share them)
     background: float  # runnable threads of other processes on those, fitted
     trainer_threads: float  # config trainer.threads
-    worker_threads: float  # per rollout worker, fitted
+    worker_threads: float  # per rollout worker decoding: its engine's step thread (config engine.threads)
     trainer_rate: float  # cores the trainer used while computing (measured mean)
     worker_rate: float  # cores a worker used while it had a group in flight (measured mean)
     # Pinned apart: the trainer's own cores and their other runnable threads (0 cores: it shares the workers').
@@ -116,39 +116,34 @@ class CpuRate(msgspec.Struct, array_like=True):
 
 
 def fit_cores(layout: Cores, workers: int, trainer: list[CpuRate], rollout: list[CpuRate]) -> Cores:
-    """The backgrounds and worker threads that best explain the measured rates (trainer steps, worker
-    intervals), on `layout`'s cores, threads and pools; the smallest background among equals (a
-    machine with cores to spare hides it)."""
+    """The backgrounds that best explain the measured rates (trainer steps, worker intervals) on
+    `layout`'s cores, threads and pools; the smallest among equals (a machine with cores to spare hides it)."""
     t = _rows(trainer)
     w = _rows(rollout)
-    bg = _BACKGROUND[:, None, None]
-    nw = _WORKER_THREADS[None, :, None]
+    bg = _BACKGROUND[:, None]
     c = layout
 
     def share(on: float, decoding: float, split: float) -> np.ndarray:
-        threads = bg + nw * decoding + c.split_threads * split * c.split_with_workers + (0 if c.apart else
-                                                                                         c.trainer_threads * on)
-        return np.minimum(1.0, c.cores / np.maximum(threads, 1e-9))
+        threads = bg + c.worker_threads * decoding + c.split_threads * split * c.split_with_workers
+        return np.minimum(1.0, c.cores / np.maximum(threads + (0 if c.apart else c.trainer_threads * on), 1e-9))
 
     # Time-weighted: a rate over an interval averages the share over its overlapped and lone parts.
     alone_w, alone_t = np.clip(1 - w[2] - w[3], 0, 1), np.clip(1 - t[2] - t[3], 0, 1)
-    w_pred = nw * (alone_w * share(0, workers, 0) + w[2] * share(1, workers, 0) + w[3] * share(0, workers, 1))
-    error = np.sum(w[1] * (w_pred / _rate(w) - 1) ** 2, axis=2)
+    w_pred = c.worker_threads * (alone_w * share(0, workers, 0) + w[2] * share(1, workers, 0)
+                                 + w[3] * share(0, workers, 1))
+    error = np.sum(w[1] * (w_pred / _rate(w) - 1) ** 2, axis=1)
     if c.apart:  # the trainer's pool is fitted on its own: a background there, nothing of the workers'
-        tbg = _BACKGROUND[:, None]
-        with_split = c.split_threads * c.split_with_trainer
-        alone = np.minimum(1.0, c.trainer_cores / (tbg + c.trainer_threads))
-        beside = np.minimum(1.0, c.trainer_cores / (tbg + c.trainer_threads + with_split))
+        alone = np.minimum(1.0, c.trainer_cores / (bg + c.trainer_threads))
+        beside = np.minimum(1.0, c.trainer_cores / (bg + c.trainer_threads + c.split_threads * c.split_with_trainer))
         t_pred = c.trainer_threads * ((1 - t[3]) * alone + t[3] * beside)
         k = int(np.argmin(np.sum(t[1] * (t_pred / _rate(t) - 1) ** 2, axis=1) + 1e-9 * _BACKGROUND))
         trainer_background = float(_BACKGROUND[k])
     else:
         t_pred = c.trainer_threads * (alone_t * share(1, 0, 0) + t[2] * share(1, workers, 0) + t[3] * share(1, 0, 1))
-        error = error + np.sum(t[1] * (t_pred / _rate(t) - 1) ** 2, axis=2)
+        error = error + np.sum(t[1] * (t_pred / _rate(t) - 1) ** 2, axis=1)
         trainer_background = 0.0
-    i, j = np.unravel_index(np.argmin(error + 1e-9 * bg[:, :, 0]), error.shape)
-    return msgspec.structs.replace(layout, background=float(_BACKGROUND[i]), worker_threads=float(_WORKER_THREADS[j]),
-                                   trainer_background=trainer_background,
+    i = int(np.argmin(error + 1e-9 * _BACKGROUND))
+    return msgspec.structs.replace(layout, background=float(_BACKGROUND[i]), trainer_background=trainer_background,
                                    trainer_rate=float(np.sum(t[0]) / np.sum(t[1])),
                                    worker_rate=float(np.sum(w[0]) / np.sum(w[1])))
 

@@ -95,8 +95,7 @@ def view(workload: Workload, rows: list[Row]) -> Group:
         pools = (f"the trainer on {c.trainer_cores} cores of its own ({c.trainer_background:.1f} other runnable "
                  f"threads), the workers on {c.cores}" if c.apart else f"{c.cores} cores")
         shared += (f" (from CPU times: {pools}, {c.background:.1f} other runnable threads; the trainer used "
-                   f"{c.trainer_rate:.2f} cores computing, a worker {c.worker_rate:.2f} decoding, "
-                   f"{c.worker_threads:.2f} threads' worth)")
+                   f"{c.trainer_rate:.2f} cores computing, a worker {c.worker_rate:.2f} decoding)")
     if (m := workload.split) is not None:
         shared += (f"; mismatch role: a split {1e3 * m.base_s:.0f} ms + {1e6 * m.pass_s_per_token:.1f} µs x tokens "
                    f"per scoring pass ({m.splits} splits)")

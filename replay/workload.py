@@ -53,6 +53,8 @@ __all__ = ["WorkloadError", "Pipeline", "GroupShape", "StepModel", "TrainerModel
 
 T = TypeVar("T")
 
+# Linux CFS weighs a thread's share of a contended core 1.25x less per nice level (sched_prio_to_weight).
+_NICE_WEIGHT = 1.25
 # Slowdown factors are fitted on this grid (0 = none, 3 = four times slower while shared).
 _SLOWDOWN_GRID = np.linspace(0.0, 3.0, 301)
 
@@ -161,7 +163,8 @@ def extract(run_dir: Path) -> Workload:
     intervals = _decode_intervals(run_dir, stats, computing, active, splitting)
     steps = _trainer_steps(commits, active, splitting)
     k = pipeline.rollout_workers
-    cores = _fit_cores(_layout(started, stats, splits, config.trainer.threads or 1), k, intervals, steps)
+    layout = _layout(started, stats, splits, config.trainer.threads or 1, config.engine.threads or 1)
+    cores = _fit_cores(layout, k, intervals, steps)
     return Workload(run_dir=str(run_dir), pipeline=pipeline, groups=groups,
                     decode=_fit_decode(intervals, cores and cores.decode_slowdown(k),
                                        cores.decode_slowdown(k, trainer=0, split=1) if cores else 0.0),
@@ -264,9 +267,11 @@ def _trainer_steps(commits: list[tuple[int, StepCommitted]], active: dict[str, n
 
 
 def _layout(started: list[RunStarted], stats: list[tuple[int, WorkerStats]], splits: list[tuple[int, MismatchSplit]],
-            trainer_threads: int) -> Cores | None:
+            trainer_threads: int, engine_threads: int) -> Cores | None:
     """The cores each role may use, as logged: the trainer apart from the workers when their
-    affinities share no core, else one pool of RunStarted.cpu_count; None when not recorded."""
+    affinities share no core, else one pool of RunStarted.cpu_count; None when not recorded. The
+    mismatch role runs trainer.threads threads, each weighted by its CPU priority (MismatchSplit.nice)
+    as Linux's scheduler weighs a contended core's threads."""
     trainer = set(started[-1].cpus) if started else set()
     workers = {c for _, e in stats for c in e.cpus}
     split = {c for _, e in splits for c in e.cpus}
@@ -274,9 +279,10 @@ def _layout(started: list[RunStarted], stats: list[tuple[int, WorkerStats]], spl
     cores = len(workers) if apart else len(trainer | workers) or (started[-1].cpu_count if started else 0)
     if cores < 1:
         return None
-    return Cores(cores=cores, background=0.0, trainer_threads=trainer_threads, worker_threads=1.0, trainer_rate=0.0,
+    return Cores(cores=cores, background=0.0, trainer_threads=trainer_threads, worker_threads=engine_threads,
+                 trainer_rate=0.0,
                  worker_rate=0.0, trainer_cores=len(trainer) if apart else 0,
-                 split_threads=trainer_threads if splits else 0.0,  # the role runs with trainer.threads
+                 split_threads=trainer_threads * _NICE_WEIGHT ** -splits[-1][1].nice if splits else 0.0,
                  split_with_workers=not split or not workers or bool(split & workers),
                  split_with_trainer=not split or not trainer or bool(split & trainer))
 

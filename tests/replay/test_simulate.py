@@ -42,35 +42,36 @@ def test_calibration_finds_the_shared_core_slowdown(tmp_path: Path) -> None:
 
 
 def test_calibration_fits_the_shared_cores_from_cpu_times(tmp_path: Path) -> None:
-    # 2 cores, 3 other runnable threads, a worker worth 1.5 threads: every role is slowed by the
-    # other, and the log's CPU times say by how much.
-    truth = Cores(cores=2, background=3.0, trainer_threads=1, worker_threads=1.5, trainer_rate=0, worker_rate=0)
+    # 2 cores, 3 other runnable threads, a worker's one decoding thread (engine.threads): every role
+    # is slowed by the other, and the log's CPU times say by how much.
+    truth = Cores(cores=2, background=3.0, trainer_threads=1, worker_threads=1, trainer_rate=0, worker_rate=0)
     w = extract(write_run(tmp_path / "run", async_level=0, cores=truth))
-    assert w.cores is not None and w.cores.cores == 2
-    assert (w.cores.background, w.cores.worker_threads) == pytest.approx((3.0, 1.5), abs=0.051)
-    assert w.cores.trainer_rate == pytest.approx(2 / 5.5, rel=1e-6)  # 1 thread of 5.5 on 2 cores
+    assert w.cores is not None and w.cores.cores == 2 and not w.cores.apart
+    assert (w.cores.background, w.cores.worker_threads) == pytest.approx((3.0, 1), abs=0.051)
+    assert w.cores.trainer_rate == pytest.approx(2 / 5, rel=1e-6)  # 1 thread of 5 on 2 cores
     # Times are taken back to the roles alone: the constants, and the model's slowdowns.
     assert w.decode.shared_slowdown == pytest.approx(truth.decode_slowdown(1), rel=0.05)
     assert w.trainer.shared_slowdown == pytest.approx(truth.trainer_slowdown(1), rel=0.05)
     assert (w.decode.base_s, w.trainer.base_s) == pytest.approx((A, C0), rel=0.05)
-    # A second worker demands 1.5 threads more: both roles slow further.
-    assert w.cores.decode_slowdown(2) < w.cores.decode_slowdown(1) < w.cores.trainer_slowdown(1) \
-        < w.cores.trainer_slowdown(2)
+    # A second worker demands one thread more: the trainer slows further, a decode step less (the
+    # trainer's thread is one of more).
+    assert w.cores.decode_slowdown(2) < w.cores.decode_slowdown(1) and \
+        w.cores.trainer_slowdown(1) < w.cores.trainer_slowdown(2)
     # A log without CPU times has no such model, and says so for an asynchronous scenario.
     assert extract(write_run(tmp_path / "old", async_level=0)).cores is None
 
 
 def test_background_rescales_each_role_from_the_logged_machine_to_the_scenarios(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    truth = Cores(cores=2, background=3.0, trainer_threads=1, worker_threads=1.5, trainer_rate=0, worker_rate=0)
+    truth = Cores(cores=2, background=3.0, trainer_threads=1, worker_threads=1, trainer_rate=0, worker_rate=0)
     run = write_run(tmp_path / "run", async_level=0, cores=truth)
     w = extract(run)
     walls = {bg: simulate(w, Scenario(pipeline=w.pipeline, dedicated=True, background=bg)).wall_s
              for bg in (None, 3.0, 0.0)}
     assert walls[3.0] == pytest.approx(walls[None], rel=1e-9)  # the logged machine
-    # Alone on 2 cores the trainer's one thread and the worker's 1.5 each run at full speed: the
-    # trainer 2/4 -> 1 (2x faster), the worker 2/4.5 -> 1 (2.25x); sync wall = sum of both sides.
-    step = _rollout_s() / 2.25 + (C0 + C1 * G * N * L + PUBLISH) / 2 + SWAP
+    # Alone on 2 cores the trainer's one thread and the worker's one each run at full speed: each
+    # 2/4 -> 1 (2x faster); sync wall = sum of both sides.
+    step = _rollout_s() / 2 + (C0 + C1 * G * N * L + PUBLISH) / 2 + SWAP
     assert walls[0.0] == pytest.approx(11 * step, rel=0.02)  # steps 2..12
     assert reel(["simulate", "--run", str(run), "--json", "--sweep", "background=0,3"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]

@@ -19,9 +19,9 @@ from reel.replay.simulate_split import SplitModel, passes
 from reel.replay.workload import extract
 from simulate_log import A, B, C0, C1, G, L, N, P, PUBLISH, SWAP, X, write_run
 
-# The bench's layout: the trainer alone on core 0 beside one other runnable thread, a worker worth
-# half a thread on core 1 with nothing else there.
-APART = Cores(cores=1, background=0.0, trainer_threads=1, worker_threads=0.5, trainer_rate=0, worker_rate=0,
+# The bench's layout: the trainer alone on core 0 beside one other runnable thread, a worker's one
+# decoding thread on core 1 beside half a thread's worth of other work.
+APART = Cores(cores=1, background=0.5, trainer_threads=1, worker_threads=1, trainer_rate=0, worker_rate=0,
               trainer_cores=1, trainer_background=1.0)
 
 
@@ -31,7 +31,7 @@ def test_roles_pinned_apart_are_fitted_on_their_own_cores_and_do_not_slow_each_o
     assert c is not None and c.apart and (c.trainer_cores, c.cores) == (1, 1)
     assert c.trainer_background == pytest.approx(1.0, abs=0.051)  # the trainer got half its core
     assert c.trainer_rate == pytest.approx(0.5, rel=1e-6)
-    assert (c.background, c.worker_threads) == pytest.approx((0.0, 0.5), abs=0.051)
+    assert (c.background, c.worker_rate) == pytest.approx((0.5, 1 / 1.5), abs=0.011)
     assert c.trainer_slowdown(1) == c.decode_slowdown(1) == 0.0
     assert (w.decode.shared_slowdown, w.trainer.shared_slowdown) == (0.0, 0.0)
     assert (w.decode.base_s, w.trainer.base_s) == pytest.approx((A, C0), rel=1e-6)
@@ -39,10 +39,10 @@ def test_roles_pinned_apart_are_fitted_on_their_own_cores_and_do_not_slow_each_o
     pipeline = msgspec.structs.replace(w.pipeline, async_level=1)
     shared, dedicated = (simulate(w, Scenario(pipeline=pipeline, dedicated=d)).wall_s for d in (False, True))
     assert shared == pytest.approx(dedicated, rel=1e-12)
-    # A background given for the machine spreads over its two cores: half a thread beside the
-    # trainer halves its logged slowness (2/1.5 of its share), the worker's core stays as it was.
+    # A background given for the machine spreads over its two cores: half a thread on each, so the
+    # trainer (one beside it as logged) speeds up to 1/1.5 of its core, the worker stays as it was.
     f = factors(c, 1, 1, background=1.0)
-    assert (f.trainer_scale, f.decode_scale) == pytest.approx((0.5 / (1 / 1.5), 1.0), rel=0.06)
+    assert (f.trainer_scale, f.decode_scale) == pytest.approx((0.5 / (1 / 1.5), 1.0), rel=0.02)
 
 
 def test_the_shared_layout_is_kept_for_logs_without_affinities(tmp_path: Path) -> None:
@@ -102,3 +102,12 @@ def test_a_split_beside_the_trainer_slows_its_compute(tmp_path: Path) -> None:
     step = SWAP + _rollout_s() + 2 * compute + PUBLISH
     assert SWAP + _rollout_s() + 2 * compute < 0.42 < step  # the split outlasts the compute it slows
     assert simulate(w, Scenario(pipeline=w.pipeline)).wall_s == pytest.approx(9 * step, rel=1e-9)
+
+
+def test_a_niced_mismatch_role_takes_little_of_a_shared_core(tmp_path: Path) -> None:
+    # The role's threads weigh 1.25x less per nice level, as Linux's scheduler weighs them.
+    for nice in (0, 19):
+        w = extract(write_run(tmp_path / f"nice{nice}", async_level=0, cores=APART, split=(0.03, 0.0002), nice=nice))
+        assert w.cores is not None and w.cores.split_threads == pytest.approx(1.25 ** -nice)
+        # On the worker's core beside half a thread of other work: 1.5 threads, 1.5 + weight with the role.
+        assert w.cores.decode_slowdown(1, trainer=0, split=1) == pytest.approx(1.25 ** -nice / 1.5, rel=0.04)

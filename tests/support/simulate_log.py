@@ -38,14 +38,14 @@ def sample(turns: tuple[int, ...], env_s: tuple[float, ...] = ()) -> Sample:
 
 def write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: float = 0.0,
               episodes: list[tuple[int, ...]] | None = None, world_size: int = 1, cores: Cores | None = None,
-              env_s: tuple[float, ...] = (), split: tuple[float, float] | None = None) -> Path:
+              env_s: tuple[float, ...] = (), split: tuple[float, float] | None = None, nice: int = 0) -> Path:
     """A run directory whose log holds exactly the constants above (and `slowdown` while overlapping);
     every group's samples have the turns of `episodes` (default: N one-turn samples of L tokens).
     With `cores`, the log has CPU times and the times are those that processor sharing gives; pinned
     apart, the trainer logs core 0 as its affinity and the worker the others. With `split` = (base
     seconds, seconds of a scoring pass per token), the trainer's π_old scoring takes a pass and the
     mismatch role splits each step after its commit, one pass more for each older version
-    (every even step has one)."""
+    (every even step has one), at CPU priority `nice`."""
     raw = {"run": {"name": "synthetic", "steps": steps},
            "rollout": {"workers": 1, "concurrency": G, "group_size": N, "async_level": async_level, "max_tokens": L},
            "trainer": {"batch_groups": G, "max_off_policy_steps": 8, "ranks": world_size}, "engine": {"max_batch": 64}}
@@ -86,7 +86,7 @@ def write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: flo
                 versions = [step - 2] if step % 2 == 0 else []
                 seconds = split[0] + (1 + len(versions)) * split[1] * tokens
                 splits.append((f"{now_ms + round(1000 * seconds)}-0", encode(MismatchSplit(
-                    **meta, seq=step, step=step, figures={}, versions=versions, compute_s=seconds))))
+                    **meta, seq=step, step=step, figures={}, versions=versions, compute_s=seconds, nice=nice))))
         log.stream("steps").append_batch(sorted(commits + splits, key=lambda e: int(e[0].split("-")[0])))
         # WorkerStats every 700 ms (so intervals overlap compute by varying shares), batch sizes varying.
         stats, steps_done, tokens_done, forward, busy, cpu = [], 0, 0, 0, 0.0, 1.0
