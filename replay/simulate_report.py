@@ -92,8 +92,8 @@ def view(workload: Workload, rows: list[Row]) -> Group:
     shared = "" if not (d.shared_slowdown or t.shared_slowdown) else (
         f"; while sharing cores: decode x{1 + d.shared_slowdown:.2f}, trainer x{1 + t.shared_slowdown:.2f}")
     if (c := workload.cores) is not None:
-        pools = (f"the trainer on {c.trainer_cores} cores of its own ({c.trainer_background:.1f} other runnable "
-                 f"threads), the workers on {c.cores}" if c.apart else f"{c.cores} cores")
+        pools = (f"the trainer on {_cores(c.trainer_cores)} of its own ({c.trainer_background:.1f} other runnable "
+                 f"threads), the workers on {_cores(c.cores)}" if c.apart else _cores(c.cores))
         shared += (f" (from CPU times: {pools}, {c.background:.1f} other runnable threads; the trainer used "
                    f"{c.trainer_rate:.2f} cores computing, a worker {c.worker_rate:.2f} decoding)")
     if (m := workload.split) is not None:
@@ -125,6 +125,10 @@ def view(workload: Workload, rows: list[Row]) -> Group:
                       "-" if c.rollout_idle_error is None else f"{c.rollout_idle_error:+.1%}", "",
                       f"TV {c.staleness_tv:.3f}", "", "", "", end_section=True)
     return Group(table)
+
+
+def _cores(n: int) -> str:
+    return f"{n} core" if n == 1 else f"{n} cores"
 
 
 def _episodes(workload: Workload) -> str:
