@@ -6,8 +6,9 @@ distribution, one worker, every role a real process, run synchronously (A) and a
 cores costs B comes from A's CPU times (replay/simulate_cores.py). The staleness histogram and the
 trainer's idle share must land within the issue's targets. Wall time is held to a looser bound
 than the 15% target: the machine's other tenants change how many cores the run gets between A and
-B, and B's trainer runs the mismatch split, neither of which a log of A can show
-(docs/simulator.md has the measured pairs).
+B, which a log of A cannot show (docs/simulator.md has the measured pairs). The mismatch role runs
+beside both (its own process since issue 43): A's log has its splits, and the simulation prices
+B's, one scoring pass more per older version, from them.
 The second pair is examples/slow_calc.toml made small: multi-turn episodes whose tool calls wait a
 heavy-tailed wall time, run synchronously and at async_level 2; the simulator replays each logged
 call's wait (Sample.env_s) for its episode alone while the engine goes on.
