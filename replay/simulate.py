@@ -31,9 +31,10 @@
                     measured speed is also rescaled from the logged machine to the scenario's: its
                     worker count, and `background` (other runnable threads) when given. Roles pinned to
                     disjoint cores (their logged affinities) do not slow each other.
-    mismatch role   after each due commit the role splits that step: a job of the wall seconds the log's
+    mismatch role   after each due commit the role splits that step: a job of the seconds alone the log's
                     splits give for its passes (π_old and each older version among its tokens) and tokens
-                    (replay/simulate_split.py), one at a time; while one runs, decode steps starting and
+                    (replay/simulate_split.py), one at a time, its pace re-timed like the trainer's as
+                    workers start and stop decoding beside it; while one runs, decode steps starting and
                     the trainer's compute are slowed as far as the role shares their cores (unless `dedicated`).
 
 Figures are those of `reel bench async`: wall time and idle shares over steps 2..N.
@@ -102,9 +103,13 @@ class _Simulation:
     staleness: dict[int, int]
     used: int
     dropped: int
-    # The mismatch role: seconds of each split still to start; whether one is running.
+    # The mismatch role: seconds alone of each split still to start; the running one's as the trainer's.
     splits: collections.deque[float]
     splitting: bool
+    split_left: float
+    split_since: float
+    split_factor: float
+    split_timer: int
     # Redis.
     redis_free: float  # when the Redis thread is next free
     redis_busy: list[tuple[float, float]]
@@ -137,6 +142,8 @@ class _Simulation:
         self.redis_busy = []
         self.splits = collections.deque()
         self.splitting = False
+        self.split_left = self.split_since = self.split_factor = 0.0
+        self.split_timer = 0
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -165,10 +172,11 @@ class _Simulation:
                     self._at(self.workload.trainer.publish_s * self.factors.trainer_scale, "commit")
                 case "commit":
                     self._commit()
-                case "split":
+                case "split" if payload == self.split_timer:
                     self.splitting = False
                     self._next_split()
             self._retime_compute()
+            self._retime_split()
         return self._result()
 
     def _at(self, delay: float, kind: str, index: int = 0, payload: object = None) -> None:
@@ -303,7 +311,23 @@ class _Simulation:
         if self.splitting or not self.splits:
             return
         self.splitting = True
-        self._at(self.splits.popleft(), "split")
+        self.split_left, self.split_since, self.split_factor = self.splits.popleft(), self.now, 0.0
+        self._retime_split()
+
+    def _retime_split(self) -> None:
+        """The running split's pace follows what computes and decodes beside it."""
+        if not self.splitting:
+            return
+        decoding = sum(1 for w in self.workers if w.running) / len(self.workers)
+        factor = 1.0 if self.scenario.dedicated else \
+            1.0 + self.factors.split_decode * decoding + self.factors.split_trainer * (self.compute_left is not None)
+        if factor == self.split_factor:
+            return
+        if self.split_factor:
+            self.split_left -= (self.now - self.split_since) / self.split_factor
+        self.split_since, self.split_factor = self.now, factor
+        self.split_timer += 1
+        self._at(self.split_left * factor, "split", payload=self.split_timer)
 
     def _rank_speed(self, ranks: int) -> float:
         """Trainer throughput of `ranks` ranks relative to one process."""

@@ -77,6 +77,21 @@ class Cores(msgspec.Struct, kw_only=True):
         """Extra share of a decode step while the trainer computes (and the role splits) beside `workers` decoding."""
         return self.share(0, workers) / self.share(trainer, workers, split) - 1.0
 
+    def split_rate(self, trainer: float, workers: float) -> float:
+        """Cores per thread of the mismatch role (weighed by its priority) while splitting beside the
+        trainer computing (0/1) and `workers` decoding, on the pool whose cores it shares."""
+        weight = self.split_threads / self.trainer_threads  # the role runs trainer.threads threads
+        if self.split_with_workers or not self.apart:
+            cores, threads = self.cores, self.background + self.worker_threads * workers
+            threads += 0 if self.apart else self.trainer_threads * trainer
+        else:
+            cores, threads = self.trainer_cores, self.trainer_background + self.trainer_threads * trainer
+        return min(1.0, cores * weight / (threads + self.split_threads)) if weight > 0 else 1.0
+
+    def split_slowdown(self, workers: int, trainer: float = 0.0) -> float:
+        """Extra share of a split while `workers` decode (and the trainer computes) beside it."""
+        return self.split_rate(0, 0) / self.split_rate(trainer, workers) - 1.0
+
 
 class Factors(msgspec.Struct, frozen=True):
     """How a scenario's machine changes each role's logged times."""
@@ -87,6 +102,8 @@ class Factors(msgspec.Struct, frozen=True):
     trainer_scale: float = 1.0  # the trainer's compute and publish seconds, likewise
     decode_split: float = 0.0  # extra share of a decode step while the mismatch role computes
     trainer_split: float = 0.0  # extra share of the trainer's compute while the mismatch role computes
+    split_decode: float = 0.0  # extra share of a split while every worker decodes
+    split_trainer: float = 0.0  # extra share of a split while the trainer computes
 
 
 def factors(logged: Cores, logged_workers: int, workers: int, background: float | None) -> Factors:
@@ -102,7 +119,8 @@ def factors(logged: Cores, logged_workers: int, workers: int, background: float 
                    decode_scale=logged.share(0, logged_workers) / cores.share(0, workers),
                    trainer_scale=logged.trainer_share(0) / cores.trainer_share(0),
                    decode_split=cores.decode_slowdown(workers, trainer=0, split=1),
-                   trainer_split=cores.trainer_slowdown(0, split=1))
+                   trainer_split=cores.trainer_slowdown(0, split=1),
+                   split_decode=cores.split_slowdown(workers), split_trainer=cores.split_slowdown(0, trainer=1))
 
 
 class CpuRate(msgspec.Struct, array_like=True):

@@ -8,12 +8,16 @@ versions and whose steps come faster, keeps it busier than the synchronous run t
 calibrated on. From the log's MismatchSplit events, a split of a step with P passes over T tokens
 takes
 
-    base_s + P · pass_s_per_token · T   wall seconds,
+    base_s + P · pass_s_per_token · T   seconds alone on its cores,
 
 pass_s_per_token being the trainer's own π_old scoring per token (StepTiming.score_old: one forward
-pass over the batch, the same work) and base_s the rest (copying the model, loading weights, reading
-the groups), the mean over the logged splits. A synchronous log has P = 1 only; the extra passes
-of an asynchronous scenario are priced by that measured forward pass, not assumed.
+pass over the batch, the same work, on the trainer's cores) and base_s the rest (copying the model,
+loading weights, reading the groups), the mean over the logged splits of their wall seconds
+(MismatchSplit.compute_s) taken back to the role alone: each divided by the stretch that sharing
+its cores gave it (replay/simulate_cores.py), from how much of it the workers decoded and the
+trainer computed beside it. A synchronous log has P = 1 only; the extra passes of an asynchronous
+scenario are priced by that measured forward pass, not assumed. In the simulation a split's pace
+follows what runs beside it, so a role that falls behind splits back to back beside the workers.
 """
 
 from __future__ import annotations
@@ -39,11 +43,13 @@ class SplitModel(msgspec.Struct, kw_only=True):
 
 
 def fit_split(commits: list[tuple[int, StepCommitted]], splits: list[tuple[int, MismatchSplit]],
-              every: int) -> SplitModel | None:
-    """The cost model from steps 2..N's splits; None when the log has none (no mismatch role, or a log
-    from before it) or the trainer did not time its π_old scoring."""
+              every: int, stretch: list[float]) -> SplitModel | None:
+    """The cost model from steps 2..N's splits, each's wall seconds divided by its `stretch` (1 +
+    its slowdown from sharing cores; ones without a model); None when the log has none (no mismatch
+    role, or a log from before it) or the trainer did not time its π_old scoring."""
     steps = {e.step: e for _, e in commits[1:]}
-    rows = [(e, steps[e.step]) for _, e in splits if e.step in steps and e.compute_s > 0]
+    rows = [(msgspec.structs.replace(e, compute_s=e.compute_s / k), steps[e.step])
+            for (_, e), k in zip(splits, stretch, strict=True) if e.step in steps and e.compute_s > 0]
     tokens = sum(c.metrics.get("tokens", 0.0) for _, c in commits[1:])
     scoring = sum(c.timing.score_old for _, c in commits[1:])
     if not rows or tokens <= 0 or scoring <= 0:

@@ -171,7 +171,8 @@ def extract(run_dir: Path) -> Workload:
                     trainer=_fit_trainer(commits, steps, cores and cores.trainer_slowdown(k),
                                          cores.trainer_slowdown(0, split=1) if cores else 0.0),
                     swap_s=_mean([s for _, e in stats for s in e.swap_s]), measured=measured_of(commits, stats),
-                    cores=cores, split=fit_split(commits, splits, config.mismatch.every),
+                    cores=cores, split=fit_split(commits, splits, config.mismatch.every,
+                                                 _split_stretch(splits, cores, computing, active, stats)),
                     split_in_step=not splits and config.mismatch.every > 0)
 
 
@@ -285,6 +286,30 @@ def _layout(started: list[RunStarted], stats: list[tuple[int, WorkerStats]], spl
                  split_threads=trainer_threads * _NICE_WEIGHT ** -splits[-1][1].nice if splits else 0.0,
                  split_with_workers=not split or not workers or bool(split & workers),
                  split_with_trainer=not split or not trainer or bool(split & trainer))
+
+
+def _split_stretch(splits: list[tuple[int, MismatchSplit]], cores: Cores | None, computing: np.ndarray,
+                   active: dict[str, np.ndarray], stats: list[tuple[int, WorkerStats]]) -> list[float]:
+    """Per split, how much sharing its cores stretched it: the workers decoding beside it (their
+    share of it with a group in flight, times the share of that time their engines decoded) and the
+    trainer computing."""
+    if cores is None or not splits:
+        return [1.0] * len(splits)
+    first = {}
+    for _, e in stats:
+        first.setdefault(e.worker, e)
+    last = {e.worker: e for _, e in stats}
+    decoding = {w: (last[w].busy_s - first[w].busy_s) / max(1e-9, sum(
+        (last[w].busy_s - first[w].busy_s, last[w].tool_wait_s - first[w].tool_wait_s))) for w in last}
+    k = len(active) or 1
+    out = []
+    for ms, e in splits:
+        span = np.array([[ms - 1000 * e.compute_s, ms]])
+        wall = max(1.0, 1000 * e.compute_s)
+        busy = sum(intersection(a, span) / wall * decoding.get(w, 1.0) for w, a in active.items()) / k
+        out.append(1.0 + cores.split_slowdown(k) * busy + cores.split_slowdown(0, trainer=1) *
+                   intersection(computing, span) / wall)
+    return out
 
 
 def _fit_cores(layout: Cores | None, workers: int, intervals: list[_Interval], steps: list[CpuRate]) -> Cores | None:

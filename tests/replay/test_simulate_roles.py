@@ -77,8 +77,8 @@ def _rollout_s() -> float:
 def test_a_split_running_beside_the_workers_slows_their_decoding(tmp_path: Path, with_workers: bool) -> None:
     w = extract(write_run(tmp_path / "run", async_level=0, steps=10))
     # One thread of the role beside the worker's one on their core: each gets half while both run,
-    # a decode step takes twice as long. Each split (0.3 s) outlasts the round after its commit
-    # (0.233 s) and ends before the trainer, on its own core, has finished computing.
+    # a decode step takes twice as long. Splits of 0.3 s alone (longer beside decoding) follow each
+    # other through every round from the first commit on; the trainer, on its own core, is not slowed.
     cores = Cores(cores=1, background=0.0, trainer_threads=1, worker_threads=1.0, trainer_rate=0, worker_rate=0,
                   trainer_cores=1, split_threads=1.0, split_with_workers=with_workers, split_with_trainer=False)
     w = msgspec.structs.replace(w, cores=cores, split=SplitModel(base_s=0.3, pass_s_per_token=0.0, every=1, splits=1))
@@ -111,3 +111,20 @@ def test_a_niced_mismatch_role_takes_little_of_a_shared_core(tmp_path: Path) -> 
         assert w.cores is not None and w.cores.split_threads == pytest.approx(1.25 ** -nice)
         # On the worker's core beside half a thread of other work: 1.5 threads, 1.5 + weight with the role.
         assert w.cores.decode_slowdown(1, trainer=0, split=1) == pytest.approx(1.25 ** -nice / 1.5, rel=0.04)
+
+
+def test_a_split_goes_at_half_pace_beside_a_decoding_worker(tmp_path: Path) -> None:
+    w = extract(write_run(tmp_path / "run", async_level=0, steps=10))
+    cores = Cores(cores=1, background=0.0, trainer_threads=1, worker_threads=1.0, trainer_rate=0, worker_rate=0,
+                  trainer_cores=1, split_threads=1.0, split_with_workers=True, split_with_trainer=False)
+    assert cores.split_slowdown(1) == 1.0 and cores.split_slowdown(0, trainer=1) == 0.0
+    w = msgspec.structs.replace(w, cores=cores, split=SplitModel(base_s=0.05, pass_s_per_token=0.0, every=1, splits=1))
+    # After each commit the split runs alone while the worker swaps (4 ms), then at half pace beside
+    # its decoding: 46 ms of work left take 92 ms, so it ends 96 ms after the commit. Decode steps
+    # that start before then take twice as long: the first (with the prefill) 48.8 ms, the second
+    # and third 36 ms; the last three 18 ms each.
+    first, step = 2 * (A + B * G * N + X * G * N * (P - 1)), A + B * G * N
+    assert SWAP + first + step < 0.096 < SWAP + first + 2 * step * 2
+    rollout = first + 2 * (2 * step) + 3 * step
+    train = C0 + C1 * G * N * L + PUBLISH
+    assert simulate(w, Scenario(pipeline=w.pipeline)).wall_s == pytest.approx(9 * (SWAP + rollout + train), rel=1e-9)

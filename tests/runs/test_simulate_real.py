@@ -62,7 +62,10 @@ checkpoint_every = 1000
 # Measured 2026-12-05 (load 6.5 to 9.7): long-tail -24%; slow-tool -48% with the split in the step,
 # -29% with it in its own role (the split branch), each run's own log fitting it within 2%: what
 # remains is the trainer's share of the loaded cores, which moves between the two runs. The 15%
-# target cannot be a test on this machine.
+# target cannot be a test on this machine. With the mismatch role simulated (2026-12-05 04:35-04:40,
+# load 3.8 to 7, the lead's test suite beside it): long-tail -2.0% (main's simulator -4.6% on the same
+# logs); slow-tool +54.7% (main's +37.5%): its synchronous run's trainer got 0.30 of a core, the
+# asynchronous run's 0.47 as the load fell. Not tightened: that drift alone exceeds 0.5.
 WALL_BOUND = 0.5
 # Staleness histograms, total variation: long-tail 0.004; slow-tool 0.235 with the mismatch split in
 # the trainer's step (a slower async trainer lets rounds age: more tokens two versions behind), 0.103
