@@ -21,8 +21,9 @@ affinities' cores), the trainer's and the mismatch role's threads are trainer.th
 worker's its engine's step thread (engine.threads), and each StepCommitted.cpu_s over its compute
 seconds, each worker's ΔWorkerStats.cpu_s over its decoding seconds (ΔWorkerStats.busy_s: waiting
 on a tool it is not runnable), is a measured `n · g` at a known overlap with the other roles. The
-background (of each pool) is the one that best explains those rates (a grid, relative error). A synchronous log, in which the roles never overlap, so gives what overlapping will cost:
-the cores each role used alone, and how busy the machine already was. Logs without CPU times
+background (of each pool) is the one that best explains those rates (a grid, relative error). A
+synchronous log, in which the roles never overlap, so gives what overlapping will cost: the cores
+each role used alone, and how busy the machine already was. Logs without CPU times
 (written before Reel recorded them) cannot tell, and the calibration says so.
 """
 
@@ -31,9 +32,13 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-__all__ = ["Cores", "CpuRate", "Factors", "fit_cores", "factors"]
+from reel.bus.events import MismatchSplit, RunStarted, WorkerStats
+
+__all__ = ["Cores", "CpuRate", "Factors", "fit_cores", "factors", "layout_of", "NICE_WEIGHT"]
 
 _BACKGROUND = np.linspace(0.0, 24.0, 481)  # runnable threads besides the run's roles
+# Linux CFS weighs a thread's share of a contended core 1.25x less per nice level (sched_prio_to_weight).
+NICE_WEIGHT = 1.25
 
 
 class Cores(msgspec.Struct, kw_only=True):
@@ -42,7 +47,7 @@ class Cores(msgspec.Struct, kw_only=True):
     trainer_threads: float  # config trainer.threads
     worker_threads: float  # per rollout worker decoding: its engine's step thread (config engine.threads)
     trainer_rate: float  # cores the trainer used while computing (measured mean)
-    worker_rate: float  # cores a worker used while it had a group in flight (measured mean)
+    worker_rate: float  # cores a worker used while decoding (measured mean)
     # Pinned apart: the trainer's own cores and their other runnable threads (0 cores: it shares the workers').
     trainer_cores: int = 0
     trainer_background: float = 0.0
@@ -57,7 +62,8 @@ class Cores(msgspec.Struct, kw_only=True):
     def share(self, trainer: float, workers: float, split: float = 0.0) -> float:
         """Cores per runnable thread on the workers' cores while the trainer computes (0/1), `workers`
         decode and the mismatch role computes (0/1)."""
-        threads = self.background + self.worker_threads * workers + self.split_threads * split * self.split_with_workers
+        threads = self.background + self.worker_threads * workers
+        threads += self.split_threads * split * self.split_with_workers
         if not self.apart:
             threads += self.trainer_threads * trainer
         return min(1.0, self.cores / threads) if threads > 0 else 1.0
@@ -66,7 +72,8 @@ class Cores(msgspec.Struct, kw_only=True):
         """Cores per runnable thread on the trainer's cores while it computes."""
         if not self.apart:
             return self.share(1, workers, split)
-        threads = self.trainer_background + self.trainer_threads + self.split_threads * split * self.split_with_trainer
+        threads = self.trainer_background + self.trainer_threads
+        threads += self.split_threads * split * self.split_with_trainer
         return min(1.0, self.trainer_cores / threads)
 
     def trainer_slowdown(self, workers: int, split: float = 0.0) -> float:
@@ -74,7 +81,7 @@ class Cores(msgspec.Struct, kw_only=True):
         return self.trainer_share(0) / self.trainer_share(workers, split) - 1.0
 
     def decode_slowdown(self, workers: int, trainer: float = 1.0, split: float = 0.0) -> float:
-        """Extra share of a decode step while the trainer computes (and the role splits) beside `workers` decoding."""
+        """Extra share of a decode step while the trainer computes (and the role splits) beside `workers`."""
         return self.share(0, workers) / self.share(trainer, workers, split) - 1.0
 
     def split_rate(self, trainer: float, workers: float) -> float:
@@ -121,6 +128,26 @@ def factors(logged: Cores, logged_workers: int, workers: int, background: float 
                    decode_split=cores.decode_slowdown(workers, trainer=0, split=1),
                    trainer_split=cores.trainer_slowdown(0, split=1),
                    split_decode=cores.split_slowdown(workers), split_trainer=cores.split_slowdown(0, trainer=1))
+
+
+def layout_of(started: list[RunStarted], stats: list[tuple[int, WorkerStats]], splits: list[tuple[int, MismatchSplit]],
+            trainer_threads: int, engine_threads: int) -> Cores | None:
+    """The cores each role may use, as logged: the trainer apart from the workers when their
+    affinities share no core, else one pool of RunStarted.cpu_count; None when not recorded. The
+    mismatch role runs trainer.threads threads, each weighted by its CPU priority (MismatchSplit.nice)
+    as Linux's scheduler weighs a contended core's threads."""
+    trainer = set(started[-1].cpus) if started else set()
+    workers = {c for _, e in stats for c in e.cpus}
+    split = {c for _, e in splits for c in e.cpus}
+    apart = bool(trainer and workers and not trainer & workers)
+    cores = len(workers) if apart else len(trainer | workers) or (started[-1].cpu_count if started else 0)
+    if cores < 1:
+        return None
+    return Cores(cores=cores, background=0.0, trainer_threads=trainer_threads, worker_threads=engine_threads,
+                 trainer_rate=0.0, worker_rate=0.0, trainer_cores=len(trainer) if apart else 0,
+                 split_threads=trainer_threads * NICE_WEIGHT ** -splits[-1][1].nice if splits else 0.0,
+                 split_with_workers=not split or not workers or bool(split & workers),
+                 split_with_trainer=not split or not trainer or bool(split & trainer))
 
 
 class CpuRate(msgspec.Struct, array_like=True):

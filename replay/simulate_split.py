@@ -23,10 +23,13 @@ follows what runs beside it, so a role that falls behind splits back to back bes
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
-from reel.bus.events import MismatchSplit, StepCommitted
+from reel.bus.events import MismatchSplit, StepCommitted, WorkerStats
+from reel.replay.intervals import intersection
+from reel.replay.simulate_cores import Cores
 
-__all__ = ["SplitModel", "fit_split", "passes"]
+__all__ = ["SplitModel", "fit_split", "passes", "stretch"]
 
 
 class SplitModel(msgspec.Struct, kw_only=True):
@@ -63,3 +66,27 @@ def fit_split(commits: list[tuple[int, StepCommitted]], splits: list[tuple[int, 
 def passes(behind: dict[int, int]) -> int:
     """Scoring passes of a batch whose tokens are `behind` versions behind: π_old, and each older version."""
     return 1 + sum(1 for b, tokens in behind.items() if b >= 1 and tokens > 0)
+
+
+def stretch(splits: list[tuple[int, MismatchSplit]], cores: Cores | None, computing: np.ndarray,
+                   active: dict[str, np.ndarray], stats: list[tuple[int, WorkerStats]]) -> list[float]:
+    """Per split, how much sharing its cores stretched it: the workers decoding beside it (their
+    share of it with a group in flight, times the share of that time their engines decoded) and the
+    trainer computing."""
+    if cores is None or not splits:
+        return [1.0] * len(splits)
+    first = {}
+    for _, e in stats:
+        first.setdefault(e.worker, e)
+    last = {e.worker: e for _, e in stats}
+    decoding = {w: (last[w].busy_s - first[w].busy_s) / max(1e-9, sum(
+        (last[w].busy_s - first[w].busy_s, last[w].tool_wait_s - first[w].tool_wait_s))) for w in last}
+    k = len(active) or 1
+    out = []
+    for ms, e in splits:
+        span = np.array([[ms - 1000 * e.compute_s, ms]])
+        wall = max(1.0, 1000 * e.compute_s)
+        busy = sum(intersection(a, span) / wall * decoding.get(w, 1.0) for w, a in active.items()) / k
+        out.append(1.0 + cores.split_slowdown(k) * busy + cores.split_slowdown(0, trainer=1) *
+                   intersection(computing, span) / wall)
+    return out

@@ -42,8 +42,8 @@ from reel.bus.log import LogError
 from reel.bus.run_log import RunLog
 from reel.replay.intervals import (NONE, active_intervals, clip, compute_intervals, intersection, length,
                                    split_intervals)
-from reel.replay.simulate_cores import Cores, CpuRate, fit_cores
-from reel.replay.simulate_split import SplitModel, fit_split
+from reel.replay.simulate_cores import Cores, CpuRate, fit_cores, layout_of
+from reel.replay.simulate_split import SplitModel, fit_split, stretch
 from reel.runtime.config.sections import Config
 from reel.runtime.config.keys import ConfigError
 from reel.runtime.config.run import load
@@ -53,8 +53,6 @@ __all__ = ["WorkloadError", "Pipeline", "GroupShape", "StepModel", "TrainerModel
 
 T = TypeVar("T")
 
-# Linux CFS weighs a thread's share of a contended core 1.25x less per nice level (sched_prio_to_weight).
-_NICE_WEIGHT = 1.25
 # Slowdown factors are fitted on this grid (0 = none, 3 = four times slower while shared).
 _SLOWDOWN_GRID = np.linspace(0.0, 3.0, 301)
 
@@ -163,7 +161,7 @@ def extract(run_dir: Path) -> Workload:
     intervals = _decode_intervals(run_dir, stats, computing, active, splitting)
     steps = _trainer_steps(commits, active, splitting)
     k = pipeline.rollout_workers
-    layout = _layout(started, stats, splits, config.trainer.threads or 1, config.engine.threads or 1)
+    layout = layout_of(started, stats, splits, config.trainer.threads or 1, config.engine.threads or 1)
     cores = _fit_cores(layout, k, intervals, steps)
     return Workload(run_dir=str(run_dir), pipeline=pipeline, groups=groups,
                     decode=_fit_decode(intervals, cores and cores.decode_slowdown(k),
@@ -172,7 +170,7 @@ def extract(run_dir: Path) -> Workload:
                                          cores.trainer_slowdown(0, split=1) if cores else 0.0),
                     swap_s=_mean([s for _, e in stats for s in e.swap_s]), measured=measured_of(commits, stats),
                     cores=cores, split=fit_split(commits, splits, config.mismatch.every,
-                                                 _split_stretch(splits, cores, computing, active, stats)),
+                                                 stretch(splits, cores, computing, active, stats)),
                     split_in_step=not splits and config.mismatch.every > 0)
 
 
@@ -265,51 +263,6 @@ def _trainer_steps(commits: list[tuple[int, StepCommitted]], active: dict[str, n
         rows.append(CpuRate(e.cpu_s, e.timing.compute, _mean(decoding),
                             intersection(span, splitting) / max(1.0, 1000 * e.timing.compute)))
     return rows
-
-
-def _layout(started: list[RunStarted], stats: list[tuple[int, WorkerStats]], splits: list[tuple[int, MismatchSplit]],
-            trainer_threads: int, engine_threads: int) -> Cores | None:
-    """The cores each role may use, as logged: the trainer apart from the workers when their
-    affinities share no core, else one pool of RunStarted.cpu_count; None when not recorded. The
-    mismatch role runs trainer.threads threads, each weighted by its CPU priority (MismatchSplit.nice)
-    as Linux's scheduler weighs a contended core's threads."""
-    trainer = set(started[-1].cpus) if started else set()
-    workers = {c for _, e in stats for c in e.cpus}
-    split = {c for _, e in splits for c in e.cpus}
-    apart = bool(trainer and workers and not trainer & workers)
-    cores = len(workers) if apart else len(trainer | workers) or (started[-1].cpu_count if started else 0)
-    if cores < 1:
-        return None
-    return Cores(cores=cores, background=0.0, trainer_threads=trainer_threads, worker_threads=engine_threads,
-                 trainer_rate=0.0,
-                 worker_rate=0.0, trainer_cores=len(trainer) if apart else 0,
-                 split_threads=trainer_threads * _NICE_WEIGHT ** -splits[-1][1].nice if splits else 0.0,
-                 split_with_workers=not split or not workers or bool(split & workers),
-                 split_with_trainer=not split or not trainer or bool(split & trainer))
-
-
-def _split_stretch(splits: list[tuple[int, MismatchSplit]], cores: Cores | None, computing: np.ndarray,
-                   active: dict[str, np.ndarray], stats: list[tuple[int, WorkerStats]]) -> list[float]:
-    """Per split, how much sharing its cores stretched it: the workers decoding beside it (their
-    share of it with a group in flight, times the share of that time their engines decoded) and the
-    trainer computing."""
-    if cores is None or not splits:
-        return [1.0] * len(splits)
-    first = {}
-    for _, e in stats:
-        first.setdefault(e.worker, e)
-    last = {e.worker: e for _, e in stats}
-    decoding = {w: (last[w].busy_s - first[w].busy_s) / max(1e-9, sum(
-        (last[w].busy_s - first[w].busy_s, last[w].tool_wait_s - first[w].tool_wait_s))) for w in last}
-    k = len(active) or 1
-    out = []
-    for ms, e in splits:
-        span = np.array([[ms - 1000 * e.compute_s, ms]])
-        wall = max(1.0, 1000 * e.compute_s)
-        busy = sum(intersection(a, span) / wall * decoding.get(w, 1.0) for w, a in active.items()) / k
-        out.append(1.0 + cores.split_slowdown(k) * busy + cores.split_slowdown(0, trainer=1) *
-                   intersection(computing, span) / wall)
-    return out
 
 
 def _fit_cores(layout: Cores | None, workers: int, intervals: list[_Interval], steps: list[CpuRate]) -> Cores | None:
