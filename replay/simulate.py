@@ -51,7 +51,8 @@ import numpy as np
 
 from reel.bus.errors import ReelError
 from reel.replay.simulate_cores import Factors, factors
-from reel.replay.simulate_parts import Group, Sequence, SimResult, Worker, bottleneck, clip_length, mean_result
+from reel.replay.simulate_parts import (Group, Paced, Sequence, SimResult, Worker, bottleneck, clip_length,
+                                        mean_result)
 from reel.replay.simulate_split import passes
 from reel.replay.workload import Pipeline, Workload
 
@@ -94,10 +95,7 @@ class _Simulation:
     queue: collections.deque[Group]  # arrived, not yet offered
     batch: list[Group]
     computing: bool  # computing or publishing
-    compute_left: float | None  # unslowed compute seconds still to do as of compute_since; None: publishing
-    compute_since: float
-    compute_factor: float  # the slowdown the pending "computed" event was timed with
-    compute_timer: int  # the pending "computed" event's payload; an older one is stale
+    compute: Paced  # the step's compute, while `computing` and before publishing
     step_started: float
     commits: list[tuple[float, float]]  # (time of the commit, seconds its step waited)
     staleness: dict[int, int]
@@ -105,11 +103,7 @@ class _Simulation:
     dropped: int
     # The mismatch role: seconds alone of each split still to start; the running one's as the trainer's.
     splits: collections.deque[float]
-    splitting: bool
-    split_left: float
-    split_since: float
-    split_factor: float
-    split_timer: int
+    split: Paced  # the running split
     # Redis.
     redis_free: float  # when the Redis thread is next free
     redis_busy: list[tuple[float, float]]
@@ -131,9 +125,7 @@ class _Simulation:
         self.queue = collections.deque()
         self.batch = []
         self.computing = False
-        self.compute_left = None
-        self.compute_since = self.compute_factor = 0.0
-        self.compute_timer = 0
+        self.compute = Paced()
         self.step_started = 0.0
         self.commits = []
         self.staleness = {}
@@ -141,9 +133,7 @@ class _Simulation:
         self.redis_free = 0.0
         self.redis_busy = []
         self.splits = collections.deque()
-        self.splitting = False
-        self.split_left = self.split_since = self.split_factor = 0.0
-        self.split_timer = 0
+        self.split = Paced()
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -167,16 +157,15 @@ class _Simulation:
                 case "arrive":
                     self.queue.append(payload)
                     self._collect()
-                case "computed" if payload == self.compute_timer:
-                    self.compute_left = None
+                case "computed" if payload == self.compute.timer:
+                    self.compute.running = False
                     self._at(self.workload.trainer.publish_s * self.factors.trainer_scale, "commit")
                 case "commit":
                     self._commit()
-                case "split" if payload == self.split_timer:
-                    self.splitting = False
+                case "split" if payload == self.split.timer:
+                    self.split.running = False
                     self._next_split()
-            self._retime_compute()
-            self._retime_split()
+            self._retime()
         return self._result()
 
     def _at(self, delay: float, kind: str, index: int = 0, payload: object = None) -> None:
@@ -222,7 +211,8 @@ class _Simulation:
         seconds = (d.base_s + d.per_seq_s * len(worker.running) + d.per_prefill_token_s * prefill)
         seconds *= self.factors.decode_scale / self.scenario.speedup_rollout
         if not self.scenario.dedicated:
-            seconds *= 1.0 + self.factors.decode_slowdown * self.computing + self.factors.decode_split * self.splitting
+            f = self.factors
+            seconds *= 1.0 + f.decode_slowdown * self.computing + f.decode_split * self.split.running
         worker.busy = True
         self._at(seconds, "step", worker.index)
 
@@ -289,45 +279,26 @@ class _Simulation:
         seconds = (t.base_s + t.per_token_s * tokens) * self.factors.trainer_scale / self.scenario.speedup_trainer
         # The fit is of the logged ranks' compute: rescale from those to the scenario's, not from one.
         seconds *= self._rank_speed(t.ranks) / self._rank_speed(self.pipeline.trainer_ranks)
-        self.compute_left, self.compute_since, self.compute_factor = seconds, self.now, 0.0
-        self._retime_compute()
-
-    def _retime_compute(self) -> None:
-        """While the trainer computes, its pace follows how many workers decode beside it."""
-        if self.compute_left is None:
-            return
-        decoding = sum(1 for w in self.workers if w.running) / len(self.workers)
-        factor = 1.0 if self.scenario.dedicated else \
-            1.0 + self.factors.trainer_slowdown * decoding + self.factors.trainer_split * self.splitting
-        if factor == self.compute_factor:
-            return
-        if self.compute_factor:
-            self.compute_left -= (self.now - self.compute_since) / self.compute_factor
-        self.compute_since, self.compute_factor = self.now, factor
-        self.compute_timer += 1
-        self._at(self.compute_left * factor, "computed", payload=self.compute_timer)
+        self.compute.start(seconds)
+        self._retime()
 
     def _next_split(self) -> None:
-        if self.splitting or not self.splits:
+        if self.split.running or not self.splits:
             return
-        self.splitting = True
-        self.split_left, self.split_since, self.split_factor = self.splits.popleft(), self.now, 0.0
-        self._retime_split()
+        self.split.start(self.splits.popleft())
+        self._retime()
 
-    def _retime_split(self) -> None:
-        """The running split's pace follows what computes and decodes beside it."""
-        if not self.splitting:
-            return
-        decoding = sum(1 for w in self.workers if w.running) / len(self.workers)
-        factor = 1.0 if self.scenario.dedicated else \
-            1.0 + self.factors.split_decode * decoding + self.factors.split_trainer * (self.compute_left is not None)
-        if factor == self.split_factor:
-            return
-        if self.split_factor:
-            self.split_left -= (self.now - self.split_since) / self.split_factor
-        self.split_since, self.split_factor = self.now, factor
-        self.split_timer += 1
-        self._at(self.split_left * factor, "split", payload=self.split_timer)
+    def _retime(self) -> None:
+        """The trainer's compute and the running split go at the pace of what runs beside them."""
+        if self.scenario.dedicated:
+            trainer = split = 1.0
+        else:
+            f, decoding = self.factors, sum(1 for w in self.workers if w.running) / len(self.workers)
+            trainer = 1.0 + f.trainer_slowdown * decoding + f.trainer_split * self.split.running
+            split = 1.0 + f.split_decode * decoding + f.split_trainer * self.compute.running
+        for work, factor, kind in ((self.compute, trainer, "computed"), (self.split, split, "split")):
+            if work.running and (delay := work.retime(self.now, factor)) is not None:
+                self._at(delay, kind, payload=work.timer)
 
     def _rank_speed(self, ranks: int) -> float:
         """Trainer throughput of `ranks` ranks relative to one process."""

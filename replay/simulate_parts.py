@@ -1,5 +1,6 @@
-"""What `reel simulate` moves around: groups, their samples' turns, the rollout workers' engines; and its
-figures (SimResult: one run's, the mean of several, the bottleneck they show)."""
+"""What `reel simulate` moves around: groups, their samples' turns, the rollout workers' engines, work
+whose pace changes (Paced); and its figures (SimResult: one run's, the mean of several, the
+bottleneck they show)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,31 @@ class Sequence:
         self.turn += 2
         self.left = max(1, self.turns[self.turn])
         return True
+
+
+@dataclass
+class Paced:
+    """Work whose pace changes with what runs beside it (the trainer's compute, a split): its seconds
+    alone still to do, re-timed whenever the slowdown changes; `timer` names the pending end event."""
+
+    running: bool = False
+    left: float = 0.0  # seconds alone still to do as of `since`
+    since: float = 0.0
+    factor: float = 0.0  # the slowdown the pending end was timed with (0: not timed yet)
+    timer: int = 0
+
+    def start(self, seconds: float) -> None:
+        self.running, self.left, self.factor = True, seconds, 0.0
+
+    def retime(self, now: float, factor: float) -> float | None:
+        """Seconds until done at `factor` (a new timer), or None when the pace is unchanged."""
+        if factor == self.factor:
+            return None
+        if self.factor:
+            self.left -= (now - self.since) / self.factor
+        self.since, self.factor = now, factor
+        self.timer += 1
+        return self.left * factor
 
 
 @dataclass
