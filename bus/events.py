@@ -109,6 +109,7 @@ class RunStarted(Event, tag="run_started"):
     layout: dict[str, int] = {}
     libraries: dict[str, str] = {}
     cpu_count: int = 0  # cores the launcher could run on (the simulator's shared-hardware model); 0 = unknown
+    cpus: list[int] = []  # which cores the trainer may run on (its affinity: pinned apart or not); [] = unknown
     dataset_sha256: str = ""  # of env.options.path's files ([env] name = "dataset"); "" = no local dataset
 
 
@@ -236,6 +237,8 @@ class MismatchSplit(Event, tag="mismatch_split"):
     lag_steps: int = 0  # committed steps beyond `step` when this one was published (how far the role lags)
     lag_s: float = 0.0  # seconds from the step's commit to this event
     compute_s: float = 0.0  # wall seconds the role spent on this step
+    cpus: list[int] = []  # which cores the role may run on (its affinity; the simulator's shared cores); [] = unknown
+    nice: int = 0  # the role's CPU priority (os.getpriority): how much of a shared core it takes
 
 
 class WorkerStats(Event, tag="worker_stats"):
@@ -266,6 +269,7 @@ class WorkerStats(Event, tag="worker_stats"):
     # with nothing waiting: no prompt admitted, held by the async gate) = wall seconds. 0 = not recorded.
     tool_wait_s: float = 0.0
     idle_s: float = 0.0
+    cpus: list[int] = []  # which cores the worker may run on (its affinity; the simulator's shared cores); [] = unknown
 
 
 class EvalResult(Event, tag="eval_result"):

@@ -43,6 +43,7 @@ from reel.runtime.model.determinism import set_determinism
 from reel.runtime.model.model import MoEModel
 from reel.runtime.model.weights import load_state_dict_bytes
 from reel.runtime.train.batch import Group, build_batch
+from reel.runtime.train.environment import cpus, nice
 from reel.runtime.train.groups import GroupLookup, MissingGroup
 from reel.runtime.train.initial_policy import load_initial_model
 from reel.runtime.train.mismatch_split import Split, WeightHistory, step_split
@@ -108,7 +109,7 @@ class MismatchRole:
                     for event in kept:
                         self._learn(event, times[id(event)])
                     while caught_up and not stop.is_set() and (event := await self._next_split()) is not None:
-                        await publisher.publish([publisher.stamp(MismatchSplit, **event)])
+                        await publisher.publish([publisher.stamp(MismatchSplit, **event, cpus=cpus(), nice=nice())])
         finally:
             await asyncio.shield(redis.aclose())
 

@@ -218,7 +218,7 @@ class Trainer:
                 RunStarted, config_toml=config_text, seed=self.config.run.seed, code_version=code_version(),
                 model_config=model.config.to_hf_dict(), config_hash=config_hash(self.config),
                 init_reward=initial_reward(self.run_dir), layout=environment.layout(self.config),
-                libraries=environment.library_versions(), cpu_count=environment.cpu_count(),
+                libraries=environment.library_versions(), cpu_count=environment.cpu_count(), cpus=environment.cpus(),
                 dataset_sha256=dataset_sha256(self.config),
             ))
         await self.publisher.publish_atomic(events)

@@ -51,6 +51,7 @@ from reel.producers.time_split import TimeSplit
 from reel.producers.tool_calls import ToolCalls
 from reel.producers.envs.rewards import RewardError
 from reel.runtime.blob_store import run_blobs
+from reel.runtime.train.environment import cpus
 from reel.runtime.config.sections import Config
 from reel.runtime.config.run import load
 from reel.runtime.heartbeat import BEAT_SUFFIX, Heartbeat
@@ -353,7 +354,7 @@ class RolloutWorker:
                 policy_version=s.version, groups_published=self.published, idle_share=share,
                 decode_steps=s.steps, decode_tokens=s.generated_tokens, forward_tokens=s.forward_tokens,
                 busy_s=s.busy_s, swap_s=swaps, version_spans_assumed=s.version_spans_assumed,
-                cpu_s=time.process_time(), tool_wait_s=tool_wait, idle_s=idle)])
+                cpu_s=time.process_time(), tool_wait_s=tool_wait, idle_s=idle, cpus=cpus())])
 
     async def _recover_seq(self, redis) -> int:
         # Entries the archiver made durable may be trimmed from the bus; the log still has them.

@@ -29,7 +29,13 @@
                     for the scenario's worker count (replay/simulate_cores.py), else the factors
                     fitted on the log's overlap (replay/workload.py). With that model, each role's
                     measured speed is also rescaled from the logged machine to the scenario's: its
-                    worker count, and `background` (other runnable threads) when given.
+                    worker count, and `background` (other runnable threads) when given. Roles pinned to
+                    disjoint cores (their logged affinities) do not slow each other.
+    mismatch role   after each due commit the role splits that step: a job of the seconds alone the log's
+                    splits give for its passes (π_old and each older version among its tokens) and tokens
+                    (replay/simulate_split.py), one at a time, its pace re-timed like the trainer's as
+                    workers start and stop decoding beside it; while one runs, decode steps starting and
+                    the trainer's compute are slowed as far as the role shares their cores (unless `dedicated`).
 
 Figures are those of `reel bench async`: wall time and idle shares over steps 2..N.
 """
@@ -45,7 +51,9 @@ import numpy as np
 
 from reel.bus.errors import ReelError
 from reel.replay.simulate_cores import Factors, factors
-from reel.replay.simulate_parts import Group, Sequence, Worker
+from reel.replay.simulate_parts import (Group, Paced, Sequence, SimResult, Worker, bottleneck, clip_length,
+                                        mean_result)
+from reel.replay.simulate_split import passes
 from reel.replay.workload import Pipeline, Workload
 
 __all__ = ["Scenario", "SimResult", "SimulationError", "simulate", "GROUP_EVENTS"]
@@ -67,18 +75,7 @@ class Scenario(msgspec.Struct, kw_only=True):
     dedicated: bool = False  # rollout and trainer on their own hardware: no shared-core slowdown
     background: float | None = None  # other runnable threads on the machine (a log with CPU times); None: as logged
     seed: int = 0  # of the group resampling
-
-
-class SimResult(msgspec.Struct, kw_only=True):
-    steps: int
-    wall_s: float  # steps 2..N
-    steps_per_hour: float
-    trainer_idle: float  # share of the wall time the trainer waited for groups
-    rollout_idle: float  # mean share of the wall time a worker had no group in flight
-    staleness: dict[int, int]  # versions behind -> tokens, over every step
-    dropped_share: float  # groups dropped as too stale / groups that reached the trainer
-    redis_busy: float  # share of the wall time the Redis thread spent on group events
-    bottleneck: str  # "redis" | "latency" (both sides wait on each other) | "trainer" | "rollout"
+    repeats: int = 8  # runs with seeds seed, seed + 1, ...: their mean (one draw of groups is noisy)
 
 
 class _Simulation:
@@ -98,15 +95,15 @@ class _Simulation:
     queue: collections.deque[Group]  # arrived, not yet offered
     batch: list[Group]
     computing: bool  # computing or publishing
-    compute_left: float | None  # unslowed compute seconds still to do as of compute_since; None: publishing
-    compute_since: float
-    compute_factor: float  # the slowdown the pending "computed" event was timed with
-    compute_timer: int  # the pending "computed" event's payload; an older one is stale
+    compute: Paced  # the step's compute, while `computing` and before publishing
     step_started: float
     commits: list[tuple[float, float]]  # (time of the commit, seconds its step waited)
     staleness: dict[int, int]
     used: int
     dropped: int
+    # The mismatch role: seconds alone of each split still to start; the running one's as the trainer's.
+    splits: collections.deque[float]
+    split: Paced  # the running split
     # Redis.
     redis_free: float  # when the Redis thread is next free
     redis_busy: list[tuple[float, float]]
@@ -128,15 +125,15 @@ class _Simulation:
         self.queue = collections.deque()
         self.batch = []
         self.computing = False
-        self.compute_left = None
-        self.compute_since = self.compute_factor = 0.0
-        self.compute_timer = 0
+        self.compute = Paced()
         self.step_started = 0.0
         self.commits = []
         self.staleness = {}
         self.used = self.dropped = 0
         self.redis_free = 0.0
         self.redis_busy = []
+        self.splits = collections.deque()
+        self.split = Paced()
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -160,12 +157,15 @@ class _Simulation:
                 case "arrive":
                     self.queue.append(payload)
                     self._collect()
-                case "computed" if payload == self.compute_timer:
-                    self.compute_left = None
+                case "computed" if payload == self.compute.timer:
+                    self.compute.running = False
                     self._at(self.workload.trainer.publish_s * self.factors.trainer_scale, "commit")
                 case "commit":
                     self._commit()
-            self._retime_compute()
+                case "split" if payload == self.split.timer:
+                    self.split.running = False
+                    self._next_split()
+            self._retime()
         return self._result()
 
     def _at(self, delay: float, kind: str, index: int = 0, payload: object = None) -> None:
@@ -210,8 +210,9 @@ class _Simulation:
         d = self.workload.decode
         seconds = (d.base_s + d.per_seq_s * len(worker.running) + d.per_prefill_token_s * prefill)
         seconds *= self.factors.decode_scale / self.scenario.speedup_rollout
-        if self.computing and not self.scenario.dedicated:
-            seconds *= 1.0 + self.factors.decode_slowdown
+        if not self.scenario.dedicated:
+            f = self.factors
+            seconds *= 1.0 + f.decode_slowdown * self.computing + f.decode_split * self.split.running
         worker.busy = True
         self._at(seconds, "step", worker.index)
 
@@ -278,32 +279,42 @@ class _Simulation:
         seconds = (t.base_s + t.per_token_s * tokens) * self.factors.trainer_scale / self.scenario.speedup_trainer
         # The fit is of the logged ranks' compute: rescale from those to the scenario's, not from one.
         seconds *= self._rank_speed(t.ranks) / self._rank_speed(self.pipeline.trainer_ranks)
-        self.compute_left, self.compute_since, self.compute_factor = seconds, self.now, 0.0
-        self._retime_compute()
+        self.compute.start(seconds)
+        self._retime()
 
-    def _retime_compute(self) -> None:
-        """While the trainer computes, its pace follows how many workers decode beside it."""
-        if self.compute_left is None:
+    def _next_split(self) -> None:
+        if self.split.running or not self.splits:
             return
-        decoding = sum(1 for w in self.workers if w.running) / len(self.workers)
-        factor = 1.0 if self.scenario.dedicated else 1.0 + self.factors.trainer_slowdown * decoding
-        if factor == self.compute_factor:
-            return
-        if self.compute_factor:
-            self.compute_left -= (self.now - self.compute_since) / self.compute_factor
-        self.compute_since, self.compute_factor = self.now, factor
-        self.compute_timer += 1
-        self._at(self.compute_left * factor, "computed", payload=self.compute_timer)
+        self.split.start(self.splits.popleft())
+        self._retime()
+
+    def _retime(self) -> None:
+        """The trainer's compute and the running split go at the pace of what runs beside them."""
+        if self.scenario.dedicated:
+            trainer = split = 1.0
+        else:
+            f, decoding = self.factors, sum(1 for w in self.workers if w.running) / len(self.workers)
+            trainer = 1.0 + f.trainer_slowdown * decoding + f.trainer_split * self.split.running
+            split = 1.0 + f.split_decode * decoding + f.split_trainer * self.compute.running
+        for work, factor, kind in ((self.compute, trainer, "computed"), (self.split, split, "split")):
+            if work.running and (delay := work.retime(self.now, factor)) is not None:
+                self._at(delay, kind, payload=work.timer)
 
     def _rank_speed(self, ranks: int) -> float:
         """Trainer throughput of `ranks` ranks relative to one process."""
         return 1.0 if ranks <= 1 else ranks * self.scenario.rank_efficiency
 
     def _commit(self) -> None:
+        batch: dict[int, int] = {}  # versions behind -> tokens
         for group in self.batch:
             for version, tokens in group.tokens.items():
-                behind = self.version - version
-                self.staleness[behind] = self.staleness.get(behind, 0) + tokens
+                batch[self.version - version] = batch.get(self.version - version, 0) + tokens
+        for behind, tokens in batch.items():
+            self.staleness[behind] = self.staleness.get(behind, 0) + tokens
+        split = self.workload.split
+        if split is not None and split.due(self.version + 1, self.pipeline.steps):
+            self.splits.append(split.seconds(passes(batch), sum(batch.values())))
+            self._next_split()
         self.used += len(self.batch)
         self.batch = []
         self.version += 1
@@ -324,18 +335,17 @@ class _Simulation:
         idle = []
         for worker in self.workers:
             spans = worker.idle + ([(worker.idle_since, end)] if worker.idle_since is not None else [])
-            idle.append(sum(_clip(a, b, first, end) for a, b in spans) / wall if wall else 0.0)
-        redis = sum(_clip(a, b, first, end) for a, b in self.redis_busy) / wall if wall else 0.0
+            idle.append(sum(clip_length(a, b, first, end) for a, b in spans) / wall if wall else 0.0)
+        redis = sum(clip_length(a, b, first, end) for a, b in self.redis_busy) / wall if wall else 0.0
         trainer_idle = waited / wall if wall else 0.0
         rollout_idle = float(np.mean(idle))
-        bottleneck = _bottleneck(trainer_idle, rollout_idle, redis)
         offered = self.used + self.dropped
         return SimResult(steps=len(self.commits), wall_s=wall,
                          steps_per_hour=3600 * (len(self.commits) - 1) / wall if wall else 0.0,
                          trainer_idle=trainer_idle, rollout_idle=rollout_idle,
                          staleness=dict(sorted(self.staleness.items())),
                          dropped_share=self.dropped / offered if offered else 0.0, redis_busy=redis,
-                         bottleneck=bottleneck)
+                         bottleneck=bottleneck(trainer_idle, rollout_idle, redis))
 
     def _stuck(self) -> str:
         p = self.pipeline
@@ -362,19 +372,7 @@ def simulate(workload: Workload, scenario: Scenario) -> SimResult:
         raise SimulationError(f"--background = {scenario.background}: needs a value of 0 or more and a log with CPU "
                               f"times (recorded since 2026-12-03); {workload.run_dir} has "
                               f"{'them' if workload.cores else 'none'}")
-    return _Simulation(workload, scenario).run()
-
-
-def _bottleneck(trainer_idle: float, rollout_idle: float, redis_busy: float) -> str:
-    """What sets the pace. "latency": trainer and workers both wait a fifth of the time or more, so
-    neither is saturated; a step waits for its round's slowest group while the async gate holds the
-    workers (raise async_level, or shorten the tail)."""
-    if redis_busy > 0.8:
-        return "redis"
-    if min(trainer_idle, rollout_idle) >= 0.2:
-        return "latency"
-    return "trainer" if trainer_idle <= rollout_idle else "rollout"
-
-
-def _clip(a: float, b: float, lo: float, hi: float) -> float:
-    return max(0.0, min(b, hi) - max(a, lo))
+    if scenario.repeats < 1:
+        raise SimulationError(f"--repeats = {scenario.repeats} must be 1 or more")
+    return mean_result([_Simulation(workload, msgspec.structs.replace(scenario, seed=scenario.seed + i)).run()
+                        for i in range(scenario.repeats)])

@@ -105,6 +105,7 @@ def _scenario(args: argparse.Namespace, pipeline: Pipeline) -> Scenario:
                     speedup_trainer=args.speedup_trainer, rank_efficiency=efficiency.value,
                     rank_efficiency_source=efficiency.source,
                     redis_s_per_event=args.redis_us_per_event * 1e-6, dedicated=args.dedicated, seed=args.seed,
+                    repeats=args.repeats,
                     background=args.background)
 
 

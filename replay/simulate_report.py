@@ -64,11 +64,12 @@ def _shares(hist: dict[int, int]) -> str:
 def caveats(workload: Workload, scenario: Scenario) -> list[str]:
     """What the calibration log cannot tell about this scenario, said instead of guessed."""
     found = []
-    if workload.pipeline.async_level == 0 and scenario.pipeline.async_level > 0:
-        found.append("calibrated on a synchronous log, where no token is of an older version: the trainer's "
-                     "mismatch split (one more scoring pass over the batch per older version among its tokens; "
-                     "+35% to +94% trainer CPU per token measured) never ran, so the simulated trainer is too "
-                     "fast in this asynchronous scenario")
+    if workload.pipeline.async_level == 0 and scenario.pipeline.async_level > 0 and workload.split_in_step:
+        found.append("calibrated on a synchronous log from before the mismatch role, where the trainer ran the "
+                     "mismatch split inside its step and no token was of an older version: that split (one more "
+                     "scoring pass over the batch per older version among its tokens; +35% to +94% trainer CPU per "
+                     "token measured) never ran, so the simulated trainer is too fast in this asynchronous scenario "
+                     "(logs since the mismatch role have its own events, which the simulation replays)")
     overlaps = workload.decode.shared_slowdown or workload.trainer.shared_slowdown
     if workload.pipeline.async_level == 0 and scenario.pipeline.async_level > 0 and not scenario.dedicated \
             and not overlaps and workload.cores is None:
@@ -91,9 +92,13 @@ def view(workload: Workload, rows: list[Row]) -> Group:
     shared = "" if not (d.shared_slowdown or t.shared_slowdown) else (
         f"; while sharing cores: decode x{1 + d.shared_slowdown:.2f}, trainer x{1 + t.shared_slowdown:.2f}")
     if (c := workload.cores) is not None:
-        shared += (f" (from CPU times: {c.cores} cores, {c.background:.1f} other runnable threads; the trainer used "
-                   f"{c.trainer_rate:.2f} cores computing, a worker {c.worker_rate:.2f} with a group in flight, "
-                   f"{c.worker_threads:.2f} threads' worth)")
+        pools = (f"the trainer on {_cores(c.trainer_cores)} of its own ({c.trainer_background:.1f} other runnable "
+                 f"threads), the workers on {_cores(c.cores)}" if c.apart else _cores(c.cores))
+        shared += (f" (from CPU times: {pools}, {c.background:.1f} other runnable threads; the trainer used "
+                   f"{c.trainer_rate:.2f} cores computing, a worker {c.worker_rate:.2f} decoding)")
+    if (m := workload.split) is not None:
+        shared += (f"; mismatch role: a split {1e3 * m.base_s:.0f} ms + {1e6 * m.pass_s_per_token:.1f} µs x tokens "
+                   f"per scoring pass ({m.splits} splits)")
     calibration = (f"calibrated on {workload.run_dir}: decode step {1e3 * d.base_s:.2f} ms + "
                    f"{1e3 * d.per_seq_s:.3f} ms x sequences + {1e6 * d.per_prefill_token_s:.1f} µs x prefill "
                    f"tokens ({d.intervals} intervals); trainer compute "
@@ -120,6 +125,10 @@ def view(workload: Workload, rows: list[Row]) -> Group:
                       "-" if c.rollout_idle_error is None else f"{c.rollout_idle_error:+.1%}", "",
                       f"TV {c.staleness_tv:.3f}", "", "", "", end_section=True)
     return Group(table)
+
+
+def _cores(n: int) -> str:
+    return f"{n} core" if n == 1 else f"{n} cores"
 
 
 def _episodes(workload: Workload) -> str:

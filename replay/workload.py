@@ -37,10 +37,13 @@ import msgspec
 import numpy as np
 
 from reel.bus.errors import ReelError
-from reel.bus.events import RunStarted, Sample, StepCommitted, Trajectory, WorkerStats
+from reel.bus.events import MismatchSplit, RunStarted, Sample, StepCommitted, Trajectory, WorkerStats
 from reel.bus.log import LogError
 from reel.bus.run_log import RunLog
-from reel.replay.simulate_cores import Cores, CpuRate, fit_cores
+from reel.replay.intervals import (NONE, active_intervals, clip, compute_intervals, intersection, length,
+                                   split_intervals)
+from reel.replay.simulate_cores import Cores, CpuRate, fit_cores, layout_of
+from reel.replay.simulate_split import SplitModel, fit_split, stretch
 from reel.runtime.config.sections import Config
 from reel.runtime.config.keys import ConfigError
 from reel.runtime.config.run import load
@@ -121,6 +124,10 @@ class Workload(msgspec.Struct, kw_only=True):
     swap_s: float  # mean seconds from a worker reading WeightsPublished to the weights being live
     measured: Measured
     cores: Cores | None = None  # the shared-cores model; None: the log has no CPU times to fit it
+    split: SplitModel | None = None  # the mismatch role's splits; None: the log has none
+    # The trainer split the mismatch inside its step (a log from before the mismatch role: no MismatchSplit
+    # events while mismatch.every asks for them), which only an asynchronous step paid.
+    split_in_step: bool = False
 
 
 def extract(run_dir: Path) -> Workload:
@@ -132,7 +139,8 @@ def extract(run_dir: Path) -> Workload:
             commits = _timed(run_log, "steps", StepCommitted)
             stats = _timed(run_log, "control", WorkerStats)
             trajectories = _timed(run_log, "trajectories", Trajectory)
-            cpu_count = max([e.cpu_count for _, e in _timed(run_log, "control", RunStarted)] or [0])
+            started = [e for _, e in _timed(run_log, "control", RunStarted)]
+            splits = _timed(run_log, "steps", MismatchSplit)
     except LogError as exc:
         raise WorkloadError(f"cannot read the log of {run_dir}: {exc}") from exc
     if len(commits) < 3:
@@ -143,20 +151,27 @@ def extract(run_dir: Path) -> Workload:
     groups = [GroupShape(int(e.prompt.shape[0]), [_turns(s) for s in e.samples],
                          [list(s.env_s) for s in e.samples] if all(s.env_s for s in e.samples) else [])
               for _, e in trajectories]
-    computing = _compute_intervals(commits)
-    active = _active_intervals(trajectories)
+    computing = compute_intervals(commits)
+    active = active_intervals(trajectories)
     # Calibrate on the steady state, as the measured figures do: before the first commit the
     # engine also compiles kernels and warms caches.
     stats = [(ms, e) for ms, e in stats if commits[0][0] < ms <= commits[-1][0]]
     pipeline = pipeline_of(config)
-    intervals = _decode_intervals(run_dir, stats, computing, active)
-    steps = _trainer_steps(commits, active)
-    cores = _fit_cores(cpu_count, config.trainer.threads or 1, pipeline.rollout_workers, intervals, steps)
+    splitting = split_intervals(splits)
+    intervals = _decode_intervals(run_dir, stats, computing, active, splitting)
+    steps = _trainer_steps(commits, active, splitting)
+    k = pipeline.rollout_workers
+    layout = layout_of(started, stats, splits, config.trainer.threads or 1, config.engine.threads or 1)
+    cores = _fit_cores(layout, k, intervals, steps)
     return Workload(run_dir=str(run_dir), pipeline=pipeline, groups=groups,
-                    decode=_fit_decode(intervals, cores and cores.decode_slowdown(pipeline.rollout_workers)),
-                    trainer=_fit_trainer(commits, steps, cores and cores.trainer_slowdown(pipeline.rollout_workers)),
+                    decode=_fit_decode(intervals, cores and cores.decode_slowdown(k),
+                                       cores.decode_slowdown(k, trainer=0, split=1) if cores else 0.0),
+                    trainer=_fit_trainer(commits, steps, cores and cores.trainer_slowdown(k),
+                                         cores.trainer_slowdown(0, split=1) if cores else 0.0),
                     swap_s=_mean([s for _, e in stats for s in e.swap_s]), measured=measured_of(commits, stats),
-                    cores=cores)
+                    cores=cores, split=fit_split(commits, splits, config.mismatch.every,
+                                                 stretch(splits, cores, computing, active, stats)),
+                    split_in_step=not splits and config.mismatch.every > 0)
 
 
 def pipeline_of(config: Config) -> Pipeline:
@@ -197,7 +212,8 @@ def _turns(sample: Sample) -> list[int]:
 
 class _Interval(msgspec.Struct, array_like=True):
     """One worker's WorkerStats interval: decode steps, their mean batch, prefill and seconds; its
-    active seconds, the share of them the trainer computed, and its CPU seconds (0: not recorded)."""
+    active seconds, the shares of them the trainer and the mismatch role computed, and its CPU seconds
+    (0: not recorded)."""
 
     steps: int
     batch: float
@@ -205,11 +221,12 @@ class _Interval(msgspec.Struct, array_like=True):
     step_s: float
     active_s: float
     overlap: float
+    split: float
     cpu_s: float
 
 
 def _decode_intervals(run_dir: Path, stats: list[tuple[int, WorkerStats]], computing: np.ndarray,
-                      active: dict[str, np.ndarray]) -> list[_Interval]:
+                      active: dict[str, np.ndarray], splitting: np.ndarray) -> list[_Interval]:
     rows = []
     last: dict[str, tuple[int, WorkerStats]] = {}
     for ms, e in stats:
@@ -220,11 +237,12 @@ def _decode_intervals(run_dir: Path, stats: list[tuple[int, WorkerStats]], compu
         p = prev[1]
         steps = e.decode_steps - p.decode_steps
         tokens = e.decode_tokens - p.decode_tokens
-        mine = _clip(active.get(e.worker, _NONE), prev[0], ms)
-        busy = _length(mine)
+        mine = clip(active.get(e.worker, NONE), prev[0], ms)
+        busy = length(mine)
         rows.append(_Interval(steps, tokens / steps, (e.forward_tokens - p.forward_tokens - tokens) / steps,
                               (e.busy_s - p.busy_s) / steps, busy / 1000,
-                              _intersection(mine, computing) / busy if busy else 0.0,
+                              intersection(mine, computing) / busy if busy else 0.0,
+                              intersection(mine, splitting) / busy if busy else 0.0,
                               e.cpu_s - p.cpu_s if p.cpu_s else 0.0))
     if len(rows) < 3:
         raise WorkloadError(f"the log of {run_dir} has {len(rows)} WorkerStats intervals with decode timings after "
@@ -233,60 +251,66 @@ def _decode_intervals(run_dir: Path, stats: list[tuple[int, WorkerStats]], compu
     return rows
 
 
-def _trainer_steps(commits: list[tuple[int, StepCommitted]], active: dict[str, np.ndarray]) -> list[CpuRate]:
-    """Steps 2..N: CPU and compute seconds, the mean share of the compute each worker was active."""
+def _trainer_steps(commits: list[tuple[int, StepCommitted]], active: dict[str, np.ndarray],
+                   splitting: np.ndarray) -> list[CpuRate]:
+    """Steps 2..N: CPU and compute seconds, the mean share of the compute each worker was active and
+    the share the mismatch role computed."""
     rows = []
     for ms, e in commits[1:]:
         end = ms - 1000 * e.timing.publish
         span = np.array([[end - 1000 * e.timing.compute, end]])
-        decoding = [_intersection(a, span) / max(1.0, 1000 * e.timing.compute) for a in active.values()]
-        rows.append(CpuRate(e.cpu_s, e.timing.compute, _mean(decoding)))
+        decoding = [intersection(a, span) / max(1.0, 1000 * e.timing.compute) for a in active.values()]
+        rows.append(CpuRate(e.cpu_s, e.timing.compute, _mean(decoding),
+                            intersection(span, splitting) / max(1.0, 1000 * e.timing.compute)))
     return rows
 
 
-def _fit_cores(cpu_count: int, trainer_threads: int, workers: int, intervals: list[_Interval],
-               steps: list[CpuRate]) -> Cores | None:
-    """The shared-cores model, when the log has the core count and both roles' CPU times."""
-    rollout = [CpuRate(i.cpu_s, i.active_s, i.overlap) for i in intervals if i.cpu_s > 0 and i.active_s > 0]
+def _fit_cores(layout: Cores | None, workers: int, intervals: list[_Interval], steps: list[CpuRate]) -> Cores | None:
+    """The shared-cores model, when the log has the core count and both roles' CPU times. A worker's
+    rate is over the seconds its engine decoded: waiting on a tool it is not runnable."""
+    rollout = [CpuRate(i.cpu_s, i.step_s * i.steps, i.overlap, i.split) for i in intervals
+               if i.cpu_s > 0 and i.step_s > 0]
     trainer = [s for s in steps if s.cpu_s > 0 and s.wall_s > 0]
-    if cpu_count < 1 or len(rollout) < 3 or len(trainer) < 3:
+    if layout is None or len(rollout) < 3 or len(trainer) < 3:
         return None
-    return fit_cores(cpu_count, trainer_threads, workers, trainer, rollout)
+    return fit_cores(layout, workers, trainer, rollout)
 
 
-def _fit_decode(rows: list[_Interval], slowdown: float | None) -> StepModel:
+def _fit_decode(rows: list[_Interval], slowdown: float | None, split_slowdown: float) -> StepModel:
     """Least squares of the mean step time on mean batch and prefill over WorkerStats intervals."""
-    w, b, x, s, o = (np.array([getattr(r, f) for r in rows], dtype=float)
-                     for f in ("steps", "batch", "prefill", "step_s", "overlap"))
+    w, b, x, s, o, m = (np.array([getattr(r, f) for r in rows], dtype=float)
+                        for f in ("steps", "batch", "prefill", "step_s", "overlap", "split"))
     (base, per_seq, per_prefill), shared = _fit_with_slowdown(w, np.stack([np.ones_like(b), b, x], axis=1), s, o,
-                                                              slowdown)
+                                                              slowdown, split_slowdown * m)
     return StepModel(base_s=base, per_seq_s=per_seq, per_prefill_token_s=per_prefill, shared_slowdown=shared,
                      intervals=len(rows))
 
 
 def _fit_trainer(commits: list[tuple[int, StepCommitted]], steps: list[CpuRate],
-                 slowdown: float | None) -> TrainerModel:
+                 slowdown: float | None, split_slowdown: float) -> TrainerModel:
     """Least squares of compute seconds on batch tokens; steps 2..N (step 1 pays one-off warm-ups)."""
     tokens = np.array([e.metrics.get("tokens", 0.0) for _, e in commits[1:]], dtype=float)
     seconds = np.array([s.wall_s for s in steps], dtype=float)
     shared = np.array([s.overlap for s in steps], dtype=float)
     (base, per_token), k = _fit_with_slowdown(np.ones_like(tokens), np.stack([np.ones_like(tokens), tokens], axis=1),
-                                              seconds, shared, slowdown)
+                                              seconds, shared, slowdown,
+                                              split_slowdown * np.array([s.split for s in steps], dtype=float))
     return TrainerModel(base_s=base, per_token_s=per_token, shared_slowdown=k,
                         publish_s=_mean([e.timing.publish for _, e in commits[1:]]),
                         ranks=max(e.world_size for _, e in commits[1:]))
 
 
 def _fit_with_slowdown(weight: np.ndarray, x: np.ndarray, y: np.ndarray, shared: np.ndarray,
-                       slowdown: float | None) -> tuple[list[float], float]:
-    """y ≈ (x · coef)(1 + k · shared), coef >= 0: weighted least squares at k = `slowdown` (the
-    shared-cores model's), else at each k of a grid, best k.
+                       slowdown: float | None, extra: np.ndarray) -> tuple[list[float], float]:
+    """y ≈ (x · coef)(1 + k · shared + extra), coef >= 0: weighted least squares at k = `slowdown` (the
+    shared-cores model's), else at each k of a grid, best k; `extra` is what the mismatch role's
+    computing beside each row cost it (the shared-cores model's, 0 without one).
 
     When `shared` does not vary (a synchronous run never overlaps) every k of the grid fits alike
     and the smallest, 0, is kept: without CPU times such a log cannot tell what sharing costs."""
     best: tuple[float, list[float], float] = (math.inf, [0.0] * x.shape[1], 0.0)
     for k in _SLOWDOWN_GRID if slowdown is None else [slowdown]:
-        factor = 1.0 + k * shared
+        factor = 1.0 + k * shared + extra
         coef = _non_negative_lstsq(x * factor[:, None], y, weight)
         residual = float(np.sum(weight * (y - (x @ coef) * factor) ** 2))
         if residual < best[0] * (1 - 1e-12) - 1e-15:
@@ -307,55 +331,6 @@ def _non_negative_lstsq(x: np.ndarray, y: np.ndarray, weight: np.ndarray) -> np.
         if not negative:
             return coef
         keep.remove(min(negative, key=lambda j: coef[j]))
-
-
-# ---- intervals (milliseconds, as [n, 2] arrays of sorted disjoint [start, end]) ------------------
-
-_NONE = np.zeros((0, 2))
-
-
-def _compute_intervals(commits: list[tuple[int, StepCommitted]]) -> np.ndarray:
-    """When the trainer computed (a commit's entry id is stamped after its publish)."""
-    out = []
-    for ms, e in commits:
-        end = ms - 1000 * e.timing.publish
-        out.append((end - 1000 * e.timing.compute, end))
-    return _union(np.array(out, dtype=float).reshape(-1, 2))
-
-
-def _active_intervals(trajectories: list[tuple[int, Trajectory]]) -> dict[str, np.ndarray]:
-    """Per worker, when it had a group in flight: from each group's start to its publication."""
-    spans: dict[str, list[tuple[float, float]]] = {}
-    for ms, e in trajectories:
-        spans.setdefault(e.worker, []).append((ms - 1000 * e.generate_s, ms))
-    return {worker: _union(np.array(s, dtype=float)) for worker, s in spans.items()}
-
-
-def _union(intervals: np.ndarray) -> np.ndarray:
-    out: list[list[float]] = []
-    for start, end in intervals[np.argsort(intervals[:, 0])]:
-        if out and start <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], end)
-        else:
-            out.append([start, end])
-    return np.array(out, dtype=float).reshape(-1, 2)
-
-
-def _clip(intervals: np.ndarray, start: float, end: float) -> np.ndarray:
-    clipped = np.clip(intervals, start, end)
-    return clipped[clipped[:, 1] > clipped[:, 0]]
-
-
-def _length(intervals: np.ndarray) -> float:
-    return float(np.sum(intervals[:, 1] - intervals[:, 0]))
-
-
-def _intersection(a: np.ndarray, b: np.ndarray) -> float:
-    """Length of the intersection of two unions of intervals."""
-    total = 0.0
-    for start, end in a:
-        total += float(np.clip(np.minimum(b[:, 1], end) - np.maximum(b[:, 0], start), 0, None).sum())
-    return total
 
 
 # ---- small helpers ------------------------------------------------------------------------------

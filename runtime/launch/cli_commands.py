@@ -237,6 +237,8 @@ def _replay_commands(sub) -> None:
                           "CPU times; default: as fitted on the log)")
     sim.add_argument("--steps", type=int, default=None, help="trainer steps to simulate (default: the run's)")
     sim.add_argument("--seed", type=int, default=0, help="seed of the group resampling")
+    sim.add_argument("--repeats", type=int, default=8,
+                     help="simulate this many draws of groups (seeds --seed, --seed + 1, ...) and report their mean")
     sim.add_argument("--sweep", action="append", default=None, metavar="KEY=V1,V2,...",
                      help="one scenario per value (repeat for a grid; default: one scenario); keys: rollout-workers, "
                           "trainer-ranks, async-level, max-off-policy, speedup-rollout, speedup-trainer, background")

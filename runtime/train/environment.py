@@ -42,7 +42,17 @@ def library_versions() -> dict[str, str]:
 
 def cpu_count() -> int:
     """Cores this process may run on (its affinity), what the simulator shares among roles."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return len(cpus())
+
+
+def nice() -> int:
+    """This process's CPU priority (0 default, 19 lowest): the share of a contended core it gets (the simulator)."""
+    return os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0
+
+
+def cpus() -> list[int]:
+    """Which cores this process may run on (its affinity): roles pinned apart share none (the simulator)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 def differences(commit: StepCommitted, config: Config) -> list[str]:

@@ -59,6 +59,7 @@ async def test_worker_publishes_whole_groups_with_their_routing(redis_url: str, 
             assert experts.dtype == "uint8" and experts.shape == [len(prompt) + len(tokens) - 1, 2, 2]
     stats = [e for e in await stream_events(redis_url, run_name, "control") if isinstance(e, WorkerStats)]
     assert stats and stats[-1].worker == "rollout:0" and stats[-1].policy_version == 0
+    assert stats[-1].cpus == sorted(os.sched_getaffinity(0))  # the cores it may run on (the simulator's pools)
 
 
 @pytest.mark.parametrize("async_level", [0, 1])

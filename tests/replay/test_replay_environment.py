@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -29,10 +30,15 @@ def test_environment_is_recorded_and_survives_the_wire():
     here = environment.library_versions()
     assert here["torch"] == torch.__version__ and set(here) == {"torch", "cuda", "nccl", "vllm"}
     assert environment.layout(CONFIG) == {"ranks": 1, "expert_parallel": 1, "context_parallel": 1}
-    assert environment.cpu_count() >= 1
+    assert environment.cpu_count() == len(environment.cpus()) >= 1 and environment.nice() >= 0
     started = RunStarted(run="r", producer="p", seq=0, config_toml="", seed=1, code_version="c", model_config={},
-                         layout=environment.layout(CONFIG), libraries=here, cpu_count=environment.cpu_count())
+                         layout=environment.layout(CONFIG), libraries=here, cpu_count=environment.cpu_count(),
+                         cpus=environment.cpus())
     assert decode(encode(started)) == started
+    # A log from before the cores were recorded reads them as unknown.
+    old = msgspec.msgpack.decode(encode(started))
+    del old["cpus"]
+    assert decode(msgspec.msgpack.encode(old)).cpus == []
     assert decode(encode(_commit(layout={"ranks": 2}, libraries=here))).libraries == here
 
 

@@ -16,104 +16,15 @@ import msgspec
 import numpy as np
 import pytest
 
-from reel.bus.events import RunStarted, Sample, StepCommitted, StepTiming, Tensor, Trajectory, WorkerStats, encode
-from reel.bus.run_log import RunLog
 from reel.replay.simulate import Scenario, SimulationError, simulate
 from reel.replay.simulate_cores import Cores
 from reel.replay.simulate_report import tv_distance
-from reel.replay.workload import WorkloadError, extract
-from reel.runtime.config import run as config_mod
+from reel.replay.workload import GroupShape, WorkloadError, extract
 from reel.runtime.launch.cli import main as reel
-
-L, N, G, P = 6, 4, 4, 3  # tokens per sample, samples per group, groups per step, prompt tokens
-A, B, X = 0.010, 0.0005, 0.0002  # decode step seconds: A + B · running sequences + X · prefill tokens
-C0, C1 = 0.05, 0.001  # trainer compute seconds: C0 + C1 · tokens
-PUBLISH, SWAP = 0.02, 0.004
-
-
-def _sample(turns: tuple[int, ...], env_s: tuple[float, ...] = ()) -> Sample:
-    """A sample whose turns have these token counts: model, env, model, ... (env turns as env_spans),
-    the env answering each model turn in env_s seconds."""
-    env_spans = [(sum(turns[:i]), sum(turns[:i + 1])) for i in range(1, len(turns), 2)]
-    n = sum(turns)
-    return Sample(tokens=Tensor.from_numpy(np.zeros(n, np.int32)), logprobs=Tensor.from_numpy(np.zeros(n, np.float32)),
-                  reward=0.0, finish_reason="length", seed=0, spans=[(0, 0)], env_spans=env_spans,
-                  turns=len(env_spans) + 1, tool_calls=len(env_spans), turn_lengths=list(turns[::2]),
-                  env_s=list(env_s))
-
-
-def _write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: float = 0.0,
-               episodes: list[tuple[int, ...]] | None = None, world_size: int = 1, cores: Cores | None = None,
-               env_s: tuple[float, ...] = ()) -> Path:
-    """A run directory whose log holds exactly the constants above (and `slowdown` while overlapping);
-    every group's samples have the turns of `episodes` (default: N one-turn samples of L tokens).
-    With `cores`, the log has CPU times and the times are those that processor sharing gives."""
-    raw = {"run": {"name": "synthetic", "steps": steps},
-           "rollout": {"workers": 1, "concurrency": G, "group_size": N, "async_level": async_level, "max_tokens": L},
-           "trainer": {"batch_groups": G, "max_off_policy_steps": 8, "ranks": world_size}, "engine": {"max_batch": 64}}
-    run_dir.mkdir()
-    (run_dir / "config.toml").write_text(config_mod.to_toml(config_mod.from_dict(raw, source="test")))
-    meta = {"run": "synthetic", "producer": "test"}
-    # The worker always has a group in flight, so the trainer always computes beside it.
-    trainer_share, decode_slowdown = 1.0, slowdown
-    if cores is not None:
-        trainer_share, decode_slowdown = cores.share(1, 1), cores.decode_slowdown(1)
-    with RunLog(run_dir) as log:
-        if cores is not None:
-            log.stream("control").append_batch([("900-0", encode(RunStarted(
-                **meta, seq=0, config_toml="", seed=0, code_version="", model_config={}, cpu_count=cores.cores)))])
-        samples = [_sample(turns, env_s) for turns in episodes or [(L,)] * N]
-        # The worker always has a group in flight: one published every 100 ms, started 100 ms before.
-        log.stream("trajectories").append_batch([
-            (f"{1100 + 100 * i}-0", encode(Trajectory(
-                **meta, seq=i, group_id=f"g{i}", env="reverse_text", prompt=Tensor.from_numpy(np.zeros(P, np.int32)),
-                samples=samples, worker="rollout:0", generate_s=0.1))) for i in range(90)])
-        # Steps of varying size, 1 s apart, computing in the first half of each second.
-        commits, now_ms = [], 1000
-        for step in range(1, 9):
-            tokens = 20 * step
-            alone = C0 + C1 * tokens
-            compute = alone * (1 + (cores.trainer_slowdown(1) if cores else 0.0))
-            now_ms += 1000
-            commits.append((f"{now_ms}-0", encode(StepCommitted(
-                **meta, seq=step, step=step, version=step, groups=[], dropped=[], loss=0.0, grad_norm=0.0,
-                weights_sha256="", timing=StepTiming(wait=1.0 - compute - PUBLISH, compute=compute, publish=PUBLISH),
-                metrics={"tokens": float(tokens)}, world_size=world_size, cpu_s=compute * trainer_share))))
-        log.stream("steps").append_batch(commits)
-        # WorkerStats every 700 ms (so intervals overlap compute by varying shares), batch sizes varying.
-        stats, steps_done, tokens_done, forward, busy, cpu = [], 0, 0, 0, 0.0, 1.0
-        for i in range(12):
-            ms = 1500 + 700 * i
-            if i:
-                batch = 4 + 3 * (i % 5)
-                share = _overlap_share(ms - 700, ms, cores)
-                count, prefill = 10 + i, 5 * (i % 3)
-                steps_done += count
-                tokens_done += count * batch
-                forward += count * (batch + prefill)
-                busy += count * (A + B * batch + X * prefill) * (1 + decode_slowdown * share)
-                if cores is not None:
-                    cpu += cores.worker_threads * 0.7 * ((1 - share) * cores.share(0, 1) + share * cores.share(1, 1))
-            stats.append((f"{ms}-0", encode(WorkerStats(
-                **meta, seq=100 + i, worker="rollout:0", tokens_per_s=0.0, running=0, waiting=0, policy_version=0,
-                groups_published=0, decode_steps=steps_done, decode_tokens=tokens_done, forward_tokens=forward, busy_s=busy,
-                swap_s=[SWAP], cpu_s=cpu if cores else 0.0))))
-        log.stream("control").append_batch(stats)
-    return run_dir
-
-
-def _overlap_share(start_ms: float, end_ms: float, cores: Cores | None = None) -> float:
-    """Share of [start, end] inside the synthetic trainer's compute intervals."""
-    covered = 0.0
-    for step in range(1, 9):
-        end = 2000 + 1000 * (step - 1) - 1000 * PUBLISH
-        begin = end - 1000 * (C0 + C1 * 20 * step) * (1 + (cores.trainer_slowdown(1) if cores else 0.0))
-        covered += max(0.0, min(end, end_ms) - max(begin, start_ms))
-    return covered / (end_ms - start_ms)
-
+from simulate_log import A, B, C0, C1, G, L, N, P, PUBLISH, SWAP, X, write_run
 
 def test_calibration_recovers_the_constants(tmp_path: Path) -> None:
-    w = extract(_write_run(tmp_path / "run", async_level=0))
+    w = extract(write_run(tmp_path / "run", async_level=0))
     d = w.decode
     assert (d.base_s, d.per_seq_s, d.per_prefill_token_s, d.shared_slowdown) == pytest.approx((A, B, X, 0.0), abs=1e-9)
     assert (w.trainer.base_s, w.trainer.per_token_s) == pytest.approx((C0, C1), abs=1e-9)
@@ -125,46 +36,47 @@ def test_calibration_recovers_the_constants(tmp_path: Path) -> None:
 
 
 def test_calibration_finds_the_shared_core_slowdown(tmp_path: Path) -> None:
-    w = extract(_write_run(tmp_path / "run", async_level=2, slowdown=0.8))
+    w = extract(write_run(tmp_path / "run", async_level=2, slowdown=0.8))
     assert w.decode.shared_slowdown == pytest.approx(0.8, abs=0.011)
     assert w.decode.base_s == pytest.approx(A, rel=0.02)
 
 
 def test_calibration_fits_the_shared_cores_from_cpu_times(tmp_path: Path) -> None:
-    # 2 cores, 3 other runnable threads, a worker worth 1.5 threads: every role is slowed by the
-    # other, and the log's CPU times say by how much.
-    truth = Cores(cores=2, background=3.0, trainer_threads=1, worker_threads=1.5, trainer_rate=0, worker_rate=0)
-    w = extract(_write_run(tmp_path / "run", async_level=0, cores=truth))
-    assert w.cores is not None and w.cores.cores == 2
-    assert (w.cores.background, w.cores.worker_threads) == pytest.approx((3.0, 1.5), abs=0.051)
-    assert w.cores.trainer_rate == pytest.approx(2 / 5.5, rel=1e-6)  # 1 thread of 5.5 on 2 cores
+    # 2 cores, 3 other runnable threads, a worker's one decoding thread (engine.threads): every role
+    # is slowed by the other, and the log's CPU times say by how much.
+    truth = Cores(cores=2, background=3.0, trainer_threads=1, worker_threads=1, trainer_rate=0, worker_rate=0)
+    w = extract(write_run(tmp_path / "run", async_level=0, cores=truth))
+    assert w.cores is not None and w.cores.cores == 2 and not w.cores.apart
+    assert (w.cores.background, w.cores.worker_threads) == pytest.approx((3.0, 1), abs=0.051)
+    assert w.cores.trainer_rate == pytest.approx(2 / 5, rel=1e-6)  # 1 thread of 5 on 2 cores
     # Times are taken back to the roles alone: the constants, and the model's slowdowns.
     assert w.decode.shared_slowdown == pytest.approx(truth.decode_slowdown(1), rel=0.05)
     assert w.trainer.shared_slowdown == pytest.approx(truth.trainer_slowdown(1), rel=0.05)
     assert (w.decode.base_s, w.trainer.base_s) == pytest.approx((A, C0), rel=0.05)
-    # A second worker demands 1.5 threads more: both roles slow further.
-    assert w.cores.decode_slowdown(2) < w.cores.decode_slowdown(1) < w.cores.trainer_slowdown(1) \
-        < w.cores.trainer_slowdown(2)
+    # A second worker demands one thread more: the trainer slows further, a decode step less (the
+    # trainer's thread is one of more).
+    assert w.cores.decode_slowdown(2) < w.cores.decode_slowdown(1) and \
+        w.cores.trainer_slowdown(1) < w.cores.trainer_slowdown(2)
     # A log without CPU times has no such model, and says so for an asynchronous scenario.
-    assert extract(_write_run(tmp_path / "old", async_level=0)).cores is None
+    assert extract(write_run(tmp_path / "old", async_level=0)).cores is None
 
 
 def test_background_rescales_each_role_from_the_logged_machine_to_the_scenarios(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    truth = Cores(cores=2, background=3.0, trainer_threads=1, worker_threads=1.5, trainer_rate=0, worker_rate=0)
-    run = _write_run(tmp_path / "run", async_level=0, cores=truth)
+    truth = Cores(cores=2, background=3.0, trainer_threads=1, worker_threads=1, trainer_rate=0, worker_rate=0)
+    run = write_run(tmp_path / "run", async_level=0, cores=truth)
     w = extract(run)
     walls = {bg: simulate(w, Scenario(pipeline=w.pipeline, dedicated=True, background=bg)).wall_s
              for bg in (None, 3.0, 0.0)}
     assert walls[3.0] == pytest.approx(walls[None], rel=1e-9)  # the logged machine
-    # Alone on 2 cores the trainer's one thread and the worker's 1.5 each run at full speed: the
-    # trainer 2/4 -> 1 (2x faster), the worker 2/4.5 -> 1 (2.25x); sync wall = sum of both sides.
-    step = _rollout_s() / 2.25 + (C0 + C1 * G * N * L + PUBLISH) / 2 + SWAP
+    # Alone on 2 cores the trainer's one thread and the worker's one each run at full speed: each
+    # 2/4 -> 1 (2x faster); sync wall = sum of both sides.
+    step = _rollout_s() / 2 + (C0 + C1 * G * N * L + PUBLISH) / 2 + SWAP
     assert walls[0.0] == pytest.approx(11 * step, rel=0.02)  # steps 2..12
     assert reel(["simulate", "--run", str(run), "--json", "--sweep", "background=0,3"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert rows[0]["result"]["wall_s"] < rows[1]["result"]["wall_s"]
-    old = _write_run(tmp_path / "old", async_level=0)
+    old = write_run(tmp_path / "old", async_level=0)
     assert reel(["simulate", "--run", str(old), "--background", "0"]) != 0
     assert "needs a value of 0 or more and a log with CPU times" in capsys.readouterr().err
 
@@ -179,7 +91,7 @@ def _train_s(speedup: float = 1.0, ranks: int = 1, efficiency: float = 0.9, toke
 
 
 def test_synchronous_wall_is_the_sum_of_rollout_and_training(tmp_path: Path) -> None:
-    w = extract(_write_run(tmp_path / "run", async_level=0, steps=10))
+    w = extract(write_run(tmp_path / "run", async_level=0, steps=10))
     r = simulate(w, Scenario(pipeline=w.pipeline))
     step = SWAP + _rollout_s() + _train_s()
     assert r.wall_s == pytest.approx(9 * step, rel=1e-9)
@@ -191,7 +103,7 @@ def test_synchronous_wall_is_the_sum_of_rollout_and_training(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("speedup_rollout", [1.0, 0.25])
 def test_asynchronous_period_is_the_slower_side(tmp_path: Path, speedup_rollout: float) -> None:
-    w = extract(_write_run(tmp_path / "run", async_level=1, steps=30))
+    w = extract(write_run(tmp_path / "run", async_level=1, steps=30))
     r = simulate(w, Scenario(pipeline=w.pipeline, speedup_rollout=speedup_rollout))
     rollout, train = _rollout_s(speedup_rollout), _train_s()
     # Trainer-bound (rollout + swap 0.118 s < train 0.166 s): the trainer never waits after step 1.
@@ -224,7 +136,7 @@ def _episodes_rollout_s(episodes: list[tuple[int, ...]]) -> float:
 @pytest.mark.parametrize("episodes", [TWO_TURNS, LONG_TAIL], ids=["two-turns", "long-tail"])
 def test_synchronous_multi_turn_wall_is_the_sum_of_turns_and_training(tmp_path: Path,
                                                                      episodes: list[tuple[int, ...]]) -> None:
-    w = extract(_write_run(tmp_path / "run", async_level=0, steps=10, episodes=episodes))
+    w = extract(write_run(tmp_path / "run", async_level=0, steps=10, episodes=episodes))
     assert {tuple(map(tuple, g.samples)) for g in w.groups} == {tuple(episodes)}
     r = simulate(w, Scenario(pipeline=w.pipeline))
     sampled = G * sum(sum(e[::2]) for e in episodes)  # env tokens are not trained on
@@ -235,7 +147,7 @@ def test_synchronous_multi_turn_wall_is_the_sum_of_turns_and_training(tmp_path: 
 
 
 def test_asynchronous_multi_turn_period_is_the_slower_side(tmp_path: Path) -> None:
-    w = extract(_write_run(tmp_path / "run", async_level=1, steps=30, episodes=LONG_TAIL))
+    w = extract(write_run(tmp_path / "run", async_level=1, steps=30, episodes=LONG_TAIL))
     r = simulate(w, Scenario(pipeline=w.pipeline, speedup_rollout=0.25))
     # Rollout-bound (a round 1.13 s against 0.21 s of training): rounds back to back, one swap each.
     assert r.wall_s / 29 == pytest.approx(_episodes_rollout_s(LONG_TAIL) / 0.25 + SWAP, rel=1e-6)
@@ -245,7 +157,7 @@ def test_asynchronous_multi_turn_period_is_the_slower_side(tmp_path: Path) -> No
 @pytest.mark.parametrize("async_level", [0, 1])
 def test_a_tool_wait_holds_up_its_episode_not_the_engine(tmp_path: Path, async_level: int) -> None:
     # Every sample's tool call answers in 0.5 s, the final reward at once (Sample.env_s).
-    w = extract(_write_run(tmp_path / "run", async_level=async_level, steps=12, episodes=TWO_TURNS,
+    w = extract(write_run(tmp_path / "run", async_level=async_level, steps=12, episodes=TWO_TURNS,
                            env_s=(0.5, 0.0)))
     assert {tuple(map(tuple, g.env_s)) for g in w.groups} == {((0.5, 0.0),) * N}
     r = simulate(w, Scenario(pipeline=w.pipeline))
@@ -259,21 +171,21 @@ def test_a_tool_wait_holds_up_its_episode_not_the_engine(tmp_path: Path, async_l
 
 
 def test_speedups_and_trainer_ranks_scale_the_closed_form(tmp_path: Path) -> None:
-    w = extract(_write_run(tmp_path / "run", async_level=0, steps=6))
+    w = extract(write_run(tmp_path / "run", async_level=0, steps=6))
     pipeline = msgspec.structs.replace(w.pipeline, trainer_ranks=4)
     r = simulate(w, Scenario(pipeline=pipeline, speedup_rollout=2.0, speedup_trainer=3.0, rank_efficiency=0.8))
     assert r.wall_s == pytest.approx(5 * (SWAP + _rollout_s(2.0) + _train_s(3.0, 4, 0.8)), rel=1e-9)
 
 
 def test_redis_thread_saturates_with_many_workers(tmp_path: Path) -> None:
-    w = extract(_write_run(tmp_path / "run", async_level=2, steps=20))
+    w = extract(write_run(tmp_path / "run", async_level=2, steps=20))
     pipeline = msgspec.structs.replace(w.pipeline, rollout_workers=8, batch_groups=8 * G)
     r = simulate(w, Scenario(pipeline=pipeline, speedup_trainer=100.0, redis_s_per_event=0.02, dedicated=True))
     assert r.redis_busy > 0.8 and r.bottleneck == "redis"
 
 
 def test_tight_off_policy_limit_drops_groups(tmp_path: Path) -> None:
-    w = extract(_write_run(tmp_path / "run", async_level=3, steps=20))
+    w = extract(write_run(tmp_path / "run", async_level=3, steps=20))
     pipeline = msgspec.structs.replace(w.pipeline, max_off_policy=0, concurrency=3 * G)
     r = simulate(w, Scenario(pipeline=pipeline, speedup_rollout=4.0))
     assert 0.0 < r.dropped_share < 1.0
@@ -281,7 +193,7 @@ def test_tight_off_policy_limit_drops_groups(tmp_path: Path) -> None:
 
 
 def test_a_gate_that_cannot_fill_a_batch_is_an_error(tmp_path: Path) -> None:
-    w = extract(_write_run(tmp_path / "run", async_level=0))
+    w = extract(write_run(tmp_path / "run", async_level=0))
     pipeline = msgspec.structs.replace(w.pipeline, concurrency=1)
     with pytest.raises(SimulationError, match="raise rollout.concurrency"):
         simulate(w, Scenario(pipeline=pipeline))
@@ -294,7 +206,7 @@ def test_tv_distance() -> None:
 
 
 def test_cli_sweep_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    run = _write_run(tmp_path / "run", async_level=1)
+    run = write_run(tmp_path / "run", async_level=1)
     png = tmp_path / "sweep.png"
     assert reel(["simulate", "--run", str(run), "--sweep", "rollout-workers=1,2,4", "--json", "--plot", str(png)]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -305,7 +217,7 @@ def test_cli_sweep_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_cli_sweeps_make_a_grid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    run = _write_run(tmp_path / "run", async_level=1)
+    run = write_run(tmp_path / "run", async_level=1)
     assert reel(["simulate", "--run", str(run), "--sweep", "rollout-workers=1,2", "--sweep", "trainer-ranks=1,4",
                  "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
@@ -315,7 +227,7 @@ def test_cli_sweeps_make_a_grid(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 
 def test_cli_as_logged_shows_the_measured_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    run = _write_run(tmp_path / "run", async_level=0)
+    run = write_run(tmp_path / "run", async_level=0)
     assert reel(["simulate", "--run", str(run)]) == 0
     out = capsys.readouterr().out
     assert "as logged" in out and "measured" in out and "TV" in out
@@ -323,7 +235,7 @@ def test_cli_as_logged_shows_the_measured_run(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_cli_shows_the_turns_of_multi_turn_episodes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    run = _write_run(tmp_path / "run", async_level=0, episodes=LONG_TAIL)
+    run = write_run(tmp_path / "run", async_level=0, episodes=LONG_TAIL)
     assert reel(["simulate", "--run", str(run)]) == 0
     assert "1.50 model turns per episode (at most 3)" in " ".join(capsys.readouterr().out.split())
 
@@ -335,7 +247,7 @@ def test_cli_shows_the_turns_of_multi_turn_episodes(tmp_path: Path, capsys: pyte
 ])
 def test_cli_bad_input_is_one_sentence(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
                                        message: str) -> None:
-    run = _write_run(tmp_path / "run", async_level=0)
+    run = write_run(tmp_path / "run", async_level=0)
     assert reel(["simulate", "--run", str(run), *argv]) == 1
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
@@ -347,7 +259,7 @@ def test_not_a_run_directory(tmp_path: Path) -> None:
 
 
 def test_a_log_without_decode_timings_says_so(tmp_path: Path) -> None:
-    run = _write_run(tmp_path / "run", async_level=0)
+    run = write_run(tmp_path / "run", async_level=0)
     shutil.rmtree(run / "log" / "control")  # as if no worker had reported its engine counters
     with pytest.raises(WorkloadError, match="0 WorkerStats intervals with decode timings.*re-run the config"):
         extract(run)
@@ -356,8 +268,8 @@ def test_a_log_without_decode_timings_says_so(tmp_path: Path) -> None:
 def test_trainer_compute_is_calibrated_per_logged_rank(tmp_path: Path) -> None:
     # The same step timings logged by one process and by two ranks: simulated as logged, both give
     # those timings back; the 2-rank log is not divided by its ranks a second time.
-    one = extract(_write_run(tmp_path / "one", async_level=0, world_size=1))
-    two = extract(_write_run(tmp_path / "two", async_level=0, world_size=2))
+    one = extract(write_run(tmp_path / "one", async_level=0, world_size=1))
+    two = extract(write_run(tmp_path / "two", async_level=0, world_size=2))
     assert (one.trainer.ranks, two.trainer.ranks, two.pipeline.trainer_ranks) == (1, 2, 2)
     as_logged = [simulate(w, Scenario(pipeline=w.pipeline, dedicated=True)).wall_s for w in (one, two)]
     assert as_logged[1] == pytest.approx(as_logged[0], rel=1e-9)
@@ -369,7 +281,7 @@ def test_trainer_compute_is_calibrated_per_logged_rank(tmp_path: Path) -> None:
 
 def test_rank_efficiency_is_fitted_from_bench_fsdp_and_says_where_it_came_from(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    run = _write_run(tmp_path / "run", async_level=0)
+    run = write_run(tmp_path / "run", async_level=0)
     bench = tmp_path / "fsdp.json"
     bench.write_text(json.dumps({"bench": "fsdp", "one_rank_step_s": 0.36, "two_rank_step_s": 0.3, "ratio": 1.3}))
     runs = {}
@@ -392,8 +304,8 @@ def test_rank_efficiency_is_fitted_from_bench_fsdp_and_says_where_it_came_from(
 def test_rank_efficiency_is_fitted_from_a_one_rank_and_a_two_rank_run(tmp_path: Path,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     # The synthetic logs' steps take the same compute seconds on 1 rank and on 2: efficiency 1/2.
-    one = _write_run(tmp_path / "one", async_level=0, world_size=1)
-    two = _write_run(tmp_path / "two", async_level=0, world_size=2)
+    one = write_run(tmp_path / "one", async_level=0, world_size=1)
+    two = write_run(tmp_path / "two", async_level=0, world_size=2)
     assert reel(["simulate", "--run", str(one), "--trainer-ranks", "2", "--dedicated", "--json",
                  "--rank-efficiency-from", str(two), str(one)]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -408,7 +320,7 @@ def test_rank_efficiency_is_fitted_from_a_one_rank_and_a_two_rank_run(tmp_path: 
 
 def test_a_synchronous_log_says_it_cannot_tell_what_sharing_costs(tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    run = _write_run(tmp_path / "run", async_level=0)
+    run = write_run(tmp_path / "run", async_level=0)
     notes = {}
     for name, extra in (("async", ["--async-level", "2"]), ("dedicated", ["--async-level", "2", "--dedicated"]),
                         ("as logged", [])):
@@ -419,3 +331,18 @@ def test_a_synchronous_log_says_it_cannot_tell_what_sharing_costs(tmp_path: Path
     assert notes["as logged"] == []
     assert reel(["simulate", "--run", str(run), "--async-level", "1"]) == 0
     assert "note: calibrated on a synchronous log" in capsys.readouterr().out
+
+
+def test_repeats_report_the_mean_of_their_draws(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    w = extract(write_run(tmp_path / "run", async_level=1, steps=10))
+    w = msgspec.structs.replace(w, groups=[w.groups[0], GroupShape(P, [[3 * L]] * N)])  # a short and a long group
+    one = [simulate(w, Scenario(pipeline=w.pipeline, seed=s, repeats=1)) for s in range(4)]
+    assert len({r.wall_s for r in one}) > 1  # the draws differ
+    mean = simulate(w, Scenario(pipeline=w.pipeline, seed=0, repeats=4))
+    assert mean.wall_s == pytest.approx(sum(r.wall_s for r in one) / 4, rel=1e-12)
+    assert mean.trainer_idle == pytest.approx(sum(r.trainer_idle for r in one) / 4, rel=1e-12)
+    assert mean.steps_per_hour == pytest.approx(3600 * 9 / mean.wall_s)
+    assert sum(mean.staleness.values()) == pytest.approx(sum(sum(r.staleness.values()) for r in one) / 4, abs=2)
+    run = write_run(tmp_path / "cli", async_level=1)
+    assert reel(["simulate", "--run", str(run), "--repeats", "0"]) != 0
+    assert "--repeats = 0 must be 1 or more" in capsys.readouterr().err

@@ -6,8 +6,9 @@ distribution, one worker, every role a real process, run synchronously (A) and a
 cores costs B comes from A's CPU times (replay/simulate_cores.py). The staleness histogram and the
 trainer's idle share must land within the issue's targets. Wall time is held to a looser bound
 than the 15% target: the machine's other tenants change how many cores the run gets between A and
-B, and B's trainer runs the mismatch split, neither of which a log of A can show
-(docs/simulator.md has the measured pairs).
+B, which a log of A cannot show (docs/simulator.md has the measured pairs). The mismatch role runs
+beside both (its own process since issue 43): A's log has its splits, and the simulation prices
+B's, one scoring pass more per older version, from them.
 The second pair is examples/slow_calc.toml made small: multi-turn episodes whose tool calls wait a
 heavy-tailed wall time, run synchronously and at async_level 2; the simulator replays each logged
 call's wait (Sample.env_s) for its episode alone while the engine goes on.
@@ -61,7 +62,11 @@ checkpoint_every = 1000
 # Measured 2026-12-05 (load 6.5 to 9.7): long-tail -24%; slow-tool -48% with the split in the step,
 # -29% with it in its own role (the split branch), each run's own log fitting it within 2%: what
 # remains is the trainer's share of the loaded cores, which moves between the two runs. The 15%
-# target cannot be a test on this machine.
+# target cannot be a test on this machine. With the mismatch role simulated (2026-12-05 04:35-04:40,
+# load 3.8 to 7, the lead's test suite beside it): long-tail -2.0% (main's simulator -4.6% on the same
+# logs); slow-tool +54.7% (main's +37.5%): its synchronous run's trainer got 0.30 of a core, the
+# asynchronous run's 0.47 as the load fell. Again at 05:05-05:08 (load ~2.7): long-tail +32.4% (main's
+# +25.9%), slow-tool -3.2% (main's -17.4%). Not tightened: the drift alone exceeds 0.3 in both directions.
 WALL_BOUND = 0.5
 # Staleness histograms, total variation: long-tail 0.004; slow-tool 0.235 with the mismatch split in
 # the trainer's step (a slower async trainer lets rounds age: more tokens two versions behind), 0.103
@@ -127,8 +132,8 @@ def test_a_synchronous_run_predicts_the_asynchronous_one(tmp_path: Path, workloa
     # The synchronous log has CPU times: sharing the cores is modelled from them, not assumed free.
     assert sync.cores is not None and sync.cores.cores >= 1
     scenario = Scenario(pipeline=async_.pipeline)
-    # Said, not guessed: the trainer's mismatch split, which only an asynchronous step runs.
-    assert len(caveats(sync, scenario)) == 1 and "mismatch split" in caveats(sync, scenario)[0]
+    # The mismatch role runs beside the trainer, its splits in the log: priced from them, nothing left unsaid.
+    assert sync.split is not None and sync.split.splits >= 3 and caveats(sync, scenario) == []
     assert sync.decode.shared_slowdown > 0 or sync.cores.share(1, 1) == 1.0  # free only with cores to spare
     result = simulate(sync, scenario)
     c = compare(result, async_.measured)
