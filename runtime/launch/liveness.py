@@ -43,7 +43,8 @@ class Verdict(NamedTuple):
 
 
 class Liveness:
-    def __init__(self, roles_dir: Path, stall_s: float, only: Collection[str] | None = None):
+    def __init__(self, roles_dir: Path, stall_s: float, only: Collection[str] | None = None, *,
+                 drop_stale: bool = True):
         self.roles_dir = roles_dir
         self.stall_s = stall_s  # run.stall_s: the least bound
         self.only = None if only is None else frozenset(only)  # the roles this launcher watches (None: all)
@@ -51,7 +52,7 @@ class Liveness:
         self._longest: dict[str, float] = {}  # role -> longest gap between two progress beats seen
         self._stalled: dict[str, float] = {}  # role -> since when, for the roles named stalled
         self.newly_stalled: list[str] = []  # the roles the last check() named
-        for stale in roles_dir.glob(f"*{BEAT_SUFFIX}"):  # an earlier launch's (a --resume): not these roles'
+        for stale in roles_dir.glob(f"*{BEAT_SUFFIX}") if drop_stale else ():  # an earlier launch's (a --resume)
             if self._watches(stale.name[:-len(BEAT_SUFFIX)]):
                 stale.unlink(missing_ok=True)
 

@@ -8,13 +8,16 @@ only from its own node:
         one task of a pool (a rollout worker, a `vllm serve`): runs COMMAND as its child (its own
         process group; pid in roles/ROLE.pid) and watches ROLE's beat. Stalled, the child is killed
         (SIGKILL) and started again, and the task goes on: the step, and the job, never see it. With
-        --probe URL the watcher writes the beat itself (runtime/launch/server_probe.py, a vLLM server),
-        and counts each restart in roles/ROLE.restarts before the kill; a rollout worker's watcher
-        restarts its worker too when that count moves (its requests to the old server are lost:
+        --probe URL the watcher writes the beat itself (runtime/launch/server_probe.py, a vLLM server).
+        Each restart is counted in roles/ROLE.restarts ("COUNT WHY") before the kill: the job's
+        watcher says it in the job's output, and a rollout worker's watcher restarts its worker too
+        when a vLLM server's count moves (its requests to the old server are lost:
         its in-flight groups go as after kill -9). A child that ends by itself ends the task with
         its code; SIGTERM (the job's stop) is passed on to it.
     python -m reel.runtime.launch.pool_watch --run RUN_DIR --job
-        the job's own watcher (control node): names every stalled role in the job's output, and
+        the job's own watcher (control node): names every stalled role, and every restart a task's
+        watcher made, in the job's output (the job script drops an earlier job's beats before it
+        starts any role), and
         when the trainer or archiver is hung writes its name to RUN_DIR/slurm/hung and exits: the
         job script then stops the run as if that role had died, with the resume command.
 """
@@ -59,16 +62,28 @@ def main(argv: list[str] | None = None) -> int:
 
 def watch_job(run_dir: Path, stall_s: float) -> int:
     """Until the trainer or archiver is hung (returns 0 after writing its name) or SIGTERM."""
-    liveness = Liveness(run_dir / "roles", stall_s)
+    liveness = Liveness(run_dir / "roles", stall_s, drop_stale=False)  # the job script dropped them before any role
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    restarts = _restarts(run_dir / "roles")
     while True:
         verdict = liveness.decide()
         for line in verdict.lines:
             print(line, flush=True)
+        for path, text in (seen := _restarts(run_dir / "roles")).items():
+            if restarts.get(path) != text:  # a pool task's watcher acted: said here too, where the job's output is
+                count, why = text.split(" ", 1)
+                print(f"reel: {path[:-len(RESTARTS_SUFFIX)]} was killed, {why}, and started again by its task's "
+                      f"watcher (restart {count})", flush=True)
+        restarts = seen
         if verdict.stop is not None:
             (run_dir / "slurm" / HUNG_FILE).write_text(verdict.stop + "\n")
             return 0
         time.sleep(CHECK_EVERY_S)
+
+
+def _restarts(roles: Path) -> dict[str, str]:
+    """roles/ROLE.restarts: "COUNT WHY" of the last restart a task's watcher made."""
+    return {p.name: p.read_text() for p in roles.glob(f"*{RESTARTS_SUFFIX}")}  # whole (os.replace)
 
 
 class TaskWatch:
@@ -114,11 +129,11 @@ class TaskWatch:
 
     def _restart(self, why: str) -> None:
         assert self.child is not None
-        if self.probe is not None:  # before the kill: its clients' watchers see it as soon as their requests fail
-            path = self.roles / f"{self.role}{RESTARTS_SUFFIX}"
-            count = int(path.read_text()) + 1 if path.exists() else 1
-            path.with_name(path.name + ".part").write_text(str(count))
-            os.replace(path.with_name(path.name + ".part"), path)  # whole: a reader never sees it empty
+        # Counted before the kill: a server's clients' watchers see it as soon as their requests fail.
+        path = self.roles / f"{self.role}{RESTARTS_SUFFIX}"
+        count = int(path.read_text().split()[0]) + 1 if path.exists() else 1
+        path.with_name(path.name + ".part").write_text(f"{count} {why}")
+        os.replace(path.with_name(path.name + ".part"), path)  # whole: a reader never sees it empty
         if self.probe is not None:
             self.probe.stop()
         try:
@@ -135,7 +150,7 @@ class TaskWatch:
         """The restart counts of the vLLM servers (a rollout worker's watcher restarts its worker on a change)."""
         if not self.role.startswith("rollout-"):
             return {}
-        return {p.name: p.read_text() for p in self.roles.glob(f"vllm*{RESTARTS_SUFFIX}")}  # whole (os.replace)
+        return {name: text for name, text in _restarts(self.roles).items() if name.startswith("vllm")}
 
     def _pass_on(self, *_: object) -> None:
         self.stopping = True

@@ -59,7 +59,8 @@ def render(c: Config, run_dir: Path, opts: JobOptions) -> str:
     pools = vllm_args.pools(c, opts.rollout_nodes) if vllm else []
     components = _components(c, opts, pools)
     trainer = len(components) - 1
-    lines = [*_control_lines(c), *_blob_store_lines(c), *_trainer_lines(c, opts, trainer)]
+    lines = ["# the job's liveness watcher: names a stalled role here; a hung trainer or archiver stops the run",
+             "watch_liveness", "", *_control_lines(c), *_blob_store_lines(c), *_trainer_lines(c, opts, trainer)]
     # Each worker under its task's watcher (runtime/launch/pool_watch.py): stalled, it is restarted in place.
     worker = ["env", "OMP_NUM_THREADS=1", "REEL_TORCH_THREADS=1", "bash", "-c",
               f'exec {WATCH} --role "rollout-$SLURM_PROCID" -- "$REEL" role rollout --run "$RUN_DIR" '
@@ -73,8 +74,6 @@ def render(c: Config, run_dir: Path, opts: JobOptions) -> str:
                              [f"--nodes={opts.rollout_nodes}", f"--ntasks={c.rollout.workers}"], worker)]
     lines += _eval_lines(c, vllm, len(components) - 2)
     lines += _mismatch_lines(c)
-    lines += ["# the job's liveness watcher: names a stalled role here; a hung trainer or archiver stops the run",
-              "watch_liveness"]
     ends_itself = " ".join(name for name, every in (("eval", c.eval.every), ("mismatch", c.mismatch.every)) if every)
     settings = {"RUN_DIR": str(run_dir), "RUN_NAME": c.run.name, **_binaries(c),
                 "FINISHER": "trainer", "DRAINER": "archiver", "ENDS_ITSELF": ends_itself}

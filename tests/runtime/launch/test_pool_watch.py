@@ -112,7 +112,7 @@ def test_a_server_that_stops_answering_is_named_and_restarted_and_so_is_its_work
         frozen_server, first_worker = _pid(run_dir, "vllm-rollout-0"), _pid(run_dir, "rollout-0")
         os.kill(frozen_server, signal.SIGSTOP)  # accepts connections (the kernel does), answers nothing
         _until("a new server", lambda: _pid(run_dir, "vllm-rollout-0") != frozen_server)
-        assert (run_dir / "roles" / "vllm-rollout-0.restarts").read_text() == "1"
+        assert (run_dir / "roles" / "vllm-rollout-0.restarts").read_text() == "1 which had stalled"
         _until("a new worker", lambda: _pid(run_dir, "rollout-0") != first_worker)
         _until("the new server answers the probe", lambda: "vllm-rollout-0" in read_beats(run_dir / "roles"))
         assert server.poll() is None and worker.poll() is None
