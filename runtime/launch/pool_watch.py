@@ -8,18 +8,18 @@ only from its own node:
         one task of a pool (a rollout worker, a `vllm serve`): runs COMMAND as its child (its own
         process group; pid in roles/ROLE.pid) and watches ROLE's beat. Stalled, the child is killed
         (SIGKILL) and started again, and the task goes on: the step, and the job, never see it. With
-        --probe URL the watcher writes the beat itself (runtime/launch/server_probe.py, a vLLM server).
-        Each restart is counted in roles/ROLE.restarts ("COUNT WHY") before the kill: the job's
-        watcher says it in the job's output, and a rollout worker's watcher restarts its worker too
-        when a vLLM server's count moves (its requests to the old server are lost:
-        its in-flight groups go as after kill -9). A child that ends by itself ends the task with
-        its code; SIGTERM (the job's stop) is passed on to it.
+        --probe URL the watcher writes the beat itself (runtime/launch/server_probe.py, a vLLM
+        server). Each restart is counted in roles/ROLE.restarts ("COUNT WHY") before the kill: the
+        job's watcher says it in the job's output, and a rollout worker's watcher restarts its
+        worker too when a vLLM server's count moves (its requests to the old server are lost: its
+        in-flight groups go as after kill -9). A child that ends by itself ends the task with its
+        code; SIGTERM (the job's stop) is passed on to it.
     python -m reel.runtime.launch.pool_watch --run RUN_DIR --job
         the job's own watcher (control node): names every stalled role, and every restart a task's
         watcher made, in the job's output (the job script drops an earlier job's beats before it
-        starts any role), and
-        when the trainer or archiver is hung writes its name to RUN_DIR/slurm/hung and exits: the
-        job script then stops the run as if that role had died, with the resume command.
+        starts any role); when the trainer or archiver is hung it writes the name to
+        RUN_DIR/slurm/hung and exits: the job script then stops the run as if that role had died,
+        with the resume command.
 """
 
 from __future__ import annotations
