@@ -41,6 +41,7 @@ from reel.runtime.train.distributed import torchrun_argv
 from reel.runtime.launch import resume as resume_mod
 from reel.runtime.launch import vllm_args
 from reel.runtime.launch.vllm_key import KEY_ENV, run_api_key
+from reel.runtime.launch.bus_probe import refuses
 from reel.runtime.launch.liveness import Liveness
 from reel.runtime.launch.server_probe import ServerProbe
 from reel.runtime.launch.progress import Progress
@@ -57,6 +58,7 @@ FAILED, STOPPED = "failed", "stopped"
 EVAL_FINISH_TIMEOUT_S = 300.0  # after the last commit, how long the eval role may take to score the last version
 # After the last commit, how long the mismatch role may take to split the steps it lags behind.
 MISMATCH_FINISH_TIMEOUT_S = 300.0
+BUS_GONE = "redis"  # what _watch returns when the embedded Redis has exited (runtime/launch/bus_probe.py)
 
 
 def main_run(args: argparse.Namespace) -> int:
@@ -189,6 +191,8 @@ class Supervisor:
                 self._start("mismatch", "mismatch", threads=trainer_threads)
             with self.progress:
                 failed = self._watch()
+            if failed == BUS_GONE:
+                return self._bus_gone()
             if failed is not None:
                 return self._fail(failed)
             return self._finish()
@@ -241,6 +245,8 @@ class Supervisor:
             self._restart(verdict.restart)
             if verdict.stop is not None:
                 return verdict.stop  # stopped like a role that died: the resume is exact
+            if not self.config.bus.url and refuses(self.url):  # exited, not paused: no ride-out brings it back
+                return BUS_GONE
             self._start_vllm_when_ready()
             for name, role in list(self.roles.items()):
                 code = role.poll()
@@ -303,6 +309,16 @@ class Supervisor:
         print(role.log_tail(), file=sys.stderr)
         print(f"reel: fix the cause, then `{self.resume_command}` continues this run (a resume may change only "
               f"{resume_mod.safe_keys()}; another fix needs a new run: another --out)", file=sys.stderr)
+        return 1
+
+    def _bus_gone(self) -> int:
+        """The embedded Redis has exited: every role stops now (none can record the end, the log just
+        ends), rather than after each has ridden out bus.ride_out_s."""
+        print(f"reel: the run's Redis refuses connections: it has exited (see {self.run_dir / 'redis' / 'redis.log'}); "
+              f"stopping every role", file=sys.stderr, flush=True)
+        self._stop_all()
+        print(f"reel: `{self.resume_command}` restarts Redis from its append-only file and continues this run",
+              file=sys.stderr)
         return 1
 
     def _record_end(self, reason: str) -> None:
