@@ -15,6 +15,7 @@ import copy
 import logging
 import os
 import re
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -484,3 +485,38 @@ def test_the_vllm_example_learns_and_every_step_replays_bitwise(tmp_path, capsys
     assert main(["replay", "range", f"1..{steps}", "--run", str(run_dir), "--recompute", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["steps"]
     assert [row["recomputed"]["bitwise"] for row in rows] == [True] * steps
+
+
+async def test_the_liveness_probe_reads_a_real_servers_answers_and_a_frozen_one_gives_none(models, server, server_blobs,
+                                                                                           tmp_path) -> None:
+    """runtime/launch/server_probe.py on a real `vllm serve`: idle, generating, then frozen (SIGSTOP of the API
+    server): no answer within the probe's timeout, so its beat ages and liveness names it."""
+    from reel.runtime.heartbeat import read_beats
+    from reel.runtime.launch import server_probe
+    from reel.runtime.launch.liveness import Liveness
+
+    probe = server_probe.ServerProbe("vllm", server, tmp_path, os.environ["VLLM_API_KEY"])
+    assert probe.probe()
+    idle = read_beats(tmp_path)["vllm"]
+    assert (idle.phase, idle.waiting) == ("idle", True), idle  # vLLM's metrics were read: no request now
+    async with _engine(models, server, BlobStore(server_blobs)) as engine:
+        await _push(engine, models[1], BlobStore(server_blobs), 0)
+        await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
+    assert probe.probe()
+    moved = read_beats(tmp_path)["vllm"]
+    assert (moved.phase, moved.progress_count) == ("generating", 1), moved  # generation_tokens_total moved
+    import psutil  # vLLM's own dependency
+
+    port = int(server.rsplit(":", 1)[1])
+    pid, = {c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}  # the API server
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        assert not probe.probe()  # no answer: nothing written
+        assert time.monotonic() - started < server_probe.PROBE_TIMEOUT_S + 5
+        liveness = Liveness(tmp_path, stall_s=1, drop_stale=False)
+        verdict = liveness.decide(time.time() + 2)
+        assert verdict.restart == ["vllm"] and verdict.lines[0].startswith("reel: vllm has made no progress for ")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert probe.probe()  # answers again
