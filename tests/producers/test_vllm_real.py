@@ -520,3 +520,34 @@ async def test_the_liveness_probe_reads_a_real_servers_answers_and_a_frozen_one_
     finally:
         os.kill(pid, signal.SIGCONT)
     assert probe.probe()  # answers again
+
+
+def test_a_frozen_vllm_server_is_restarted_with_its_workers_and_the_run_completes(tmp_path, capsys) -> None:
+    """`reel run` on examples/reverse_text_vllm.toml with its `vllm serve` frozen (SIGSTOP) mid-run: the
+    probe's beat ages, the server is killed and started again with the rollout worker, and the run ends
+    verified."""
+    import subprocess
+    import sys
+
+    from reel.runtime.heartbeat import read_beats
+
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "reel.runtime.launch.cli", "run", str(REPO / "examples" / "reverse_text_vllm.toml"),
+            "--out", str(run_dir), "--no-live", "--set", "run.steps=8", "--set", "run.stall_s=8"]
+    run = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while (beat := read_beats(run_dir / "roles").get("rollout-0")) is None or beat.progress_count < 2:
+        assert run.poll() is None, run.communicate()[0]
+        assert time.monotonic() < deadline, "rollout worker 0 never published"
+        time.sleep(0.2)
+    frozen = int((run_dir / "roles" / "vllm.pid").read_text())
+    os.kill(frozen, signal.SIGSTOP)
+    out = run.communicate(timeout=600)[0]
+    assert run.returncode == 0, out
+    assert "reel: vllm has made no progress for " in out
+    assert out.count("reel: killed vllm, which had stalled, and started it again") == 1, out
+    assert "reel: killed rollout-0, whose vLLM server was restarted, and started it again" in out
+    assert int((run_dir / "roles" / "vllm.pid").read_text()) != frozen
+    from reel.runtime.launch.cli import main
+
+    assert main(["log", "verify", "--run", str(run_dir)]) == 0
