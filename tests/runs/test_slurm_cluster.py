@@ -178,7 +178,7 @@ def test_a_frozen_rollout_worker_is_restarted_in_its_pool_and_the_run_finishes(t
     text = (ROOT / "examples" / "reverse_text.toml").read_text()
     text = re.sub(r"(?m)^steps = \d+", "steps = 10", text)
     text = re.sub(r"(?m)^warmup_steps = \d+", "warmup_steps = 5", text)
-    text = re.sub(r"(?m)^seed = 0$", "seed = 0\nstall_s = 8", text, count=1)
+    text = re.sub(r"(?m)^seed = 0$", "seed = 0\nstall_s = 15", text, count=1)
     path = tmp_path / "reverse_text.toml"
     path.write_text(text)
     run_dir = tmp_path / "run"
