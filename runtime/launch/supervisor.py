@@ -3,7 +3,8 @@
 `reel run CONFIG` lays out the run directory, starts the embedded Redis (unless bus.url is set),
 then starts the archiver, the trainer and the rollout workers as separate processes, shows
 progress, and stops everything when the trainer has committed its last step, on Ctrl-C, or when
-any role fails (then prints that role's last log lines and exits non-zero).
+any role fails (then prints that role's last log lines and exits non-zero), hangs (the liveness
+rules, runtime/launch/liveness.py), or the embedded Redis exits (runtime/launch/bus_probe.py).
 
 Run directory:
     config.toml      the config as given (the run's identity; --resume checks it)
