@@ -25,6 +25,9 @@ TEMPLATE = ops_file("slurm", "reel.sbatch")
 
 REDIS_CONF = ops_file("redis", "redis.conf")
 
+# A pool task's liveness watcher (runtime/launch/pool_watch.py), as a shell command prefix.
+WATCH = '"$PYTHON" -m reel.runtime.launch.pool_watch --run "$RUN_DIR"'
+
 SAFE_PATH = re.compile(r"[A-Za-z0-9_./+-]+")  # run directories go unquoted into #SBATCH lines
 
 
@@ -56,9 +59,12 @@ def render(c: Config, run_dir: Path, opts: JobOptions) -> str:
     pools = vllm_args.pools(c, opts.rollout_nodes) if vllm else []
     components = _components(c, opts, pools)
     trainer = len(components) - 1
-    lines = [*_control_lines(c), *_blob_store_lines(c), *_trainer_lines(c, opts, trainer)]
+    lines = ["# the job's liveness watcher: names a stalled role here; a hung trainer or archiver stops the run",
+             "watch_liveness", "", *_control_lines(c), *_blob_store_lines(c), *_trainer_lines(c, opts, trainer)]
+    # Each worker under its task's watcher (runtime/launch/pool_watch.py): stalled, it is restarted in place.
     worker = ["env", "OMP_NUM_THREADS=1", "REEL_TORCH_THREADS=1", "bash", "-c",
-              'exec "$REEL" role rollout --run "$RUN_DIR" --worker "$SLURM_PROCID"']
+              f'exec {WATCH} --role "rollout-$SLURM_PROCID" -- "$REEL" role rollout --run "$RUN_DIR" '
+              f'--worker "$SLURM_PROCID"']
     if vllm:
         lines += [*_vllm_lines(c, pools), "# het group 0: the rollout workers, once vLLM answers",
                   start_line("rollout", 0, "rollout-%t.log", ["--nodes=1", f"--ntasks={c.rollout.workers}"], worker)]
@@ -291,9 +297,14 @@ def _vllm_lines(c: Config, pools: list[Pool]) -> list[str]:
                 lines += [f'cat > "{vllm_args.mooncake_config_path(pool, node)}" <<EOF', text, "EOF"]
             env = [f"{k}={v}" if not isinstance(v, Expand) else Expand(f"{k}={v}")
                    for k, v in vllm_args.serve_env(c, pool, node, addr).items()]
-            lines.append(start_line(f"vllm-{pool.role}-{node}", group, f"vllm-{pool.role}-{node}.log",
-                                ["--nodes=1", "--ntasks=1", f"--relative={node}"],
-                                ["env", *env, *vllm_args.serve_argv(c, pool, node, addr)]))
+            name = f"vllm-{pool.role}-{node}"
+            # A one-node pool's server under a watcher that probes it (runtime/launch/pool_watch.py): wedged,
+            # it is restarted in place. A server of a data-parallel group over nodes cannot rejoin it alone.
+            watch = [Expand("$PYTHON"), "-m", "reel.runtime.launch.pool_watch", "--run", Expand("$RUN_DIR"),
+                     "--role", name, "--probe", Expand(f"http://{addr}:{vllm_args.API_PORT}"), "--"] \
+                if pool.nodes == 1 else []
+            lines.append(start_line(name, group, f"{name}.log", ["--nodes=1", "--ntasks=1", f"--relative={node}"],
+                                    ["env", *env, *watch, *vllm_args.serve_argv(c, pool, node, addr)]))
         lines.append("")
     heads = [f"http://${p.head_var}:{vllm_args.API_PORT}" for p in pools]
     if c.engine.pd_disaggregation:

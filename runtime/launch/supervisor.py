@@ -3,7 +3,8 @@
 `reel run CONFIG` lays out the run directory, starts the embedded Redis (unless bus.url is set),
 then starts the archiver, the trainer and the rollout workers as separate processes, shows
 progress, and stops everything when the trainer has committed its last step, on Ctrl-C, or when
-any role fails (then prints that role's last log lines and exits non-zero).
+any role fails (then prints that role's last log lines and exits non-zero), hangs (the liveness
+rules, runtime/launch/liveness.py), or the embedded Redis exits (runtime/launch/bus_probe.py).
 
 Run directory:
     config.toml      the config as given (the run's identity; --resume checks it)
@@ -17,7 +18,10 @@ starts the same process on another node.
 With engine.kind = "vllm" and engine.vllm_server = "local", the supervisor also runs one
 `vllm serve` (roles/vllm.log) on the run's version-0 weights once the trainer has written them
 (RUN_DIR/init), and gives the rollout workers its address (REEL_VLLM_URL); they wait for it to be
-healthy. It stops with the run, and a server that dies stops the run like any role.
+healthy. It stops with the run, and a server that dies stops the run like any role. A probe writes
+its beat (runtime/launch/server_probe.py): a server that stops answering, or holds requests without
+generating, for longer than its bound is killed and started again with the rollout workers (their
+requests to it are lost: their in-flight groups go as after kill -9).
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from reel.runtime.train.distributed import torchrun_argv
 from reel.runtime.launch import resume as resume_mod
 from reel.runtime.launch import vllm_args
 from reel.runtime.launch.vllm_key import KEY_ENV, run_api_key
+from reel.runtime.launch.bus_probe import refuses
 from reel.runtime.launch.liveness import Liveness
+from reel.runtime.launch.server_probe import ServerProbe
 from reel.runtime.launch.progress import Progress
 from reel.runtime.launch.signals import StopRequested, exit_code, stop_on_signals
 from reel.runtime.work_progress import PROGRESS_FILE
@@ -53,6 +59,7 @@ FAILED, STOPPED = "failed", "stopped"
 EVAL_FINISH_TIMEOUT_S = 300.0  # after the last commit, how long the eval role may take to score the last version
 # After the last commit, how long the mismatch role may take to split the steps it lags behind.
 MISMATCH_FINISH_TIMEOUT_S = 300.0
+BUS_GONE = "redis"  # what _watch returns when the embedded Redis has exited (runtime/launch/bus_probe.py)
 
 
 def main_run(args: argparse.Namespace) -> int:
@@ -123,6 +130,7 @@ class Supervisor:
     role_urls: dict[str, str]  # set before run(): each role's own Redis user (empty: every role uses url)
     resume_command: str  # what continues this run, for the messages of a stopped or failed run
     liveness: Liveness  # names a role whose heartbeat stops moving (runtime/launch/liveness.py)
+    probe: ServerProbe | None  # writes the local `vllm serve`'s beat while it runs
 
     def __init__(self, run_dir: Path, url: str, config: Config, *, live: bool, resumed_after: int = 0):
         self.run_dir = run_dir
@@ -136,6 +144,7 @@ class Supervisor:
         self.role_urls = {}
         self.resume_command = f"reel run CONFIG --resume --out {run_dir}"
         self.liveness = Liveness(run_dir / "roles", config.run.stall_s)
+        self.probe = None
 
     def _start(self, name: str, role: str, *extra: str, threads: int = 1, env: dict[str, str] | None = None,
                ranks: int = 1) -> None:
@@ -164,6 +173,8 @@ class Supervisor:
         env = vllm_args.local_serve_env(self.config, run_api_key(self.run_dir), self.run_dir / "blobs")
         self.roles["vllm"] = RoleProcess("vllm", argv, self.run_dir / "roles" / "vllm.log", self.config.engine.threads,
                                          env)
+        self.probe = ServerProbe("vllm", f"http://127.0.0.1:{self.vllm_port}", self.run_dir / "roles",
+                                 run_api_key(self.run_dir)).start()
 
     def run(self) -> int:
         trainer_threads = self.config.trainer.threads or 1
@@ -181,6 +192,8 @@ class Supervisor:
                 self._start("mismatch", "mismatch", threads=trainer_threads)
             with self.progress:
                 failed = self._watch()
+            if failed == BUS_GONE:
+                return self._bus_gone()
             if failed is not None:
                 return self._fail(failed)
             return self._finish()
@@ -201,27 +214,40 @@ class Supervisor:
         return {"REEL_VLLM_URL": f"http://127.0.0.1:{self.vllm_port}",  # and its key, by environment
                 KEY_ENV: run_api_key(self.run_dir)} if self.vllm_port else None
 
-    def _restart_stalled_workers(self) -> None:
-        """A rollout worker the liveness check names is killed (SIGKILL, frozen or not) and started again:
-        its in-flight groups are lost as after kill -9 (a group is published whole or not at all), and
-        the new process takes its seq and draws from the bus and the log. Other stalled roles are named only."""
-        for name in self.liveness.newly_stalled:
-            if name not in self.roles or not name.startswith("rollout-"):
+    def _restart(self, names: list[str]) -> None:
+        """Kill (SIGKILL, frozen or not) and start again the roles Liveness.decide names: a rollout
+        worker's in-flight groups are lost as after kill -9 (a group is published whole or not at all),
+        and the new process takes its seq and draws from the bus and the log. A vLLM server goes with
+        every rollout worker (their requests to it are lost); it starts again on the version-0 weights,
+        and worker 0 pushes the newest version to it, as at the start of a run."""
+        workers = [n for n in self.roles if n.startswith("rollout-")]
+        if "vllm" in names:
+            names = ["vllm", *workers]
+        for name in names:
+            if name not in self.roles:
                 continue
-            self.roles[name].wait(timeout=0.0)
+            if name == "vllm" and self.probe is not None:
+                self.probe.stop()
+            self.roles.pop(name).wait(timeout=0.0)
             self.liveness.forget(name)
-            print(f"reel: killed {name}, which had stalled, and started it again", file=sys.stderr, flush=True)
-            self._start(name, "rollout", "--worker", name.removeprefix("rollout-"), env=self._rollout_env())
+            why = "which had stalled" if name in self.liveness.newly_stalled else "whose vLLM server was restarted"
+            print(f"reel: killed {name}, {why}, and started it again", file=sys.stderr, flush=True)
+            if name.startswith("rollout-"):
+                self._start(name, "rollout", "--worker", name.removeprefix("rollout-"), env=self._rollout_env())
+        self._start_vllm_when_ready()
 
     def _watch(self) -> str | None:
         """Until the trainer exits; returns the name of a failed (or hung) role, else None."""
         while True:
             self.progress.refresh()
-            for line in self.liveness.check():
+            verdict = self.liveness.decide()
+            for line in verdict.lines:
                 print(line, file=sys.stderr, flush=True)
-            self._restart_stalled_workers()
-            if hung := next((n for n in ("trainer", "archiver") if self.liveness.hung(n)), None):
-                return hung  # stopped like a role that died: the resume is exact
+            self._restart(verdict.restart)
+            if verdict.stop is not None:
+                return verdict.stop  # stopped like a role that died: the resume is exact
+            if not self.config.bus.url and refuses(self.url):  # exited, not paused: no ride-out brings it back
+                return BUS_GONE
             self._start_vllm_when_ready()
             for name, role in list(self.roles.items()):
                 code = role.poll()
@@ -286,6 +312,16 @@ class Supervisor:
               f"{resume_mod.safe_keys()}; another fix needs a new run: another --out)", file=sys.stderr)
         return 1
 
+    def _bus_gone(self) -> int:
+        """The embedded Redis has exited: every role stops now (none can record the end, the log just
+        ends), rather than after each has ridden out bus.ride_out_s."""
+        print(f"reel: the run's Redis refuses connections: it has exited (see {self.run_dir / 'redis' / 'redis.log'}); "
+              f"stopping every role", file=sys.stderr, flush=True)
+        self._stop_all()
+        print(f"reel: `{self.resume_command}` restarts Redis from its append-only file and continues this run",
+              file=sys.stderr)
+        return 1
+
     def _record_end(self, reason: str) -> None:
         """How a run that did not complete ended, in its log (RunFinished(reason), so `reel top` can say
         failed or stopped): every role but the archiver stops, then the archiver logs the end and drains.
@@ -307,6 +343,8 @@ class Supervisor:
 
     def _stop_all(self, roles: list[RoleProcess] | None = None) -> None:
         roles = list(self.roles.values()) if roles is None else roles
+        if self.probe is not None and self.roles.get("vllm") in roles:
+            self.probe.stop()
         for role in roles:
             role.terminate()
         deadline = time.monotonic() + STOP_TIMEOUT_S

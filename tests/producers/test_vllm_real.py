@@ -15,6 +15,7 @@ import copy
 import logging
 import os
 import re
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -484,3 +485,69 @@ def test_the_vllm_example_learns_and_every_step_replays_bitwise(tmp_path, capsys
     assert main(["replay", "range", f"1..{steps}", "--run", str(run_dir), "--recompute", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["steps"]
     assert [row["recomputed"]["bitwise"] for row in rows] == [True] * steps
+
+
+async def test_the_liveness_probe_reads_a_real_servers_answers_and_a_frozen_one_gives_none(models, server, server_blobs,
+                                                                                           tmp_path) -> None:
+    """runtime/launch/server_probe.py on a real `vllm serve`: idle, generating, then frozen (SIGSTOP of the API
+    server): no answer within the probe's timeout, so its beat ages and liveness names it."""
+    from reel.runtime.heartbeat import read_beats
+    from reel.runtime.launch import server_probe
+    from reel.runtime.launch.liveness import Liveness
+
+    probe = server_probe.ServerProbe("vllm", server, tmp_path, os.environ["VLLM_API_KEY"])
+    assert probe.probe()
+    idle = read_beats(tmp_path)["vllm"]
+    assert (idle.phase, idle.waiting) == ("idle", True), idle  # vLLM's metrics were read: no request now
+    async with _engine(models, server, BlobStore(server_blobs)) as engine:
+        await _push(engine, models[1], BlobStore(server_blobs), 0)
+        await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
+    assert probe.probe()
+    moved = read_beats(tmp_path)["vllm"]
+    assert (moved.phase, moved.progress_count) == ("generating", 1), moved  # generation_tokens_total moved
+    import psutil  # vLLM's own dependency
+
+    port = int(server.rsplit(":", 1)[1])
+    pid, = {c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}  # the API server
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        assert not probe.probe()  # no answer: nothing written
+        assert time.monotonic() - started < server_probe.PROBE_TIMEOUT_S + 5
+        liveness = Liveness(tmp_path, stall_s=1, drop_stale=False)
+        verdict = liveness.decide(time.time() + 2)
+        assert verdict.restart == ["vllm"] and verdict.lines[0].startswith("reel: vllm has made no progress for ")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert probe.probe()  # answers again
+
+
+def test_a_frozen_vllm_server_is_restarted_with_its_workers_and_the_run_completes(tmp_path, capsys) -> None:
+    """`reel run` on examples/reverse_text_vllm.toml with its `vllm serve` frozen (SIGSTOP) mid-run: the
+    probe's beat ages, the server is killed and started again with the rollout worker, and the run ends
+    verified."""
+    import subprocess
+    import sys
+
+    from reel.runtime.heartbeat import read_beats
+
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "reel.runtime.launch.cli", "run", str(REPO / "examples" / "reverse_text_vllm.toml"),
+            "--out", str(run_dir), "--no-live", "--set", "run.steps=8", "--set", "run.stall_s=8"]
+    run = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while (beat := read_beats(run_dir / "roles").get("rollout-0")) is None or beat.progress_count < 2:
+        assert run.poll() is None, run.communicate()[0]
+        assert time.monotonic() < deadline, "rollout worker 0 never published"
+        time.sleep(0.2)
+    frozen = int((run_dir / "roles" / "vllm.pid").read_text())
+    os.kill(frozen, signal.SIGSTOP)
+    out = run.communicate(timeout=600)[0]
+    assert run.returncode == 0, out
+    assert "reel: vllm has made no progress for " in out
+    assert out.count("reel: killed vllm, which had stalled, and started it again") == 1, out
+    assert "reel: killed rollout-0, whose vLLM server was restarted, and started it again" in out
+    assert int((run_dir / "roles" / "vllm.pid").read_text()) != frozen
+    from reel.runtime.launch.cli import main
+
+    assert main(["log", "verify", "--run", str(run_dir)]) == 0

@@ -3,13 +3,16 @@
 
 Trivial heterogeneous jobs drive the job script's supervision (ops/slurm/reel.sbatch): the run ends
 when the finisher exits 0, a failing component ends the job with its code and name, `reel launch
-cancel` stops every component with SIGTERM. Then the example run goes end to end through Slurm.
+cancel` stops every component with SIGTERM. Then the example run goes end to end through Slurm, once
+with a rollout worker frozen (SIGSTOP) mid-run.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -17,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from reel.bus.events import EvalResult
+from reel.bus.events import EvalResult, RunFinished
 from reel.bus.run_log import RunLog
+from reel.runtime.heartbeat import read_beats
 from reel.runtime.launch import slurm
 from reel.runtime.launch import slurm_script
 from reel.runtime.launch.cli import main
@@ -164,3 +168,94 @@ def test_reverse_text_runs_end_to_end_through_slurm(tmp_path: Path, capsys: pyte
     for step in (1, 2):  # the run replays bit for bit from its log, like a local one
         assert main(["replay", "step", str(step), "--run", str(run_dir), "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["bitwise"] is True
+
+
+@pytest.mark.slow
+def test_a_frozen_rollout_worker_is_restarted_in_its_pool_and_the_run_finishes(tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """SIGSTOP of rollout worker 0 mid-run: the job's watcher names it, its task's watcher kills it and
+    starts it again in place (the step and the job never see it), and the run completes and verifies."""
+    text = (ROOT / "examples" / "reverse_text.toml").read_text()
+    text = re.sub(r"(?m)^steps = \d+", "steps = 10", text)
+    text = re.sub(r"(?m)^warmup_steps = \d+", "warmup_steps = 5", text)
+    text = re.sub(r"(?m)^seed = 0$", "seed = 0\nstall_s = 15", text, count=1)
+    path = tmp_path / "reverse_text.toml"
+    path.write_text(text)
+    run_dir = tmp_path / "run"
+    assert main(["launch", "slurm", str(path), "--run-dir", str(run_dir), "--time", "00:10:00"]) == 0
+    job = (run_dir / "slurm_job_id").read_text().strip()
+    deadline = time.monotonic() + 240
+    while True:  # worker 0 under way: it has published groups
+        beats = read_beats(run_dir / "roles")
+        if beats.get("rollout-0") is not None and beats["rollout-0"].progress_count >= 2:
+            break
+        assert time.monotonic() < deadline and not all(s in FINAL for s, _ in components_state(job)), \
+            "rollout worker 0 never published"
+        time.sleep(0.2)
+    frozen = int((run_dir / "roles" / "rollout-0.pid").read_text())
+    os.kill(frozen, signal.SIGSTOP)
+    states = wait_done(job, 300)
+    out = (run_dir / "slurm" / f"job-{job}.out").read_text()
+    worker_log = (run_dir / "roles" / "rollout-0.log").read_text()
+    assert states == [("COMPLETED", "0:0")] * 3, out + worker_log
+    assert "reel: rollout-0 was killed, which had stalled, and started again by its task's watcher (restart 1)" \
+        in out  # said in the job's output
+    assert "reel: rollout-0 has made no progress for " in worker_log
+    assert worker_log.count("reel: killed rollout-0, which had stalled, and started it again") == 1, worker_log
+    assert int((run_dir / "roles" / "rollout-0.pid").read_text()) != frozen
+    assert "reel: run finished" in out
+    assert main(["log", "verify", "--run", str(run_dir)]) == 0
+    capsys.readouterr()
+    assert main(["replay", "step", "10", "--run", str(run_dir), "--json"]) == 0  # a step after the restart
+    assert json.loads(capsys.readouterr().out)["bitwise"] is True
+
+
+def _trainer_pid(run_dir: Path) -> int | None:
+    """The trainer role's process (torchrun's child), found by its command line."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"trainer" in argv and str(run_dir).encode() in argv and not any(b"torchrun" in a for a in argv):
+            return int(proc.name)
+    return None
+
+
+@pytest.mark.slow
+def test_a_frozen_trainer_stops_the_job_with_the_resume_command_and_the_resume_completes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = (ROOT / "examples" / "reverse_text.toml").read_text()
+    text = re.sub(r"(?m)^steps = \d+", "steps = 40", text)
+    text = re.sub(r"(?m)^warmup_steps = \d+", "warmup_steps = 5", text)
+    text = re.sub(r"(?m)^seed = 0$", "seed = 0\nstall_s = 5", text, count=1)
+    path = tmp_path / "reverse_text.toml"
+    path.write_text(text)
+    run_dir = tmp_path / "run"
+    assert main(["launch", "slurm", str(path), "--run-dir", str(run_dir), "--time", "00:10:00"]) == 0
+    job = (run_dir / "slurm_job_id").read_text().strip()
+    deadline = time.monotonic() + 240
+    while (beat := read_beats(run_dir / "roles").get("trainer")) is None or beat.progress_count < 6:
+        assert time.monotonic() < deadline, "the trainer never trained"
+        time.sleep(0.2)
+    trainer = _trainer_pid(run_dir)
+    assert trainer is not None
+    os.kill(trainer, signal.SIGSTOP)
+    states = wait_done(job, 300)
+    out = (run_dir / "slurm" / f"job-{job}.out").read_text()
+    assert states[0] == ("FAILED", "1:0"), out
+    assert "reel: trainer has made no progress for " in out
+    assert "reel: trainer stalled (output: " in out and "killing it and stopping the run" in out
+    resume = f"reel run {run_dir}/config.toml --resume --out {run_dir}"
+    assert f"`{resume}` continues this run from its log" in out
+    assert not Path(f"/proc/{trainer}").exists()
+    capsys.readouterr()
+    assert main(["log", "verify", "--run", str(run_dir)]) == 0
+    with RunLog(run_dir, readonly=True) as log:
+        ends = [e.reason for _, e in log.events("control") if isinstance(e, RunFinished)]
+    assert ends == ["failed: trainer stalled"]
+    assert main(resume.split()[1:] + ["--no-live"]) == 0  # the command it printed, on this host
+    assert main(["log", "verify", "--run", str(run_dir)]) == 0
+    capsys.readouterr()
+    assert main(["replay", "step", "40", "--run", str(run_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bitwise"] is True

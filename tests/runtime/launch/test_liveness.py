@@ -75,3 +75,27 @@ def test_the_live_view_says_what_a_quiet_trainer_waits_for(tmp_path: Path):
     assert progress.trainer_doing() == "trainer: waiting for groups, 3 of 8 for step 12 (no progress for 40 s)"
     _beat(tmp_path, "trainer", Beat("training", "step 12", now, now - 2, progress_count=12))
     assert progress.trainer_doing() is None  # moving: nothing to say
+
+
+def test_decide_is_every_launchers_rule_and_a_pools_watcher_sees_only_its_roles(tmp_path: Path):
+    now = time.time()
+    _beat(tmp_path, "trainer", Beat("training", "step 3", now - 25, now - 25, progress_count=3))
+    _beat(tmp_path, "rollout-1", Beat("generating", "", now - 300, now - 300, progress_count=2))  # a last launch's
+    pool = Liveness(tmp_path, stall_s=10, only=["rollout-1"])  # one pool task's watcher (a Slurm job)
+    assert set(read_beats(tmp_path)) == {"trainer"}  # its own stale beat went, the others' stay
+    _beat(tmp_path, "rollout-1", Beat("generating", "", now - 30, now - 30, progress_count=2))
+    _beat(tmp_path, "vllm-rollout-0", Beat("generating", "2 requests", now - 30, now - 30, progress_count=2))
+    _beat(tmp_path, "eval", Beat("scoring", "", now - 30, now - 30, progress_count=1))
+    (line,) = pool.decide(now).lines  # its role only
+    assert line.startswith("reel: rollout-1 has made no progress for 30 s")
+    assert pool.decide(now).restart == [] and pool.decide(now + 100).stop is None  # named once; the trainer not its
+    beats = read_beats(tmp_path)
+    job = Liveness(tmp_path, stall_s=10)  # `reel run`, or a Slurm job's own watcher
+    for role, beat in beats.items():
+        _beat(tmp_path, role, beat)
+    verdict = job.decide(now)
+    assert len(verdict.lines) == 4  # every stalled role is named; the restartable ones are restarted
+    assert verdict.restart == ["rollout-1", "vllm-rollout-0"] and verdict.stop is None
+    assert job.decide(now + 11).restart == []  # named once
+    assert job.decide(now + 4).stop is None  # the trainer: stalled since now - 25, not yet for 3 bounds (30 s)
+    assert job.decide(now + 6).stop == "trainer"  # 31 s: the run stops (the eval role never stops it)

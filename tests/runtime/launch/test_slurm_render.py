@@ -517,3 +517,21 @@ supervise
                           env={**os.environ, "SLURM_JOB_ID": "1"})
     assert done.returncode == 3, done.stdout + done.stderr
     assert order.read_text().splitlines() == ["trainer", "announce failed: rollout exited 3", "archived"]
+
+
+def test_each_pool_task_runs_under_its_liveness_watcher_and_the_jobs_watcher_starts_first(tmp_path: Path) -> None:
+    """runtime/launch/pool_watch.py: a rollout worker, and a one-node pool's vLLM server (probed at its own
+    address), restarted in place when stalled; the job's watcher starts before any role."""
+    script = render(VLLM, tmp_path, gpus_per_node=8)
+    bash_ok(script)
+    server, = commands(script, "vllm-rollout-0")
+    watch = server.index("reel.runtime.launch.pool_watch")
+    assert flag(server, "--role") == "vllm-rollout-0" and flag(server, "--probe") == "http://$(group_addr 1 0):8000"
+    assert server[watch - 2:watch] == ["$PYTHON", "-m"] and server[server.index("--probe") + 2] == "--"
+    assert server.index("--probe") < server.index("vllm.entrypoints.cli.main")
+    worker, = commands(script, "rollout")
+    assert worker[-1].startswith('exec "$PYTHON" -m reel.runtime.launch.pool_watch --run "$RUN_DIR" '
+                                 '--role "rollout-$SLURM_PROCID" -- "$REEL" role rollout')
+    assert script.index("\nwatch_liveness\n") < script.index("start_bus 0")
+    builtin, = commands(render("", tmp_path), "rollout")
+    assert "pool_watch" in builtin[-1] and "--probe" not in builtin[-1]
