@@ -29,7 +29,8 @@ from pathlib import Path
 
 from reel.bus.errors import ReelError
 from reel.runtime.config import run as config_mod
-from reel.runtime.launch.slurm_script import JobOptions, render
+from reel.runtime.launch.slurm_job import JobOptions
+from reel.runtime.launch.slurm_script import render
 from reel.producers.envs.registry import check_config
 
 

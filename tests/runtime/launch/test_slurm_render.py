@@ -27,7 +27,7 @@ from reel.runtime.config import run as config
 from reel.runtime.config import engine as config_engine
 from reel.runtime.config.keys import ConfigError
 from reel.runtime.launch import role_users, vllm_args
-from reel.runtime.launch import slurm_script
+from reel.runtime.launch import slurm_job, slurm_script
 from reel.runtime.launch import run_dir as run_dir_mod
 from reel.runtime.launch.cli import main
 from paths import REPO
@@ -75,7 +75,7 @@ def flag(argv: list[str], name: str) -> str:
 
 
 def render(text: str, tmp_path: Path, **opts) -> str:
-    return slurm_script.render(config.loads(text), tmp_path / "run", slurm_script.JobOptions(**opts))
+    return slurm_script.render(config.loads(text), tmp_path / "run", slurm_job.JobOptions(**opts))
 
 
 def test_dry_run_prints_a_valid_script_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
