@@ -20,6 +20,7 @@ from reel.bus.errors import ReelError
 from reel.bus.log import LogError
 from reel.bus.run_log import RunLog
 from reel.runtime.config.sections import Config
+from reel.runtime.launch.bus_loss import LossWindow, find_loss_window
 
 __all__ = ["SAFE_TO_CHANGE", "ResumeError", "config_changes", "check_changes", "safe_keys", "last_committed_step",
            "record_resume"]
@@ -73,12 +74,14 @@ def last_committed_step(run_dir: Path) -> int:
 
 
 def record_resume(run_dir: Path, url: str, config: Config, config_text: str, changes: dict[str, list[Any]],
-                  after_step: int) -> None:
+                  after_step: int) -> LossWindow | None:
     """Log the resume and its changes (ConfigChanged on the control stream, `changes` maybe empty), then
     make `config_text` the run's config.toml when it changed a key. A ConfigChanged after a RunFinished
-    means the run went on: screens read the run as running again, not as it last ended.
+    means the run went on: screens read the run as running again, not as it last ended. Returns what
+    Redis lost of the log (runtime/launch/bus_loss.py), found first: the ConfigChanged, newer than any
+    lost entry, would hide a loss on the control stream.
 
-    Before any role starts: every role reads config.toml when it starts."""
+    Before any role starts: every role reads config.toml when it starts, and a role's entry would hide a gap."""
     from reel.bus.events import ConfigChanged
     from reel.bus.seqs import recover_seq
     from reel.bus.streams import Publisher, connect
@@ -94,12 +97,13 @@ def record_resume(run_dir: Path, url: str, config: Config, config_text: str, cha
         finally:
             await redis.aclose()
 
+    window = find_loss_window(url, config.run.name, run_dir, config.bus.partitions)
     asyncio.run(publish())
-    if not changes:
-        return
-    staging = run_dir / ".config.toml.new"
-    staging.write_text(config_text)
-    os.replace(staging, run_dir / "config.toml")
+    if changes:
+        staging = run_dir / ".config.toml.new"
+        staging.write_text(config_text)
+        os.replace(staging, run_dir / "config.toml")
+    return window
 
 
 def _flat(section: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -42,6 +42,7 @@ from reel.runtime.train.distributed import torchrun_argv
 from reel.runtime.launch import resume as resume_mod
 from reel.runtime.launch import vllm_args
 from reel.runtime.launch.vllm_key import KEY_ENV, run_api_key
+from reel.runtime.launch.bus_loss import describe
 from reel.runtime.launch.bus_probe import refuses
 from reel.runtime.launch.liveness import Liveness
 from reel.runtime.launch.server_probe import ServerProbe
@@ -91,23 +92,20 @@ def _run(args: argparse.Namespace) -> int:
         print(f"reel: resuming run {config.run.name} in {run_dir} after step {after} of {config.run.steps}{changed}",
               file=sys.stderr, flush=True)
     with bus_for(run_dir, config) as url, role_urls_for(url, config) as role_urls, mooncake_for(run_dir, config):
+        window = None
         if args.resume:  # also ends the log's record of a stopped or failed end (RunFinished): the run goes on
-            resume_mod.record_resume(run_dir, url, config, text, changes, after)
+            window = resume_mod.record_resume(run_dir, url, config, text, changes, after)
         supervisor = Supervisor(run_dir, url, config, live=not args.no_live and sys.stdout.isatty(),
                                 resumed_after=after)
         supervisor.role_urls = role_urls
         # With --set the overrides live in the run's config.toml: resuming from it keeps them.
         config_arg = run_dir / "config.toml" if args.set else args.config
         supervisor.resume_command = f"reel run {config_arg} --resume --out {run_dir}"
-        if args.resume:  # before any role publishes: new entries would hide the gap
-            from reel.runtime.launch.bus_loss import describe, find_loss_window
-
-            window = find_loss_window(url, config.run.name, run_dir, config.bus.partitions)
-            if window is not None:
-                print(f"reel: {describe(window)}", file=sys.stderr, flush=True)
-                # ... and a metric: the trainer's next StepCommitted carries it (metrics.bus_lost_*).
-                supervisor.trainer_env = {"REEL_BUS_LOST_EVENTS": str(window.events),
-                                          "REEL_BUS_LOST_WINDOW_S": str(window.seconds)}
+        if window is not None:  # what Redis lost of the log: a line ...
+            print(f"reel: {describe(window)}", file=sys.stderr, flush=True)
+            # ... and a metric: the trainer's next StepCommitted carries it (metrics.bus_lost_*).
+            supervisor.trainer_env = {"REEL_BUS_LOST_EVENTS": str(window.events),
+                                      "REEL_BUS_LOST_WINDOW_S": str(window.seconds)}
         return supervisor.run()
 
 
