@@ -13,7 +13,11 @@ how far behind it was (lag_steps, lag_s). A group already trimmed from the bus i
 (bus/retention.py); a step whose π_old weights are gone all the same (the role lagged further) is
 passed over with a warning: `reel replay step N` re-derives those weights.
 On restart it goes on after the last step it published (its events in the log and on the bus), and
-it exits 0 once the last step (run.steps) is split. It needs the whole model in one process: on large
+it exits 0 once the last step (run.steps) is split. It runs at CPU priority mismatch.nice (default 19,
+the lowest): its forward passes (one per policy version a batch spans, as many as the trainer's
+scoring of π_old) take only the CPU that the trainer and the rollout workers leave. At the default
+priority on examples/slow_calc.toml's 2-core bench it took 15 CPU seconds of a 30-second
+async run from the rollout worker's core (docs/benchmarks.md). It needs the whole model in one process: on large
 models sample it (mismatch.every = K) or switch it off (0).
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -208,6 +213,7 @@ def main(run_dir: Path, bus_url: str) -> int:
     """`reel role mismatch`: run until the last step is split, or SIGTERM/SIGINT."""
     config = load_config(Path(run_dir) / "config.toml")
     logging.basicConfig(level=config.log.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    os.nice(config.mismatch.nice)  # an analysis role: never ahead of training for a CPU
     # The trainer's thread count and deterministic kernels: the same bits as the trainer's π_old and replay's.
     threads = config.trainer.threads or 1
     torch.set_num_threads(threads)
