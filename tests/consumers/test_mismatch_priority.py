@@ -13,6 +13,14 @@ import redis
 from rollout_setup import make_run
 
 
+def _autogroup_nice(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/autogroup") as f:
+            return int(f.read().split()[-1])  # "/autogroup-N nice K"
+    except FileNotFoundError:  # a kernel without autogroups
+        return None
+
+
 def _nice(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[16])  # field 19: nice
@@ -24,7 +32,8 @@ def test_the_role_lowers_its_priority_to_mismatch_nice(redis_url: str, run_name:
     bus = redis.Redis.from_url(redis_url)
     clients = len(bus.client_list())
     role = subprocess.Popen([sys.executable, "-m", "reel.runtime.launch.cli", "role", "mismatch", "--run", str(run_dir)],
-                            env={**os.environ, "REEL_BUS_URL": redis_url}, stderr=subprocess.PIPE, text=True)
+                            env={**os.environ, "REEL_BUS_URL": redis_url}, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # as `reel run` starts a role
     try:
         before = _nice(os.getpid())
         deadline = time.monotonic() + 30
@@ -33,6 +42,8 @@ def test_the_role_lowers_its_priority_to_mismatch_nice(redis_url: str, run_name:
             assert time.monotonic() < deadline, "the role's priority never changed"
             time.sleep(0.05)
         assert _nice(role.pid) == min(19, before + expected)
+        # Its session's autogroup too: between sessions the scheduler shares a core by the autogroup's nice alone.
+        assert _autogroup_nice(role.pid) in (expected, None)
         while len(bus.client_list()) == clients:  # following the (empty) run: its stop signal is handled
             assert role.poll() is None, f"the role exited early: {role.stderr.read()}"
             assert time.monotonic() < deadline, "the role never connected to the bus"
