@@ -55,6 +55,7 @@ from reel.runtime.train.mismatch_split import Split, WeightHistory, step_split
 log = logging.getLogger("reel.mismatch")
 PRODUCER = "mismatch:0"
 FOLLOWED = ["steps", "weights", "trajectories", "routing"]
+LOG_SYNC_S = 2.0  # caught up with the bus: how often the log is read again for events trimmed before this role read them
 
 
 def due(step: int, every: int, last: int) -> bool:
@@ -86,10 +87,7 @@ class MismatchRole:
         self.done = set()
         self.newest = 0
         self.model = None
-        # What the archiver has logged first: a restarted role finds there what was trimmed from the bus.
-        for stream in ("weights", "steps"):
-            for entry_id, event in logged(self.run_dir, stream):
-                self._learn(event, entry_seconds(entry_id))
+        self._learn_logged()  # a restarted role finds there what was trimmed from the bus
 
     @property
     def finished(self) -> bool:
@@ -104,9 +102,13 @@ class MismatchRole:
             publisher = Publisher(redis, c.run.name, PRODUCER, seq)
             async with Tail(self.url, c.run.name, FOLLOWED, start="0", partitions=c.bus.partitions) as tail:
                 caught_up = False  # the bus read to its end once: this role's own earlier events are known
+                synced = time.monotonic()  # when the log was last read for what the bus lost
                 while not stop.is_set() and not self.finished:
                     entries = await tail.read(count=500, block_ms=1000 if caught_up else 0)
                     caught_up = caught_up or not entries
+                    if not entries and time.monotonic() - synced > LOG_SYNC_S:
+                        self._learn_logged()
+                        synced = time.monotonic()
                     kept = await trusted(redis, c.run.name, marks,
                                          [(f"entry {entry_id} of {lane}", event) for lane, entry_id, event in entries])
                     times = {id(event): entry_seconds(entry_id) for _, entry_id, event in entries}
@@ -116,6 +118,15 @@ class MismatchRole:
                         await publisher.publish([publisher.stamp(MismatchSplit, **event)])
         finally:
             await asyncio.shield(redis.aclose())
+
+    def _learn_logged(self) -> None:
+        """The weights and commits the archiver has logged. The bus is trimmed once the archiver and the
+        trainer have read it, not this role, so a role that lags (it runs at the lowest CPU priority)
+        can find commits gone before it read them: without this it never split them, not even with a
+        warning, and, missing the last one, waited for it until `reel run` gave up (300 s)."""
+        for stream in ("weights", "steps"):
+            for entry_id, event in logged(self.run_dir, stream):
+                self._learn(event, entry_seconds(entry_id))
 
     def _learn(self, event: AnyEvent, at: float) -> None:
         match event:
