@@ -166,18 +166,16 @@ def forking_on(side: int) -> Iterator[None]:
 
 
 class PinnedSupervisor(Supervisor):
-    """Starts the trainer on the trainer cores, the mismatch role on all of them, and every other role on
-    the rollout-side cores: a child inherits the affinity of the process that forks it, threads included.
+    """Starts the trainer on the trainer cores and every other role on the rollout-side cores: a
+    child inherits the affinity of the process that forks it, threads included.
 
-    The mismatch role runs at the lowest CPU priority (mismatch.nice), so, as under `reel run`, it takes
-    what either side leaves idle. Measured 2026-12-05 (docs/benchmarks.md), async wall 13.3 s with it on
-    all cores, 13.8 s on the rollout side's, 15.4 s on the trainer's (the trainer's step slower by its
-    cache and wake-ups, and 19 of 40 splits passed over as the role lagged past mismatch.max_lag_steps)."""
+    The mismatch role (lowest CPU priority, mismatch.nice) stays on the rollout side, so the trainer's
+    cores are the trainer's alone and its busy time, the denominator of `ideal`, is its own. Measured
+    2026-12-05 (docs/benchmarks.md): async wall 13.8 s there, 13.3 s with the role on any core (a sync
+    trainer sharing its core with it may spend more CPU per token, which would flatter `ideal`), 15.4 s
+    on the trainer's core."""
 
     def _start(self, name: str, role: str, *extra: str, **kw: object) -> None:
-        if role == "mismatch":
-            super()._start(name, role, *extra, **kw)
-            return
         with forking_on(0 if role == "trainer" else 1):
             super()._start(name, role, *extra, **kw)
 
@@ -186,8 +184,8 @@ def _pinning_note() -> str:
     split = role_cores()
     if split is None:
         return "no: one core, nothing to split"
-    return (f"trainer on cores {sorted(split[0])}, rollout side (workers, archiver, Redis) on {sorted(split[1])}, "
-            f"mismatch role (nice {MismatchSection().nice}) on any")
+    return (f"trainer on cores {sorted(split[0])}, rollout side (workers, archiver, Redis, mismatch role at "
+            f"nice {MismatchSection().nice}) on {sorted(split[1])}")
 
 
 def _simulated(run_dir: Path, async_level: int, dedicated: bool) -> float | None:

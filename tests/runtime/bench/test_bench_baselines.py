@@ -77,9 +77,9 @@ def test_bench_async_pins_trainer_and_rollout_side_to_disjoint_cores(tmp_path: P
         pinned = {name: _allowed_cores(p.popen.pid) for name, p in supervisor.roles.items()}
     finally:
         supervisor._stop_all()
-    # The mismatch role, at the lowest CPU priority, takes what either side leaves idle.
+    # The mismatch role, at the lowest CPU priority, takes what the rollout side leaves: the trainer's cores stay its own.
     assert pinned == {"trainer": trainer_cores, "rollout-0": rollout_cores, "archiver": rollout_cores,
-                      "mismatch": trainer_cores | rollout_cores}
+                      "mismatch": rollout_cores}
     assert _allowed_cores(0) == before  # the bench process itself is left as it was
 
 
