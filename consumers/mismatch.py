@@ -13,7 +13,11 @@ how far behind it was (lag_steps, lag_s). A group already trimmed from the bus i
 (bus/retention.py); a step whose π_old weights are gone all the same (the role lagged further) is
 passed over with a warning: `reel replay step N` re-derives those weights.
 On restart it goes on after the last step it published (its events in the log and on the bus), and
-it exits 0 once the last step (run.steps) is split. It needs the whole model in one process: on large
+it exits 0 once the last step (run.steps) is split. It runs at CPU priority mismatch.nice (default 19,
+the lowest): its forward passes (one per policy version a batch spans, as many as the trainer's
+scoring of π_old) take only the CPU that the trainer and the rollout workers leave. At the default
+priority on examples/slow_calc.toml's 2-core bench it took 15 CPU seconds of a 30-second
+async run from the rollout worker's core (docs/benchmarks.md). It needs the whole model in one process: on large
 models sample it (mismatch.every = K) or switch it off (0).
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -51,6 +56,7 @@ from reel.runtime.train.mismatch_split import Split, WeightHistory, step_split
 log = logging.getLogger("reel.mismatch")
 PRODUCER = "mismatch:0"
 FOLLOWED = ["steps", "weights", "trajectories", "routing"]
+LOG_SYNC_S = 2.0  # caught up with the bus: how often the log is read again for events trimmed before this role read them
 
 
 def due(step: int, every: int, last: int) -> bool:
@@ -82,10 +88,7 @@ class MismatchRole:
         self.done = set()
         self.newest = 0
         self.model = None
-        # What the archiver has logged first: a restarted role finds there what was trimmed from the bus.
-        for stream in ("weights", "steps"):
-            for entry_id, event in logged(self.run_dir, stream):
-                self._learn(event, entry_seconds(entry_id))
+        self._learn_logged()  # a restarted role finds there what was trimmed from the bus
 
     @property
     def finished(self) -> bool:
@@ -100,9 +103,13 @@ class MismatchRole:
             publisher = Publisher(redis, c.run.name, PRODUCER, seq)
             async with Tail(self.url, c.run.name, FOLLOWED, start="0", partitions=c.bus.partitions) as tail:
                 caught_up = False  # the bus read to its end once: this role's own earlier events are known
+                synced = time.monotonic()  # when the log was last read for what the bus lost
                 while not stop.is_set() and not self.finished:
                     entries = await tail.read(count=500, block_ms=1000 if caught_up else 0)
                     caught_up = caught_up or not entries
+                    if not entries and time.monotonic() - synced > LOG_SYNC_S:
+                        self._learn_logged()
+                        synced = time.monotonic()
                     kept = await trusted(redis, c.run.name, marks,
                                          [(f"entry {entry_id} of {lane}", event) for lane, entry_id, event in entries])
                     times = {id(event): entry_seconds(entry_id) for _, entry_id, event in entries}
@@ -112,6 +119,15 @@ class MismatchRole:
                         await publisher.publish([publisher.stamp(MismatchSplit, **event, cpus=cpus(), nice=nice())])
         finally:
             await asyncio.shield(redis.aclose())
+
+    def _learn_logged(self) -> None:
+        """The weights and commits the archiver has logged. The bus is trimmed once the archiver and the
+        trainer have read it, not this role, so a role that lags (it runs at the lowest CPU priority)
+        can find commits gone before it read them: without this it never split them, not even with a
+        warning, and, missing the last one, waited for it until `reel run` gave up (300 s)."""
+        for stream in ("weights", "steps"):
+            for entry_id, event in logged(self.run_dir, stream):
+                self._learn(event, entry_seconds(entry_id))
 
     def _learn(self, event: AnyEvent, at: float) -> None:
         match event:
@@ -205,10 +221,27 @@ def logged(run_dir: Path, stream: str) -> list[tuple[str, AnyEvent]]:
         return []
 
 
+def lower_priority(nice: int) -> None:
+    """os.nice(nice), and the same for this process's autogroup when it leads its own session.
+
+    Linux's autogroup scheduler (on by default outside cgroups) shares a core between sessions first and
+    applies nice only within one; `reel run` starts each role in its own session, so os.nice alone left the
+    role an equal share beside the rollout worker (12 CPU seconds to its 9.5 in a 24-second run). Only a
+    session leader's autogroup is its own: run from a shell, the role leaves the shell's alone."""
+    os.nice(nice)
+    if os.getsid(0) != os.getpid():
+        return
+    try:
+        Path("/proc/self/autogroup").write_text(str(nice))
+    except OSError:  # no autogroup (another OS, a kernel without it): nice is all there is
+        pass
+
+
 def main(run_dir: Path, bus_url: str) -> int:
     """`reel role mismatch`: run until the last step is split, or SIGTERM/SIGINT."""
     config = load_config(Path(run_dir) / "config.toml")
     logging.basicConfig(level=config.log.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    lower_priority(config.mismatch.nice)  # an analysis role: never ahead of training for a CPU
     # The trainer's thread count and deterministic kernels: the same bits as the trainer's π_old and replay's.
     threads = config.trainer.threads or 1
     torch.set_num_threads(threads)

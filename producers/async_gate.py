@@ -18,6 +18,15 @@ So a = 0 is synchronous: one batch share under version c, then nothing until ver
 committed and loaded; a = 1 lets a worker generate the next round while the trainer computes the
 current one. Either way at most `rollout.concurrency` groups are in flight. A restarted worker
 continues the rounds its queued groups started, at the current c.
+
+g counts only groups the trainer may train: a group the worker dead-letters is replaced, and so is
+one of its groups that a commit after c0 lists as dropped (stale: it finished more than
+max_off_policy_steps versions late, or invalid). Were drops counted, each would leave the worker
+one group short of the batches to come for the rest of the run: with heavy-tailed tool calls
+the slowest groups of a round finish too late, and 14 drops over 40 steps of examples/slow_calc
+shrank the 24 groups async_level 2 keeps ahead of the trainer to 10, its wait growing step by step
+(and async_level + 1 rounds of drops would stall it). A synchronous gate still needs every group
+of its round: a drop is known only at the commit the batch it is missing from cannot make.
 """
 
 from __future__ import annotations
@@ -41,16 +50,27 @@ class AsyncGate:
     async_level: int  # a
     first_round: int  # c0: c when this process started its first group
     queued: int  # q: groups an earlier process published, not yet trained
+    worker: int  # this worker's index: the first part of its group ids
+    dropped: dict[int, int]  # commit version -> this worker's groups that commit dropped
 
-    def __init__(self, batch_groups: int, workers: int, async_level: int):
+    def __init__(self, batch_groups: int, workers: int, async_level: int, worker: int = 0):
         self.round_size = math.ceil(batch_groups / workers)
         self.async_level = async_level
         self.first_round = 0
         self.queued = 0
+        self.worker = worker
+        self.dropped = {}
 
     def allows(self, group: int, version: int) -> bool:
         """Whether this process's `group`-th group (from 0, replaced ones not counted) may start at c = `version`."""
+        group -= sum(n for v, n in self.dropped.items() if v > self.first_round)  # replaced: see the module doc
         return self.first_round + (self.queued + group) // self.round_size - version <= self.async_level
+
+    def commit(self, event: StepCommitted) -> None:
+        """Count the groups of this worker (any of its processes: a queued one too) that `event` dropped."""
+        mine = sum(1 for d in event.dropped if d.group_id.split("-", 1)[0] == str(self.worker))
+        if mine:
+            self.dropped[event.version] = mine
 
     async def recover(self, redis: redis.asyncio.Redis, run_dir: Path, run_name: str, worker: str,
                       partition: int) -> None:

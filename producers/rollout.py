@@ -104,7 +104,7 @@ class RolloutWorker:
         self.env = env_for(config)
         self.blobs = run_blobs(self.run_dir, config)
         r = config.rollout
-        self.gate = AsyncGate(config.trainer.batch_groups, r.workers, r.async_level)
+        self.gate = AsyncGate(config.trainer.batch_groups, r.workers, r.async_level, index)
         self.calls = ToolCalls.from_section(r)
         self.publisher = None
         self.seq_base = 0
@@ -327,9 +327,10 @@ class RolloutWorker:
         async with Tail(self.url, self.run_name, ["steps"], start="0") as tail:
             while True:
                 entries = await self._trusted(await _entries_to_end(tail, block_ms=1000 if self._steps_read else 0))
-                events = [event for _, _, event in entries]
-                versions = [e.version for e in events if isinstance(e, StepCommitted)]
-                self.committed = max([self.committed, *versions])
+                commits = [event for _, _, event in entries if isinstance(event, StepCommitted)]
+                for commit in commits:
+                    self.gate.commit(commit)
+                self.committed = max([self.committed, *(c.version for c in commits)])
                 self._steps_read = True
                 self._changed.set()
 

@@ -10,7 +10,7 @@ the warm-start is shared (cached).
 
 Pinning: the trainer gets the first half of this process's cores and the rollout side (workers,
 archiver, the embedded Redis, this process watching them) the rest, with os.sched_setaffinity,
-the same in both modes; unpinned, both sides compete for the same cores and overlapping them
+the same in both modes (the mismatch role, at the lowest CPU priority, may run on any of them); unpinned, both sides compete for the same cores and overlapping them
 cannot save time, so the bench would measure the scheduler, not the pipeline. With one core there is nothing to split (`pinned` says so).
 
 Prints one JSON line: wall time, trainer idle share, rollout idle share, where the rollout
@@ -45,7 +45,7 @@ from reel.bus.events import StepCommitted, StepTiming, WorkerStats
 from reel.bus.jsonout import print_json
 from reel.bus.run_log import RunLog
 from reel.runtime.config import run as config_mod
-from reel.runtime.config.sections import Config
+from reel.runtime.config.sections import Config, MismatchSection
 from reel.runtime.launch.run_dir import bus_for, prepare_run_dir
 from reel.runtime.launch.supervisor import Supervisor
 
@@ -167,7 +167,13 @@ def forking_on(side: int) -> Iterator[None]:
 
 class PinnedSupervisor(Supervisor):
     """Starts the trainer on the trainer cores and every other role on the rollout-side cores: a
-    child inherits the affinity of the process that forks it, threads included."""
+    child inherits the affinity of the process that forks it, threads included.
+
+    The mismatch role (lowest CPU priority, mismatch.nice) stays on the rollout side, so the trainer's
+    cores are the trainer's alone and its busy time, the denominator of `ideal`, is its own. Measured
+    2026-12-05 (docs/benchmarks.md): async wall 13.8 s there, 13.3 s with the role on any core (a sync
+    trainer sharing its core with it may spend more CPU per token, which would flatter `ideal`), 15.4 s
+    on the trainer's core."""
 
     def _start(self, name: str, role: str, *extra: str, **kw: object) -> None:
         with forking_on(0 if role == "trainer" else 1):
@@ -178,7 +184,8 @@ def _pinning_note() -> str:
     split = role_cores()
     if split is None:
         return "no: one core, nothing to split"
-    return f"trainer on cores {sorted(split[0])}, rollout side (workers, archiver, Redis) on {sorted(split[1])}"
+    return (f"trainer on cores {sorted(split[0])}, rollout side (workers, archiver, Redis, mismatch role at "
+            f"nice {MismatchSection().nice}) on {sorted(split[1])}")
 
 
 def _simulated(run_dir: Path, async_level: int, dedicated: bool) -> float | None:

@@ -123,6 +123,7 @@ def validate(c: Config) -> None:
     _validate_eval(c)
     require(c.mismatch.every >= 0, f"mismatch.every = {c.mismatch.every} must be >= 0 (0 = no mismatch role)")
     require(c.mismatch.max_lag_steps >= 0, f"mismatch.max_lag_steps = {c.mismatch.max_lag_steps} must be >= 0")
+    require(0 <= c.mismatch.nice <= 19, f"mismatch.nice = {c.mismatch.nice} must be in 0..19 (19: the lowest CPU priority)")
 
 
 def check_model_path(c: Config, text: str) -> None:

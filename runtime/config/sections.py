@@ -211,6 +211,9 @@ class MismatchSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # blob store keeps this many more policy versions (bus/retention.py). A step further behind is passed over
     # with a warning (`reel replay step N` still computes its split).
     max_lag_steps: int = 8
+    # The role's CPU priority (os.nice increment, 0..19). 19, the lowest, gives it only the CPU the trainer and
+    # rollout workers leave, so its forward passes never slow a step or a rollout; it lags instead (lag_steps).
+    nice: int = 19
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

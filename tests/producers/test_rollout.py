@@ -109,6 +109,31 @@ async def test_each_commit_releases_a_whole_batch_share(redis_url: str, run_name
     await asyncio.wait_for(task, 20)
 
 
+async def test_a_group_the_trainer_drops_is_replaced(redis_url: str, run_name: str, tmp_path) -> None:
+    """A stale group a commit drops leaves the trainer one short: the worker starts one more in its stead (another
+    worker's drop is that worker's to replace), so the groups kept ahead of the trainer do not shrink as drops add up."""
+    run_dir = make_run(tmp_path, run_name, async_level=1, concurrency=8, batch_groups=2, max_tokens=3)
+    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
+    model = initial_model(run_dir)
+    await publish_weights(redis_url, run_dir, 0, model, commit=False)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    groups = await wait_for(redis_url, run_name, 4)  # two rounds of 2 before any commit
+    await asyncio.sleep(0.5)
+    assert worker.started == 4 and not worker.in_flight
+    # Version 1 trains one group and drops the other of round 0, and a group of worker 1.
+    await publish_weights(redis_url, run_dir, 1, model, commit=True, dropped=[groups[0].group_id, "1-0-0"])
+    await wait_for(redis_url, run_name, 7)
+    await asyncio.sleep(0.5)
+    assert worker.started == 7  # round 2 (2 groups) and the dropped group's replacement
+    await publish_weights(redis_url, run_dir, 2, model, commit=True)
+    await wait_for(redis_url, run_name, 9)
+    await asyncio.sleep(0.5)
+    assert worker.started == 9  # the replacement is not counted against later rounds
+    stop.set()
+    await asyncio.wait_for(task, 20)
+
+
 async def test_new_weights_reach_the_running_worker(redis_url: str, run_name: str, tmp_path) -> None:
     run_dir = make_run(tmp_path, run_name, async_level=100)
     worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 import torch
 from reel.bus.blob_backends.file import BlobStore
-from reel.bus.events import StepCommitted, StepTiming, Trajectory, WeightsPublished, decode, stream_key
+from reel.bus.events import DroppedGroup, StepCommitted, StepTiming, Trajectory, WeightsPublished, decode, stream_key
 from reel.bus.streams import Publisher, connect
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel
@@ -57,15 +57,18 @@ def initial_model(run_dir: Path) -> MoEModel:
     return load_model(run_dir / "init")
 
 
-async def publish_weights(url: str, run_dir: Path, version: int, model: MoEModel, *, commit: bool) -> None:
-    """What the trainer does after step `version`: WeightsPublished (+ StepCommitted) in one call."""
+async def publish_weights(url: str, run_dir: Path, version: int, model: MoEModel, *, commit: bool,
+                          dropped: list[str] = ()) -> None:
+    """What the trainer does after step `version`: WeightsPublished (+ StepCommitted, dropping the group ids
+    `dropped` as stale) in one call."""
     redis = connect(url)
     try:
         ref = BlobStore(run_dir / "blobs").put(state_dict_bytes(model))
         trainer = Publisher(redis, run_dir.name, "trainer:0", next_seq=10 * version)
         events = [trainer.stamp(WeightsPublished, version=version, step=version, weights=ref)]
         if commit:
-            events.append(trainer.stamp(StepCommitted, step=version, version=version, groups=[], dropped=[], loss=0.0,
+            events.append(trainer.stamp(StepCommitted, step=version, version=version, groups=[], loss=0.0,
+                                        dropped=[DroppedGroup(g, "stale") for g in dropped],
                                         grad_norm=0.0, weights_sha256=ref.sha256, timing=StepTiming(0, 0, 0)))
         await trainer.publish(events)
     finally:

@@ -71,12 +71,15 @@ def test_bench_async_pins_trainer_and_rollout_side_to_disjoint_cores(tmp_path: P
     supervisor = PinnedSupervisor(tmp_path, "redis://127.0.0.1:1/0", from_dict({}), live=False)
     before = _allowed_cores(0)
     try:
-        for name, role in (("trainer", "trainer"), ("rollout-0", "rollout"), ("archiver", "archiver")):
+        for name, role in (("trainer", "trainer"), ("rollout-0", "rollout"), ("archiver", "archiver"),
+                           ("mismatch", "mismatch")):
             supervisor._start(name, role)
         pinned = {name: _allowed_cores(p.popen.pid) for name, p in supervisor.roles.items()}
     finally:
         supervisor._stop_all()
-    assert pinned == {"trainer": trainer_cores, "rollout-0": rollout_cores, "archiver": rollout_cores}
+    # The mismatch role, at the lowest CPU priority, takes what the rollout side leaves: the trainer's cores stay its own.
+    assert pinned == {"trainer": trainer_cores, "rollout-0": rollout_cores, "archiver": rollout_cores,
+                      "mismatch": rollout_cores}
     assert _allowed_cores(0) == before  # the bench process itself is left as it was
 
 

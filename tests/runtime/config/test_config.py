@@ -47,6 +47,7 @@ BROKEN = [
     ("[log]\nlevel = \"LOUD\"\n", "log.level"),
     ("[mismatch]\nevery = -1\n", "mismatch.every"),
     ("[mismatch]\nmax_lag_steps = -2\n", "mismatch.max_lag_steps"),
+    ("[mismatch]\nnice = 20\n", "mismatch.nice"),
 ]
 
 
