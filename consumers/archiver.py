@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -67,6 +66,7 @@ from reel.bus.redis_boundary import no_answer, ride_out, ride_out_bound
 from reel.bus.streams import FIELD, READ_MARGIN_S, BusError, connect, safe_trim, try_stamp
 from reel.bus.trust import Order, SeqMarks, wrong_producer
 from reel.runtime.heartbeat import BEAT_SUFFIX, Heartbeat
+from reel.runtime.role_loop import serve
 from reel.consumers.archive_disk import Entry, Round, RoundWriter, blob_refs
 
 __all__ = ["Archiver", "main", "GROUP", "CONSUMER"]
@@ -361,8 +361,6 @@ class Archiver:
 
 def main(run_dir: Path, bus_url: str, run: str, partitions: int | str = 1, stop: asyncio.Event | None = None) -> int:
     """`reel role archiver`: archive until SIGTERM/SIGINT (or `stop`), or the run finishes."""
-    import uvloop
-
     from reel.runtime.blob_store import run_blobs
     from reel.runtime.config.run import load
 
@@ -373,12 +371,6 @@ def main(run_dir: Path, bus_url: str, run: str, partitions: int | str = 1, stop:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-    async def archive() -> None:
-        done = stop or asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, done.set)
-        await Archiver(run_dir, bus_url, run, partitions=int(partitions), blobs=blobs).run(done)
-
-    uvloop.run(archive())
+    # Made inside the loop: the archiver's asyncio state belongs to it.
+    serve(lambda done: Archiver(run_dir, bus_url, run, partitions=int(partitions), blobs=blobs).run(done), stop)
     return 0

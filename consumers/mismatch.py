@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -52,6 +51,7 @@ from reel.runtime.train.environment import cpus, nice
 from reel.runtime.train.groups import GroupLookup, MissingGroup
 from reel.runtime.train.initial_policy import load_initial_model
 from reel.runtime.train.mismatch_split import Split, WeightHistory, step_split
+from reel.runtime.role_loop import serve
 
 log = logging.getLogger("reel.mismatch")
 PRODUCER = "mismatch:0"
@@ -248,17 +248,8 @@ def main(run_dir: Path, bus_url: str) -> int:
     set_determinism(config.run.seed, threads=threads)
     role = MismatchRole(Path(run_dir), bus_url, config)
 
-    async def serve() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await role.run(stop)
-
-    import uvloop
-
     try:
-        uvloop.run(serve())
+        serve(role.run)
     except ReelError as exc:
         log.error("%s", exc)
         return 1

@@ -63,6 +63,7 @@ from reel.runtime.train.reexecute import catch_up, checkpoint_before
 from reel.runtime.train.step import TrainState
 from reel.runtime.train.trainer_group import TrainerGroup, run_as_group
 from reel.runtime.heartbeat import BEAT_SUFFIX, Heartbeat
+from reel.runtime.role_loop import stop_on_signals
 
 log = logging.getLogger("reel.trainer")
 PRODUCER = "trainer:0"
@@ -321,9 +322,7 @@ def main(run_dir: Path, bus_url: str, warm_start: WarmStart) -> int:
 
     async def run(group: TrainerGroup) -> int:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):  # a warm-start in progress stops too (work_progress)
-            loop.add_signal_handler(sig, lambda: (stop.set(), work_progress.cancel()))
+        stop_on_signals(stop, also=work_progress.cancel)  # a warm-start in progress stops too
         trainer = Trainer(run_dir, bus_url, config, warm_start, group)
         try:
             await trainer.run_until_done(stop)

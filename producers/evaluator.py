@@ -27,7 +27,6 @@ import json
 import logging
 import math
 import random
-import signal
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -52,6 +51,7 @@ from reel.runtime.config.run import load
 from reel.runtime.train.initial_policy import init_dir
 from reel.runtime.tokenizer import load_tokenizer
 from reel.runtime.weights.load import engine_weights
+from reel.runtime.role_loop import serve
 
 log = logging.getLogger("reel.eval")
 PRODUCER = "eval:0"
@@ -221,16 +221,7 @@ def main(run_dir: Path, bus_url: str) -> int:
     logging.basicConfig(level=config.log.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     role = EvalRole(Path(run_dir), bus_url, config)
 
-    async def serve() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await role.run(stop)
-
-    import uvloop
-
-    uvloop.run(serve())
+    serve(role.run)
     return 0
 
 

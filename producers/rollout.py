@@ -24,7 +24,6 @@ import asyncio
 import logging
 import os
 import random
-import signal
 import time
 from pathlib import Path
 
@@ -57,6 +56,7 @@ from reel.runtime.config.run import load
 from reel.runtime.heartbeat import BEAT_SUFFIX, Heartbeat
 from reel.runtime.train.initial_policy import init_dir
 from reel.runtime.weights.load import WeightLoadError, engine_weights
+from reel.runtime.role_loop import serve
 
 log = logging.getLogger("reel.rollout")
 
@@ -383,14 +383,5 @@ def main(run_dir: Path, bus_url: str, worker: int) -> int:
     torch.set_num_threads(int(os.environ.get("REEL_TORCH_THREADS", "1")))
     rollout = RolloutWorker(Path(run_dir), bus_url, worker, config)
 
-    async def serve() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await rollout.run(stop)
-
-    import uvloop
-
-    uvloop.run(serve())
+    serve(rollout.run)
     return 0

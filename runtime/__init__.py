@@ -9,7 +9,7 @@
     bench/        `reel bench NAME`, one module per bench, and their harness
 
 At the root: what belongs to no room (the C build, shipped files, tokenizers, the run's blob
-store, terminal tables, progress of long work). The core (config, model, train, weights,
+store, terminal tables, progress of long work, a role's heartbeat and event loop). The core (config, model, train, weights,
 checkpoint and the root) imports bus/ only; launch/ and bench/ sit above producers/ and
 consumers/ and import what they start.
 """

@@ -1,12 +1,14 @@
 """`reel run` with a role frozen (SIGSTOP) or its Redis killed: the liveness rules act, nothing is lost.
 
-A frozen rollout worker is named, killed and started again, and the run completes and verifies; an
+A frozen rollout worker is named, killed and started again, and the run completes and verifies; a
+frozen trainer stops the run with the resume command, and the resume completes and replays bitwise; an
 embedded Redis that has exited (not paused) stops the run at once, not after bus.ride_out_s, with the
 resume command, and the resume completes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,17 +18,18 @@ import time
 from pathlib import Path
 
 from reel.runtime.heartbeat import read_beats
+from reel.runtime.launch import liveness
 from reel.runtime.launch.cli import main
 from paths import REPO
 
 TIMEOUT_S = 300
 
 
-def _config(tmp_path: Path, steps: int) -> Path:
+def _config(tmp_path: Path, steps: int, stall_s: int = 15) -> Path:
     text = (REPO / "examples" / "reverse_text.toml").read_text()
     text = re.sub(r"(?m)^steps = \d+", f"steps = {steps}", text)
     text = re.sub(r"(?m)^warmup_steps = \d+", "warmup_steps = 5", text)
-    text = re.sub(r"(?m)^seed = 0$", "seed = 0\nstall_s = 15", text, count=1)
+    text = re.sub(r"(?m)^seed = 0$", f"seed = 0\nstall_s = {stall_s}", text, count=1)
     path = tmp_path / "reverse_text.toml"
     path.write_text(text)
     return path
@@ -57,6 +60,30 @@ def test_a_frozen_rollout_worker_is_restarted_and_the_run_completes(tmp_path: Pa
     assert out.count("reel: killed rollout-0, which had stalled, and started it again") == 1, out
     assert int((run_dir / "roles" / "rollout-0.pid").read_text()) != frozen
     assert main(["log", "verify", "--run", str(run_dir)]) == 0
+
+
+def test_a_frozen_trainer_stops_the_run_with_the_resume_command_and_the_resume_replays_bitwise(
+        tmp_path: Path, capsys) -> None:
+    config = _config(tmp_path, steps=30, stall_s=5)
+    run_dir = tmp_path / "run"
+    run = _launch(config, run_dir)
+    _until_progress(run, run_dir, "trainer", 6)
+    os.kill(int((run_dir / "roles" / "trainer.pid").read_text()), signal.SIGSTOP)
+    frozen = time.monotonic()
+    out = run.communicate(timeout=TIMEOUT_S)[0]
+    assert run.returncode == 1, out
+    assert "reel: trainer has made no progress for " in out
+    assert "reel: role trainer stalled, so the run was stopped" in out
+    assert f"`reel run {config} --resume --out {run_dir}` continues this run" in out
+    # Named within its bound, stopped within HUNG_FACTOR bounds (and the supervisor's stop), not waited on.
+    assert time.monotonic() - frozen < 5 * liveness.HUNG_FACTOR + 40, out
+    resumed = _launch(config, run_dir, "--resume")
+    out = resumed.communicate(timeout=TIMEOUT_S)[0]
+    assert resumed.returncode == 0, out
+    assert main(["log", "verify", "--run", str(run_dir)]) == 0
+    capsys.readouterr()
+    assert main(["replay", "step", "30", "--run", str(run_dir), "--json"]) == 0  # a step of the resume
+    assert json.loads(capsys.readouterr().out)["bitwise"] is True
 
 
 def test_a_killed_redis_stops_the_run_at_once_and_the_resume_completes(tmp_path: Path) -> None:
