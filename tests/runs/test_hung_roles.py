@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,19 +19,9 @@ from pathlib import Path
 from reel.runtime.heartbeat import read_beats
 from reel.runtime.launch import liveness
 from reel.runtime.launch.cli import main
-from paths import REPO
+from stall_config import reverse_text_with_stall_bound
 
 TIMEOUT_S = 300
-
-
-def _config(tmp_path: Path, steps: int, stall_s: int = 15) -> Path:
-    text = (REPO / "examples" / "reverse_text.toml").read_text()
-    text = re.sub(r"(?m)^steps = \d+", f"steps = {steps}", text)
-    text = re.sub(r"(?m)^warmup_steps = \d+", "warmup_steps = 5", text)
-    text = re.sub(r"(?m)^seed = 0$", f"seed = 0\nstall_s = {stall_s}", text, count=1)
-    path = tmp_path / "reverse_text.toml"
-    path.write_text(text)
-    return path
 
 
 def _launch(config: Path, run_dir: Path, *extra: str) -> subprocess.Popen[str]:
@@ -50,7 +39,7 @@ def _until_progress(run: subprocess.Popen[str], run_dir: Path, role: str, count:
 
 def test_a_frozen_rollout_worker_is_restarted_and_the_run_completes(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    run = _launch(_config(tmp_path, steps=10), run_dir)
+    run = _launch(reverse_text_with_stall_bound(tmp_path, steps=10, stall_s=15), run_dir)
     _until_progress(run, run_dir, "rollout-0", 2)
     frozen = int((run_dir / "roles" / "rollout-0.pid").read_text())
     os.kill(frozen, signal.SIGSTOP)
@@ -64,7 +53,7 @@ def test_a_frozen_rollout_worker_is_restarted_and_the_run_completes(tmp_path: Pa
 
 def test_a_frozen_trainer_stops_the_run_with_the_resume_command_and_the_resume_replays_bitwise(
         tmp_path: Path, capsys) -> None:
-    config = _config(tmp_path, steps=30, stall_s=5)
+    config = reverse_text_with_stall_bound(tmp_path, steps=30, stall_s=5)
     run_dir = tmp_path / "run"
     run = _launch(config, run_dir)
     _until_progress(run, run_dir, "trainer", 6)
@@ -87,7 +76,7 @@ def test_a_frozen_trainer_stops_the_run_with_the_resume_command_and_the_resume_r
 
 
 def test_a_killed_redis_stops_the_run_at_once_and_the_resume_completes(tmp_path: Path) -> None:
-    config = _config(tmp_path, steps=8)
+    config = reverse_text_with_stall_bound(tmp_path, steps=8, stall_s=15)
     run_dir = tmp_path / "run"
     run = _launch(config, run_dir)
     _until_progress(run, run_dir, "trainer", 4)

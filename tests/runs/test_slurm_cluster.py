@@ -27,6 +27,7 @@ from reel.runtime.launch import slurm
 from reel.runtime.launch import slurm_script
 from reel.runtime.launch.cli import main
 from paths import REPO
+from stall_config import reverse_text_with_stall_bound
 
 pytestmark = pytest.mark.slurm
 ROOT = REPO
@@ -170,23 +171,12 @@ def test_reverse_text_runs_end_to_end_through_slurm(tmp_path: Path, capsys: pyte
         assert json.loads(capsys.readouterr().out)["bitwise"] is True
 
 
-def _stall_config(tmp_path: Path, *, steps: int, stall_s: int) -> Path:
-    """examples/reverse_text.toml for `steps` steps after a 5-step warm-start, with run.stall_s = `stall_s`."""
-    text = (ROOT / "examples" / "reverse_text.toml").read_text()
-    text = re.sub(r"(?m)^steps = \d+", f"steps = {steps}", text)
-    text = re.sub(r"(?m)^warmup_steps = \d+", "warmup_steps = 5", text)
-    text = re.sub(r"(?m)^seed = 0$", f"seed = 0\nstall_s = {stall_s}", text, count=1)
-    path = tmp_path / "reverse_text.toml"
-    path.write_text(text)
-    return path
-
-
 @pytest.mark.slow
 def test_a_frozen_rollout_worker_is_restarted_in_its_pool_and_the_run_finishes(tmp_path: Path,
                                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """SIGSTOP of rollout worker 0 mid-run: the job's watcher names it, its task's watcher kills it and
     starts it again in place (the step and the job never see it), and the run completes and verifies."""
-    path = _stall_config(tmp_path, steps=10, stall_s=15)
+    path = reverse_text_with_stall_bound(tmp_path, steps=10, stall_s=15)
     run_dir = tmp_path / "run"
     assert main(["launch", "slurm", str(path), "--run-dir", str(run_dir), "--time", "00:10:00"]) == 0
     job = (run_dir / "slurm_job_id").read_text().strip()
@@ -231,7 +221,7 @@ def _trainer_pid(run_dir: Path) -> int | None:
 @pytest.mark.slow
 def test_a_frozen_trainer_stops_the_job_with_the_resume_command_and_the_resume_completes(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = _stall_config(tmp_path, steps=40, stall_s=5)
+    path = reverse_text_with_stall_bound(tmp_path, steps=40, stall_s=5)
     run_dir = tmp_path / "run"
     assert main(["launch", "slurm", str(path), "--run-dir", str(run_dir), "--time", "00:10:00"]) == 0
     job = (run_dir / "slurm_job_id").read_text().strip()
