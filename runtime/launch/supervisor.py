@@ -218,9 +218,11 @@ class Supervisor:
         and the new process takes its seq and draws from the bus and the log. A vLLM server goes with
         every rollout worker (their requests to it are lost); it starts again on the version-0 weights,
         and worker 0 pushes the newest version to it, as at the start of a run."""
-        workers = [n for n in self.roles if n.startswith("rollout-")]
-        if "vllm" in names:
-            names = ["vllm", *workers]
+        # A worker of a restarted server goes with it: that is the cause to name, even where the worker
+        # also stalled in the same check (its requests hang on the frozen server).
+        with_server = [n for n in self.roles if n.startswith("rollout-")] if "vllm" in names else []
+        if with_server:
+            names = ["vllm", *with_server]
         for name in names:
             if name not in self.roles:
                 continue
@@ -228,7 +230,7 @@ class Supervisor:
                 self.probe.stop()
             self.roles.pop(name).wait(timeout=0.0)
             self.liveness.forget(name)
-            why = "which had stalled" if name in self.liveness.newly_stalled else "whose vLLM server was restarted"
+            why = "whose vLLM server was restarted" if name in with_server else "which had stalled"
             print(f"reel: killed {name}, {why}, and started it again", file=sys.stderr, flush=True)
             if name.startswith("rollout-"):
                 self._start(name, "rollout", "--worker", name.removeprefix("rollout-"), env=self._rollout_env())
