@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         raw["run"]["steps"] = 8
     results, curves = {}, {}
-    with tempfile.TemporaryDirectory(prefix="reel-bench-async-") as tmp:
+    with _runs_dir(getattr(args, "keep", None)) as tmp:
         for level in (0, 2):
             raw["rollout"]["async_level"] = level
             config = config_mod.from_dict(raw, source="bench async workload")
@@ -110,6 +110,20 @@ def run(args: argparse.Namespace) -> int:
         "ratio": round(ratio, 3),
     })
     return 0
+
+
+@contextlib.contextmanager
+def _runs_dir(keep: str | None) -> Iterator[str]:
+    """Where both runs go: `--keep DIR` (refused if it holds either run already), else a temporary directory."""
+    if keep is None:
+        with tempfile.TemporaryDirectory(prefix="reel-bench-async-") as tmp:
+            yield tmp
+        return
+    taken = [name for name in ("async0", "async2") if (Path(keep) / name).exists()]
+    if taken:
+        raise SystemExit(f"bench async: --keep {keep} already holds {', '.join(taken)}; pass an empty or new directory")
+    Path(keep).mkdir(parents=True, exist_ok=True)
+    yield keep
 
 
 def reward_target(sync: list[tuple[float, float]], overlapped: list[tuple[float, float]]

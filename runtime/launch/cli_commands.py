@@ -153,6 +153,9 @@ def _log_commands(sub) -> None:
     bench.add_argument("--workload", choices=["slow-tool", "long-tail"], default="slow-tool",
                        help="async only: multi-turn episodes whose tool calls wait a heavy-tailed wall time "
                             "(default), or one-turn answers with a long-tail length")
+    bench.add_argument("--keep", default=None, metavar="DIR",
+                       help="async only: keep both runs' directories (DIR/async0, DIR/async2) to inspect, replay "
+                            "or `reel simulate` (default: a temporary directory, removed)")
     bench.set_defaults(handler="reel.runtime.launch.cli:run_bench")
 
 
