@@ -18,7 +18,7 @@ from reel.bus.errors import ReelError
 
 __all__ = [
     "BlobRef", "Tensor", "Event", "RunStarted", "WeightsPublished", "Sample", "Trajectory",
-    "RoutingTrace", "DroppedGroup", "StepTiming", "StepCommitted", "MismatchSplit", "WorkerStats", "EvalResult",
+    "RoutingTrace", "DroppedGroup", "GroupsDropped", "StepTiming", "StepCommitted", "MismatchSplit", "WorkerStats", "EvalResult",
     "ConfigChanged", "RunFinished", "CheckpointsPruned",
     "AnyEvent", "MalformedEvent", "encode", "decode", "event_key", "STREAM_OF", "stream_key",
 ]
@@ -183,6 +183,16 @@ class DroppedGroup(msgspec.Struct, frozen=True, gc=False):
     reason: str
 
 
+class GroupsDropped(Event, tag="groups_dropped"):
+    """Trainer -> rollout workers: groups it set aside while gathering step `step`'s batch, announced before
+    that step's commit lists them again in StepCommitted.dropped, so their workers replace them now: a
+    synchronous worker waits for that commit, which waits for the replacement (producers/async_gate.py).
+    Logs from before this event have the drops in the commits only."""
+
+    step: int  # the step (and policy version) whose batch they are missing from
+    dropped: list[DroppedGroup]
+
+
 class StepTiming(msgspec.Struct, frozen=True, gc=False):
     """Wall seconds of one trainer step; idle = wait / (wait + compute + publish).
 
@@ -317,7 +327,7 @@ class RunFinished(Event, tag="run_finished"):
 
 AnyEvent = Union[
     RunStarted, WeightsPublished, Trajectory, RoutingTrace, StepCommitted, WorkerStats, EvalResult,
-    ConfigChanged, RunFinished, MismatchSplit, CheckpointsPruned,
+    ConfigChanged, RunFinished, MismatchSplit, CheckpointsPruned, GroupsDropped,
 ]
 
 # Which stream each event type travels on (DESIGN.md "Events").
@@ -327,6 +337,7 @@ STREAM_OF: dict[type, str] = {
     Trajectory: "trajectories",
     RoutingTrace: "routing",
     StepCommitted: "steps",
+    GroupsDropped: "steps",
     MismatchSplit: "steps",
     WorkerStats: "control",
     EvalResult: "control",

@@ -25,8 +25,8 @@ from collections.abc import Iterable
 import redis.asyncio
 
 from reel.bus.events import (
-    AnyEvent, CheckpointsPruned, ConfigChanged, EvalResult, MismatchSplit, RoutingTrace, RunFinished, RunStarted,
-    StepCommitted, Trajectory, WeightsPublished, WorkerStats,
+    AnyEvent, CheckpointsPruned, ConfigChanged, EvalResult, GroupsDropped, MismatchSplit, RoutingTrace, RunFinished,
+    RunStarted, StepCommitted, Trajectory, WeightsPublished, WorkerStats,
 )
 from reel.bus.partitions import seq_keys
 from reel.bus.redis_boundary import ride_out
@@ -42,6 +42,7 @@ PRODUCERS: dict[type, frozenset[str]] = {
     RunStarted: frozenset({"trainer"}),
     WeightsPublished: frozenset({"trainer"}),
     StepCommitted: frozenset({"trainer"}),
+    GroupsDropped: frozenset({"trainer"}),
     Trajectory: frozenset({"rollout"}),
     RoutingTrace: frozenset({"rollout"}),
     WorkerStats: frozenset({"rollout"}),

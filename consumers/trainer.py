@@ -1,8 +1,8 @@
 """The online trainer: groups in, committed policy versions out.
 
     wait    read the `trainer` group on trajectories + routing, join by group id, drop groups
-            older than max_off_policy_steps (recorded), until batch_groups are ready
-            (consumers/trainer_batches.py)
+            older than max_off_policy_steps or invalid (recorded, and announced at once as
+            GroupsDropped), until batch_groups are ready (consumers/trainer_batches.py)
     compute train_step (runtime/train/step.py), in a thread so the bus connection stays live
     commit  1. new weights -> blob store      2. checkpoint -> blob store (every checkpoint_every)
             3. WeightsPublished + StepCommitted in one MULTI/EXEC      4. ack the consumed entries
@@ -38,7 +38,8 @@ import redis.asyncio as aioredis
 import torch
 
 from reel.bus.blobs import BlobBackend
-from reel.bus.events import AnyEvent, MalformedEvent, RunStarted, StepCommitted, StepTiming, WeightsPublished, decode
+from reel.bus.events import (AnyEvent, DroppedGroup, GroupsDropped, MalformedEvent, RunStarted, StepCommitted,
+                             StepTiming, WeightsPublished, decode)
 from reel.bus.log import LogCorrupted, LogError
 from reel.bus.run_log import RunLog
 from reel.bus.partitions import lane_key, lanes
@@ -122,7 +123,7 @@ class Trainer:
             block_ms=self.config.bus.block_ms, claim_idle_ms=NEVER_RECLAIM_MS,
             max_deliveries=self.config.bus.max_deliveries, partitions=self.config.bus.partitions,
         )
-        self.batches = BatchGatherer(self.config, self.blobs, self.consumer, self.heartbeat)
+        self.batches = BatchGatherer(self.config, self.blobs, self.consumer, self.heartbeat, self._announce_drops)
         try:
             next_seq = await recover_seq(self.redis, self.run_dir, self.run, PRODUCER, PUBLISHED_STREAMS,
                                          self.config.bus.partitions)
@@ -181,6 +182,10 @@ class Trainer:
         log.info("step %d committed: loss %.4f grad_norm %.3f reward %.3f kl_k3 %.2e dropped %d", step, result.loss,
                  result.grad_norm, m.get("reward_mean", 0.0), m.get("kl_k3", 0.0), len(dropped))
         self.commit_s = time.perf_counter() - stamped
+
+    async def _announce_drops(self, step: int, dropped: list[DroppedGroup]) -> None:
+        """Groups set aside for `step`, ahead of its commit: their workers replace them now."""
+        await self.publisher.publish([self.publisher.stamp(GroupsDropped, step=step, dropped=dropped)])
 
     async def _setup_or_resume(self) -> None:
         commits = await self._read_commits()

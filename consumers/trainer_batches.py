@@ -3,14 +3,18 @@
 A group is complete when both its Trajectory and its RoutingTrace are here (joined by group id).
 A complete group is checked before it may be trained: one that is invalid (bad tokens), older than
 max_off_policy_steps or whose routing trace does not fit its tokens is set aside as dropped, with its
-reason, and recorded in the next StepCommitted (never silent). Complete groups beyond the batch wait
-for the next step; a group a commit already lists (re-delivered after a crash) is acked, not trained.
-The commit protocol that follows is consumers/trainer.py's.
+reason, and recorded in the next StepCommitted (never silent). Drops are also announced at once
+(GroupsDropped, before the next wait and before the batch goes to compute): their workers replace
+them, and a synchronous worker would otherwise wait for the commit that waits for the replacement
+(producers/async_gate.py). The announcement changes nothing the step trains. Complete groups beyond
+the batch wait for the next step; a group a commit already lists (re-delivered after a crash) is acked,
+not trained. The commit protocol that follows is consumers/trainer.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from reel.bus.blobs import BlobBackend
@@ -53,10 +57,13 @@ class BatchGatherer:
     committed_groups: set[str]  # trained or dropped by a commit (the trainer adds each commit's)
     pending: dict[str, PendingGroup]  # groups read and not yet in a batch
     heartbeat: Heartbeat  # the trainer's: says what it waits for
+    announce: Callable[[int, list[DroppedGroup]], Awaitable[None]]  # publishes GroupsDropped(step, dropped)
 
-    def __init__(self, config: Config, blobs: BlobBackend, consumer: GroupConsumer, heartbeat: Heartbeat):
+    def __init__(self, config: Config, blobs: BlobBackend, consumer: GroupConsumer, heartbeat: Heartbeat,
+                 announce: Callable[[int, list[DroppedGroup]], Awaitable[None]]):
         self.config = config
         self.heartbeat = heartbeat
+        self.announce = announce
         self.blobs = blobs
         self.consumer = consumer
         self.committed_groups = set()
@@ -64,12 +71,18 @@ class BatchGatherer:
 
     async def collect(self, stop: asyncio.Event, step: int, model: MoEConfig) -> Collected:
         """Read until batch_groups fresh groups are complete for the step after `step` (the policy version
-        the trainer holds); stale ones are set aside as dropped."""
+        the trainer holds); stale or invalid ones are set aside as dropped, and announced before each wait."""
         out = Collected()
         want = self.config.trainer.batch_groups
         for group_id, part in list(self.pending.items()):  # complete groups left over from the last step
             self._offer(group_id, part, out, step, model)
-        while len(out.groups) < want and not stop.is_set():
+        announced = 0  # of out.dropped
+        while True:
+            if len(out.dropped) > announced:
+                await self.announce(step + 1, [d for d, _ in out.dropped[announced:]])
+                announced = len(out.dropped)
+            if len(out.groups) >= want or stop.is_set():
+                return out
             self.heartbeat.alive("waiting for groups", f"{len(out.groups)} of {want} for step {step + 1}", waiting=True)
             for delivery in await self.consumer.read(count=2 * want):
                 event = delivery.event
@@ -85,7 +98,6 @@ class BatchGatherer:
                 else:
                     part.routing = delivery
                 self._offer(event.group_id, part, out, step, model)
-        return out
 
     def _offer(self, group_id: str, part: PendingGroup, out: Collected, step: int, model: MoEConfig) -> None:
         """Move a complete group into this step's batch or its dropped list; beyond the batch it waits."""

@@ -20,13 +20,21 @@ current one. Either way at most `rollout.concurrency` groups are in flight. A re
 continues the rounds its queued groups started, at the current c.
 
 g counts only groups the trainer may train: a group the worker dead-letters is replaced, and so is
-one of its groups that a commit after c0 lists as dropped (stale: it finished more than
-max_off_policy_steps versions late, or invalid). Were drops counted, each would leave the worker
+one of its groups the trainer drops from the batch of a step after c0 (stale: it finished more
+than max_off_policy_steps versions late, or invalid). Were drops counted, each would leave the worker
 one group short of the batches to come for the rest of the run: with heavy-tailed tool calls
 the slowest groups of a round finish too late, and 14 drops over 40 steps of examples/slow_calc
 shrank the 24 groups async_level 2 keeps ahead of the trainer to 10, its wait growing step by step
-(and async_level + 1 rounds of drops would stall it). A synchronous gate still needs every group
-of its round: a drop is known only at the commit the batch it is missing from cannot make.
+(and async_level + 1 rounds of drops would stall it).
+
+A drop is learnt from the trainer's GroupsDropped, published as it sets the group aside, and again
+from the commit that lists it. The commit alone came too late: a synchronous worker waits for the
+commit, and the commit for the batch the dropped group leaves one short, so both waited for ever
+(each saying it waits, so no liveness check fired); with a >= 1 the replacement started a round
+late. A group counts once however often it is named (the announcement, the commit, an announcement
+again after a trainer restart): by group id, at the step of the batch it is missing from. Should a
+restarted trainer train a group it had announced as dropped (a routing blob readable again), its
+replacement is one group more than the rounds need, trained in a later batch.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from pathlib import Path
 
 import redis.asyncio
 
-from reel.bus.events import StepCommitted
+from reel.bus.events import GroupsDropped, StepCommitted
 from reel.bus.log import LogError
 from reel.bus.run_log import RunLog
 from reel.producers.outstanding import outstanding_groups
@@ -51,7 +59,7 @@ class AsyncGate:
     first_round: int  # c0: c when this process started its first group
     queued: int  # q: groups an earlier process published, not yet trained
     worker: int  # this worker's index: the first part of its group ids
-    dropped: dict[int, int]  # commit version -> this worker's groups that commit dropped
+    dropped: dict[str, int]  # this worker's dropped groups -> the step (commit version) they are missing from
 
     def __init__(self, batch_groups: int, workers: int, async_level: int, worker: int = 0):
         self.round_size = math.ceil(batch_groups / workers)
@@ -63,14 +71,14 @@ class AsyncGate:
 
     def allows(self, group: int, version: int) -> bool:
         """Whether this process's `group`-th group (from 0, replaced ones not counted) may start at c = `version`."""
-        group -= sum(n for v, n in self.dropped.items() if v > self.first_round)  # replaced: see the module doc
+        group -= sum(1 for v in self.dropped.values() if v > self.first_round)  # replaced: see the module doc
         return self.first_round + (self.queued + group) // self.round_size - version <= self.async_level
 
-    def commit(self, event: StepCommitted) -> None:
-        """Count the groups of this worker (any of its processes: a queued one too) that `event` dropped."""
-        mine = sum(1 for d in event.dropped if d.group_id.split("-", 1)[0] == str(self.worker))
-        if mine:
-            self.dropped[event.version] = mine
+    def learn(self, event: StepCommitted | GroupsDropped) -> None:
+        """Note the groups of this worker (any of its processes: a queued one too) that `event` names as dropped."""
+        for d in event.dropped:
+            if d.group_id.split("-", 1)[0] == str(self.worker):
+                self.dropped[d.group_id] = event.step  # a commit's step is its version
 
     async def recover(self, redis: redis.asyncio.Redis, run_dir: Path, run_name: str, worker: str,
                       partition: int) -> None:

@@ -10,6 +10,9 @@ The count is taken against one snapshot of the commits: groups of this worker th
 still has to read (pending for its group or not yet delivered) and that no commit up to version
 c has trained or dropped. Entries are read before commits, so a commit landing in between is
 seen with its groups (never counting a trained group, which could stall a synchronous gate).
+A group the trainer has announced as dropped (GroupsDropped) for a step after c is still counted:
+the gate takes it off as replaced (producers/async_gate.py), and taking it off here too would count
+its replacement twice.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
           a group: seeded prompt -> episodes (producers/episode.py: engine turns, env turns) -> rewards ->
                    one Publisher.publish_atomic([Trajectory, RoutingTrace]) (MULTI: both or neither)
     background: newest WeightsPublished -> fetch + verify the blob -> engine.update_weights (in place,
-                between two decode steps); StepCommitted -> last committed version; WorkerStats
+                between two decode steps); StepCommitted -> last committed version; StepCommitted and
+                GroupsDropped -> this worker's dropped groups (replaced); WorkerStats
     stop: start nothing new, finish in-flight groups for up to DRAIN_TIMEOUT_S, log the rest as
           abandoned (a partial group is never published)
 
@@ -31,8 +32,8 @@ import msgspec
 import numpy as np
 
 from reel.bus.blobs import BlobBackend
-from reel.bus.events import (AnyEvent, BlobRef, RoutingTrace, StepCommitted, Tensor, Trajectory, WeightsPublished,
-                             WorkerStats)
+from reel.bus.events import (AnyEvent, BlobRef, GroupsDropped, RoutingTrace, StepCommitted, Tensor, Trajectory,
+                             WeightsPublished, WorkerStats)
 from reel.bus.logcodec import pack
 from reel.bus.partitions import worker_partition
 from reel.bus.seqs import recover_seq
@@ -327,9 +328,10 @@ class RolloutWorker:
         async with Tail(self.url, self.run_name, ["steps"], start="0") as tail:
             while True:
                 entries = await self._trusted(await _entries_to_end(tail, block_ms=1000 if self._steps_read else 0))
+                for _, _, event in entries:
+                    if isinstance(event, (StepCommitted, GroupsDropped)):
+                        self.gate.learn(event)
                 commits = [event for _, _, event in entries if isinstance(event, StepCommitted)]
-                for commit in commits:
-                    self.gate.commit(commit)
                 self.committed = max([self.committed, *(c.version for c in commits)])
                 self._steps_read = True
                 self._changed.set()

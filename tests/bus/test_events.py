@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reel.bus.events import (
-    STREAM_OF, AnyEvent, BlobRef, CheckpointsPruned, DroppedGroup, MalformedEvent, RoutingTrace, RunFinished,
-    RunStarted, Sample, StepCommitted, StepTiming, Tensor, Trajectory, WeightsPublished, WorkerStats, decode, encode,
-    event_key, stream_key,
+    STREAM_OF, AnyEvent, BlobRef, CheckpointsPruned, DroppedGroup, GroupsDropped, MalformedEvent, RoutingTrace,
+    RunFinished, RunStarted, Sample, StepCommitted, StepTiming, Tensor, Trajectory, WeightsPublished, WorkerStats,
+    decode, encode, event_key, stream_key,
 )
 
 REF = BlobRef(uri="file:///tmp/blobs/ab/" + "ab" * 32, sha256="ab" * 32, nbytes=12)
@@ -32,6 +32,7 @@ EVENTS: list[AnyEvent] = [
     StepCommitted(**META, step=4, version=4, groups=["a", "b"], dropped=[DroppedGroup("c", "stale")], loss=-0.1,
                   grad_norm=1.5, weights_sha256="f" * 64, timing=StepTiming(0.1, 0.2, 0.01),
                   metrics={"kl_k3": 1e-4}, staleness={0: 10, 1: 3}, checkpoint=REF),
+    GroupsDropped(**META, step=4, dropped=[DroppedGroup("c", "invalid: sample 0 has a non-finite logprob")]),
     WorkerStats(**META, worker="rollout:0", tokens_per_s=100.0, running=3, waiting=1, policy_version=4,
                 groups_published=9, idle_share=0.25),
     RunFinished(**META, reason="completed"),

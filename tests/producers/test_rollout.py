@@ -22,7 +22,7 @@ from reel.producers import rollout
 from reel.producers.rollout import RolloutWorker
 from reel.runtime.train.batch import decode_routing
 from reel.runtime.config.run import load
-from rollout_setup import initial_model, make_run, publish_weights, stream_events, wait_for
+from rollout_setup import announce_drops, initial_model, make_run, publish_weights, stream_events, wait_for
 
 torch.set_num_threads(2)
 
@@ -130,6 +130,31 @@ async def test_a_group_the_trainer_drops_is_replaced(redis_url: str, run_name: s
     await wait_for(redis_url, run_name, 9)
     await asyncio.sleep(0.5)
     assert worker.started == 9  # the replacement is not counted against later rounds
+    stop.set()
+    await asyncio.wait_for(task, 20)
+
+
+async def test_a_drop_announced_before_its_commit_is_replaced_once(redis_url: str, run_name: str, tmp_path) -> None:
+    """Synchronous: the round is out and the worker waits for commit 1, which waits for the group the trainer set
+    aside. Its announcement (GroupsDropped) starts the replacement; the commit naming the group again starts no
+    second one."""
+    run_dir = make_run(tmp_path, run_name, async_level=0, concurrency=4, batch_groups=2, max_tokens=3)
+    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
+    model = initial_model(run_dir)
+    await publish_weights(redis_url, run_dir, 0, model, commit=False)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    groups = await wait_for(redis_url, run_name, 2)
+    await asyncio.sleep(0.5)
+    assert worker.started == 2 and not worker.in_flight  # waiting for commit 1
+    await announce_drops(redis_url, run_name, 1, [groups[0].group_id])
+    await wait_for(redis_url, run_name, 3)
+    await asyncio.sleep(0.5)
+    assert worker.started == 3  # the replacement, before any commit
+    await publish_weights(redis_url, run_dir, 1, model, commit=True, dropped=[groups[0].group_id])
+    await wait_for(redis_url, run_name, 5)
+    await asyncio.sleep(0.5)
+    assert worker.started == 5  # round 1 alone: the group counted once
     stop.set()
     await asyncio.wait_for(task, 20)
 

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 import torch
 from reel.bus.blob_backends.file import BlobStore
-from reel.bus.events import DroppedGroup, StepCommitted, StepTiming, Trajectory, WeightsPublished, decode, stream_key
+from reel.bus.events import DroppedGroup, GroupsDropped, StepCommitted, StepTiming, Trajectory, WeightsPublished, decode, stream_key
 from reel.bus.streams import Publisher, connect
 from reel.runtime.model.config import MoEConfig
 from reel.runtime.model.model import MoEModel
@@ -71,5 +71,16 @@ async def publish_weights(url: str, run_dir: Path, version: int, model: MoEModel
                                         dropped=[DroppedGroup(g, "stale") for g in dropped],
                                         grad_norm=0.0, weights_sha256=ref.sha256, timing=StepTiming(0, 0, 0)))
         await trainer.publish(events)
+    finally:
+        await redis.aclose()
+
+
+async def announce_drops(url: str, run: str, step: int, dropped: list[str]) -> None:
+    """What the trainer does when it sets groups aside while gathering step `step`'s batch (before its commit)."""
+    redis = connect(url)
+    try:
+        trainer = Publisher(redis, run, "trainer:0", next_seq=10 * step - 5)  # between publish_weights' seqs
+        await trainer.publish([trainer.stamp(GroupsDropped, step=step, dropped=[DroppedGroup(g, "invalid: test")
+                                                                                for g in dropped])])
     finally:
         await redis.aclose()
