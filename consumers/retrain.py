@@ -31,7 +31,7 @@ from reel.bus.events import AnyEvent, RunStarted, StepCommitted, StepTiming, Tra
 from reel.bus.run_log import RunLog
 from reel.bus.retention import Retention, RetentionPolicy
 from reel.runtime.config import run as config_mod
-from reel.runtime.train import distributed
+from reel.runtime.train import distributed, torchrun
 from reel.runtime.train.batch import build_batch
 from reel.runtime.config.sections import Config
 from reel.runtime.config.overrides import apply_sets, parse_sets
@@ -60,7 +60,7 @@ def main(args: argparse.Namespace, rescorer: Rescorer | None = None) -> int:
     if args.ranks < 1:
         raise RetrainError(f"--ranks {args.ranks} must be at least 1")
     if args.ranks > 1 and not world.distributed:
-        return distributed.relaunch(args.ranks, _argv(args), config.trainer.threads or 1)
+        return torchrun.relaunch(args.ranks, _argv(args), config.trainer.threads or 1)
     return run_as_group(world, out, config, lambda group: _retrain(args, source, out, config, group, rescorer))
 
 

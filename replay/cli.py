@@ -32,7 +32,7 @@ from reel.replay.analysis import OnStep, Run, replay_range, replay_step
 from reel.replay.bisect import bisect, locate
 from reel.replay.compare import compare
 from reel.replay.console import print_view
-from reel.runtime.train import distributed
+from reel.runtime.train import distributed, torchrun
 from reel.runtime.config.run import load_run_config
 from reel.runtime.train.reexecute import CheckpointUnusable, ReplayMismatch, newest_checkpoint
 from reel.runtime.train.trainer_group import TrainerGroup, run_as_group
@@ -86,7 +86,7 @@ def _on_ranks(run: Run, ranks: int, command: list[str], args: argparse.Namespace
     if ranks > 1 and not world.distributed:
         again = [*command, "--run", str(run.run_dir), "--ranks", str(ranks)] + ["--json"] * bool(args.json)
         again += ["--plot", args.plot] if args.plot else []
-        return distributed.relaunch(ranks, again, run.config.trainer.threads or 1)
+        return torchrun.relaunch(ranks, again, run.config.trainer.threads or 1)
 
     def with_group(group: TrainerGroup) -> int:
         run.group = group

@@ -36,7 +36,7 @@ from safetensors.torch import load
 
 from reel.bus.events import Sample, Tensor, Trajectory
 from reel.bus.jsonout import print_json
-from reel.runtime.train import distributed
+from reel.runtime.train import distributed, torchrun
 from reel.runtime.train.batch import Batch, Group, build_batch
 from reel.runtime.config.sections import Config
 from reel.runtime.config.run import from_dict
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         if args.quick:  # the smoke run compares like with like anywhere: both sides on CPU
             env["CUDA_VISIBLE_DEVICES"] = ""
         sides = {1: [sys.executable, "-m", "reel.runtime.bench.fsdp"],
-                 2: [sys.executable, *distributed.torchrun_argv(2, "reel.runtime.bench.fsdp")]}
+                 2: [sys.executable, *torchrun.torchrun_argv(2, "reel.runtime.bench.fsdp")]}
         for size, argv in sides.items():
             done = subprocess.run([*argv, tmp, *["quick"] * args.quick], capture_output=True, text=True, env=env)
             if done.returncode != 0:

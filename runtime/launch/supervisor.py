@@ -38,7 +38,7 @@ from reel.runtime.blob_store import mooncake_for
 from reel.runtime.config.sections import Config
 from reel.producers.envs.registry import check_config
 from reel.runtime.config.overrides import load_with_sets
-from reel.runtime.train.distributed import torchrun_argv
+from reel.runtime.train.torchrun import torchrun_argv
 from reel.runtime.launch import resume as resume_mod
 from reel.runtime.launch import vllm_args
 from reel.runtime.launch.vllm_key import KEY_ENV, run_api_key
