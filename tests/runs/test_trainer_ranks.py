@@ -18,7 +18,7 @@ import redis
 from reel.bus.events import StepCommitted, decode, stream_key
 from runbuilder import TINY_MODEL_TOML
 from reel.runtime.config import run as config_mod
-from reel.runtime.train.distributed import torchrun_argv
+from reel.runtime.train.torchrun import torchrun_argv
 from reel.runtime.train.initial_policy import ensure_initial_policy
 from test_trainer_crash import CONFIG, _groups, _publish
 from reel.producers.warmstart import warm_start
