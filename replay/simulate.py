@@ -174,7 +174,8 @@ class _Simulation:
     # ---- rollout --------------------------------------------------------------------------------
 
     def _may_start(self, worker: Worker) -> bool:
-        round_ = worker.started // self.round_size  # c0 = 0: every worker starts with version 0 live
+        # c0 = 0: every worker starts with version 0 live; a dropped group is replaced (producers/async_gate.py)
+        round_ = (worker.started - worker.replaced) // self.round_size
         gate = min(worker.committed, worker.version)
         return worker.in_flight < self.pipeline.concurrency and round_ - gate <= self.pipeline.async_level
 
@@ -182,7 +183,7 @@ class _Simulation:
         """Start every group the gate allows, then keep the engine going."""
         while self._may_start(worker):
             shape = self.workload.groups[int(self.rng.integers(len(self.workload.groups)))]
-            group = Group(len(shape.samples))
+            group = Group(len(shape.samples), worker.index)
             waits = shape.env_s or [[] for _ in shape.samples]  # a log from before env_s: no tool waits
             worker.waiting.extend(Sequence(group, turns, shape.prompt, wait) for turns, wait in zip(shape.samples, waits))
             worker.started += 1
@@ -268,6 +269,8 @@ class _Simulation:
             group = self.queue.popleft()
             if self.version - group.oldest > self.pipeline.max_off_policy:
                 self.dropped += 1
+                self.workers[group.worker].replaced += 1  # the trainer announces it at once (GroupsDropped)
+                self._fill(self.workers[group.worker])
             else:
                 self.batch.append(group)
         if len(self.batch) < self.pipeline.batch_groups:
