@@ -18,7 +18,8 @@
                     2 x redis_s_per_event (`reel bench bus` measures that cost) before the trainer sees them.
     trainer         takes arrived groups in order, drops those with a token older than
                     max_off_policy versions (consumers/trainer.py), computes once batch_groups are
-                    in, then publishes. Compute = (base + per_token · tokens) / speedup_trainer,
+                    in, then publishes. Compute = (base + per_token · tokens + per_position · padded
+                    positions + per_score · attention scores of the batch's rows) / speedup_trainer,
                     rescaled from the logged world size to trainer_ranks, N ranks counting as N x rank_efficiency
                     times one (1 rank as 1): the FSDP trainer is
                     modelled as compute scaling with a stated efficiency, not simulated collective by
@@ -55,6 +56,7 @@ from reel.replay.simulate_parts import (Group, Paced, Sequence, SimResult, Worke
                                         mean_result)
 from reel.replay.simulate_split import passes
 from reel.replay.workload import Pipeline, Workload
+from reel.runtime.train.batch import padded_work
 
 __all__ = ["Scenario", "SimResult", "SimulationError", "simulate", "GROUP_EVENTS"]
 
@@ -183,7 +185,7 @@ class _Simulation:
         """Start every group the gate allows, then keep the engine going."""
         while self._may_start(worker):
             shape = self.workload.groups[int(self.rng.integers(len(self.workload.groups)))]
-            group = Group(len(shape.samples), worker.index)
+            group = Group(len(shape.samples), worker.index, shape.rows())
             waits = shape.env_s or [[] for _ in shape.samples]  # a log from before env_s: no tool waits
             worker.waiting.extend(Sequence(group, turns, shape.prompt, wait) for turns, wait in zip(shape.samples, waits))
             worker.started += 1
@@ -279,7 +281,10 @@ class _Simulation:
         self.commits.append((0.0, self.now - self.step_started))  # the commit time is set by _commit
         t = self.workload.trainer
         tokens = sum(sum(g.tokens.values()) for g in self.batch)
-        seconds = (t.base_s + t.per_token_s * tokens) * self.factors.trainer_scale / self.scenario.speedup_trainer
+        padded = padded_work([n for g in self.batch for n in g.rows], self.pipeline.micro_batch_tokens)
+        seconds = (t.base_s + t.per_token_s * tokens + t.per_position_s * padded.positions
+                   + t.per_score_s * padded.scores)
+        seconds *= self.factors.trainer_scale / self.scenario.speedup_trainer
         # The fit is of the logged ranks' compute: rescale from those to the scenario's, not from one.
         seconds *= self._rank_speed(t.ranks) / self._rank_speed(self.pipeline.trainer_ranks)
         self.compute.start(seconds)

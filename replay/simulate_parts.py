@@ -14,6 +14,7 @@ import msgspec
 class Group:
     samples: int  # unfinished samples
     worker: int  # index of the worker that generates it
+    rows: list[int]  # its samples' row lengths in a training batch (GroupShape.rows)
     tokens: dict[int, int] = field(default_factory=dict)  # version -> tokens sampled under it
     oldest: int = 1 << 30
 
