@@ -10,7 +10,9 @@ From the log alone (entry ids carry the Redis server's millisecond clock, so eve
 - decode speed: between two WorkerStats of a worker, Δbusy_s / Δdecode_steps is the mean decode-step
   time, Δdecode_tokens / Δdecode_steps the mean batch occupancy B and (Δforward_tokens -
   Δdecode_tokens) / Δdecode_steps the mean prefill X (prompt tokens beyond the one sampled from);
-  least squares gives step_s = base_s + per_seq_s · B + per_prefill_token_s · X;
+  each group of a synchronous round of one-turn samples is one more such row, over the batch sizes
+  its round went through (replay/decode_rounds.py); least squares gives step_s = base_s + per_seq_s
+  · B + per_prefill_token_s · X;
 - shared cores: a worker is active from a group's start to its publication (Trajectory.generate_s
   and the entry's time), the trainer computes over the span its StepCommitted timing gives. With
   CPU times in the log (StepCommitted.cpu_s, WorkerStats.cpu_s, RunStarted.cpu_count) the roles'
@@ -44,6 +46,7 @@ from reel.bus.errors import ReelError
 from reel.bus.events import MismatchSplit, RunStarted, Sample, StepCommitted, Trajectory, WorkerStats
 from reel.bus.log import LogError
 from reel.bus.run_log import RunLog
+from reel.replay.decode_rounds import round_groups
 from reel.replay.intervals import (NONE, active_intervals, clip, compute_intervals, intersection, length,
                                    split_intervals)
 from reel.replay.simulate_cores import Cores, CpuRate, fit_cores, layout_of
@@ -179,7 +182,8 @@ def extract(run_dir: Path) -> Workload:
     layout = layout_of(started, stats, splits, config.trainer.threads or 1, config.engine.threads or 1)
     cores = _fit_cores(layout, k, intervals, steps)
     return Workload(run_dir=str(run_dir), pipeline=pipeline, groups=groups,
-                    decode=_fit_decode(intervals, cores and cores.decode_slowdown(k),
+                    decode=_fit_decode(intervals + _round_rows(trajectories, computing, splitting),
+                                       cores and cores.decode_slowdown(k),
                                        cores.decode_slowdown(k, trainer=0, split=1) if cores else 0.0),
                     trainer=_fit_trainer(commits, _padded(commits, trajectories, groups, pipeline.micro_batch_tokens),
                                          steps, cores and cores.trainer_slowdown(k),
@@ -265,6 +269,18 @@ def _decode_intervals(run_dir: Path, stats: list[tuple[int, WorkerStats]], compu
         raise WorkloadError(f"the log of {run_dir} has {len(rows)} WorkerStats intervals with decode timings after "
                             "step 1; it needs at least 3 (logs written before Reel recorded "
                             "WorkerStats.decode_steps cannot calibrate a simulation: re-run the config)")
+    return rows
+
+
+def _round_rows(trajectories: list[tuple[int, Trajectory]], computing: np.ndarray,
+                splitting: np.ndarray) -> list[_Interval]:
+    """The groups of rounds that ran alone (replay/decode_rounds.py) as decode rows, with the shares of
+    their time the trainer and the mismatch role computed; no CPU seconds."""
+    rows = []
+    for g in round_groups(trajectories):
+        span, wall = np.array([[g.start_ms, g.end_ms]]), max(1.0, g.end_ms - g.start_ms)
+        rows.append(_Interval(g.steps, g.batch, g.prefill, g.step_s, wall / 1000, intersection(span, computing) / wall,
+                              intersection(span, splitting) / wall, 0.0))
     return rows
 
 
