@@ -4,7 +4,8 @@
                     token per step, a step with B of them taking step_s(B, X) / speedup_rollout,
                     X the prompt tokens of sequences joining in it (they join between steps). The async gate of producers/rollout.py decides
                     when a group may start: round r(g) = c0 + g // R may start while r(g) - c <= a,
-                    c = the newest version both committed and live in this worker's engine.
+                    c = the newest version both committed and live in this worker's engine, g counting
+                    kept groups only: one the trainer drops is replaced at once (GroupsDropped).
     episodes        a multi-turn sample (producers/episode.py) is one engine request per model turn:
                     when a turn ends, the env answers after the wall time its call took in the log
                     (Sample.env_s: a tool's wait, which holds up only that episode: producers/tool_calls.py),

@@ -176,13 +176,19 @@ def extract(run_dir: Path) -> Workload:
     stats = [(ms, e) for ms, e in stats if commits[0][0] < ms <= commits[-1][0]]
     pipeline = pipeline_of(config)
     splitting = split_intervals(splits)
-    intervals = _decode_intervals(run_dir, stats, computing, active, splitting)
+    intervals = _decode_intervals(stats, computing, active, splitting)
+    rounds = _round_rows(trajectories, computing, splitting)
+    if len(intervals) + len(rounds) < 3:
+        raise WorkloadError(f"the log of {run_dir} has {len(intervals)} WorkerStats intervals with decode timings "
+                            f"after step 1 and {len(rounds)} groups of synchronous one-turn rounds; it needs at least "
+                            "3 in all (logs written before Reel recorded WorkerStats.decode_steps cannot calibrate a "
+                            "simulation: re-run the config)")
     steps = _trainer_steps(commits, active, splitting)
     k = pipeline.rollout_workers
     layout = layout_of(started, stats, splits, config.trainer.threads or 1, config.engine.threads or 1)
     cores = _fit_cores(layout, k, intervals, steps)
     return Workload(run_dir=str(run_dir), pipeline=pipeline, groups=groups,
-                    decode=_fit_decode(intervals + _round_rows(trajectories, computing, splitting),
+                    decode=_fit_decode(intervals + rounds,
                                        cores and cores.decode_slowdown(k),
                                        cores.decode_slowdown(k, trainer=0, split=1) if cores else 0.0),
                     trainer=_fit_trainer(commits, _padded(commits, trajectories, groups, pipeline.micro_batch_tokens),
@@ -246,7 +252,7 @@ class _Interval(msgspec.Struct, array_like=True):
     cpu_s: float
 
 
-def _decode_intervals(run_dir: Path, stats: list[tuple[int, WorkerStats]], computing: np.ndarray,
+def _decode_intervals(stats: list[tuple[int, WorkerStats]], computing: np.ndarray,
                       active: dict[str, np.ndarray], splitting: np.ndarray) -> list[_Interval]:
     rows = []
     last: dict[str, tuple[int, WorkerStats]] = {}
@@ -265,10 +271,6 @@ def _decode_intervals(run_dir: Path, stats: list[tuple[int, WorkerStats]], compu
                               intersection(mine, computing) / busy if busy else 0.0,
                               intersection(mine, splitting) / busy if busy else 0.0,
                               e.cpu_s - p.cpu_s if p.cpu_s else 0.0))
-    if len(rows) < 3:
-        raise WorkloadError(f"the log of {run_dir} has {len(rows)} WorkerStats intervals with decode timings after "
-                            "step 1; it needs at least 3 (logs written before Reel recorded "
-                            "WorkerStats.decode_steps cannot calibrate a simulation: re-run the config)")
     return rows
 
 
@@ -299,12 +301,13 @@ def _trainer_steps(commits: list[tuple[int, StepCommitted]], active: dict[str, n
 
 
 def _fit_cores(layout: Cores | None, workers: int, intervals: list[_Interval], steps: list[CpuRate]) -> Cores | None:
-    """The shared-cores model, when the log has the core count and both roles' CPU times. A worker's
-    rate is over the seconds its engine decoded: waiting on a tool it is not runnable."""
+    """The shared-cores model, when the log has the core count and both roles' CPU times (one rate of
+    each fits it: the unknowns are a background per pool). A worker's rate is over the seconds its
+    engine decoded: waiting on a tool it is not runnable."""
     rollout = [CpuRate(i.cpu_s, i.step_s * i.steps, i.overlap, i.split) for i in intervals
                if i.cpu_s > 0 and i.step_s > 0]
     trainer = [s for s in steps if s.cpu_s > 0 and s.wall_s > 0]
-    if layout is None or len(rollout) < 3 or len(trainer) < 3:
+    if layout is None or not rollout or not trainer:
         return None
     return fit_cores(layout, workers, trainer, rollout)
 

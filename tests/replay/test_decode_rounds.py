@@ -7,6 +7,7 @@ are the model's constants check that the rows it gives agree with them.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,10 @@ def _group(start_ms: float, turns: list[tuple[int, ...]], seconds: float) -> tup
         samples=[sample(t) for t in turns], worker="rollout:0", generate_s=seconds)
 
 
+# Long-tail rounds: most samples short, one long, so a round runs at 9 or 12 sequences, then at 1.
+ROUNDS = [[[2, 3, 2], [3, 2, 9 + r % 4], [2, 2, 3]] + ([[3, 3, 2]] if r % 2 else []) for r in range(9)]
+
+
 def test_a_round_alone_gives_each_group_its_steps_and_mean_batch() -> None:
     rows = round_groups([_group(1000, [(2,), (5,)], 0.5), _group(1001, [(3,), (3,)], 0.3),
                          # a group that starts while the next one runs: neither round ran alone
@@ -35,8 +40,16 @@ def test_a_round_alone_gives_each_group_its_steps_and_mean_batch() -> None:
 
 
 def test_rounds_time_the_decode_steps_the_constants_give(tmp_path: Path) -> None:
-    # Long-tail rounds: most samples short, one long, so a round runs at 12 sequences, then at 1.
-    rounds = [[[2, 3, 2], [3, 2, 9 + r % 4], [2, 2, 3], [3, 3, 2]] for r in range(9)]
-    w = extract(write_run(tmp_path / "run", async_level=0, rounds=rounds))
-    assert w.decode.intervals == 9 + 9 * 4  # the WorkerStats intervals and every round's groups
+    w = extract(write_run(tmp_path / "run", async_level=0, rounds=ROUNDS))
+    assert w.decode.intervals == 9 + sum(map(len, ROUNDS))  # the WorkerStats intervals and every round's groups
+    assert (w.decode.base_s, w.decode.per_seq_s, w.decode.per_prefill_token_s) == pytest.approx((A, B, X), abs=1e-9)
+
+
+def test_rounds_alone_calibrate_a_log_without_worker_stats(tmp_path: Path) -> None:
+    # A run too short for the workers to report their engine counters (the long-tail bench's 6.5 s
+    # synchronous run had 2 intervals): its rounds give the decode steps by themselves.
+    run = write_run(tmp_path / "run", async_level=0, rounds=ROUNDS)
+    shutil.rmtree(run / "log" / "control")
+    w = extract(run)
+    assert w.decode.intervals == sum(map(len, ROUNDS))
     assert (w.decode.base_s, w.decode.per_seq_s, w.decode.per_prefill_token_s) == pytest.approx((A, B, X), abs=1e-9)
