@@ -4,7 +4,8 @@
                     token per step, a step with B of them taking step_s(B, X) / speedup_rollout,
                     X the prompt tokens of sequences joining in it (they join between steps). The async gate of producers/rollout.py decides
                     when a group may start: round r(g) = c0 + g // R may start while r(g) - c <= a,
-                    c = the newest version both committed and live in this worker's engine.
+                    c = the newest version both committed and live in this worker's engine, g counting
+                    kept groups only: one the trainer drops is replaced at once (GroupsDropped).
     episodes        a multi-turn sample (producers/episode.py) is one engine request per model turn:
                     when a turn ends, the env answers after the wall time its call took in the log
                     (Sample.env_s: a tool's wait, which holds up only that episode: producers/tool_calls.py),
@@ -18,7 +19,8 @@
                     2 x redis_s_per_event (`reel bench bus` measures that cost) before the trainer sees them.
     trainer         takes arrived groups in order, drops those with a token older than
                     max_off_policy versions (consumers/trainer.py), computes once batch_groups are
-                    in, then publishes. Compute = (base + per_token · tokens) / speedup_trainer,
+                    in, then publishes. Compute = (base + per_token · tokens + per_position · padded
+                    positions + per_score · attention scores of the batch's rows) / speedup_trainer,
                     rescaled from the logged world size to trainer_ranks, N ranks counting as N x rank_efficiency
                     times one (1 rank as 1): the FSDP trainer is
                     modelled as compute scaling with a stated efficiency, not simulated collective by
@@ -55,6 +57,7 @@ from reel.replay.simulate_parts import (Group, Paced, Sequence, SimResult, Worke
                                         mean_result)
 from reel.replay.simulate_split import passes
 from reel.replay.workload import Pipeline, Workload
+from reel.runtime.train.batch import padded_work
 
 __all__ = ["Scenario", "SimResult", "SimulationError", "simulate", "GROUP_EVENTS"]
 
@@ -174,7 +177,8 @@ class _Simulation:
     # ---- rollout --------------------------------------------------------------------------------
 
     def _may_start(self, worker: Worker) -> bool:
-        round_ = worker.started // self.round_size  # c0 = 0: every worker starts with version 0 live
+        # c0 = 0: every worker starts with version 0 live; a dropped group is replaced (producers/async_gate.py)
+        round_ = (worker.started - worker.replaced) // self.round_size
         gate = min(worker.committed, worker.version)
         return worker.in_flight < self.pipeline.concurrency and round_ - gate <= self.pipeline.async_level
 
@@ -182,7 +186,7 @@ class _Simulation:
         """Start every group the gate allows, then keep the engine going."""
         while self._may_start(worker):
             shape = self.workload.groups[int(self.rng.integers(len(self.workload.groups)))]
-            group = Group(len(shape.samples))
+            group = Group(len(shape.samples), worker.index, shape.rows())
             waits = shape.env_s or [[] for _ in shape.samples]  # a log from before env_s: no tool waits
             worker.waiting.extend(Sequence(group, turns, shape.prompt, wait) for turns, wait in zip(shape.samples, waits))
             worker.started += 1
@@ -268,6 +272,8 @@ class _Simulation:
             group = self.queue.popleft()
             if self.version - group.oldest > self.pipeline.max_off_policy:
                 self.dropped += 1
+                self.workers[group.worker].replaced += 1  # the trainer announces it at once (GroupsDropped)
+                self._fill(self.workers[group.worker])
             else:
                 self.batch.append(group)
         if len(self.batch) < self.pipeline.batch_groups:
@@ -276,7 +282,10 @@ class _Simulation:
         self.commits.append((0.0, self.now - self.step_started))  # the commit time is set by _commit
         t = self.workload.trainer
         tokens = sum(sum(g.tokens.values()) for g in self.batch)
-        seconds = (t.base_s + t.per_token_s * tokens) * self.factors.trainer_scale / self.scenario.speedup_trainer
+        padded = padded_work([n for g in self.batch for n in g.rows], self.pipeline.micro_batch_tokens)
+        seconds = (t.base_s + t.per_token_s * tokens + t.per_position_s * padded.positions
+                   + t.per_score_s * padded.scores)
+        seconds *= self.factors.trainer_scale / self.scenario.speedup_trainer
         # The fit is of the logged ranks' compute: rescale from those to the scenario's, not from one.
         seconds *= self._rank_speed(t.ranks) / self._rank_speed(self.pipeline.trainer_ranks)
         self.compute.start(seconds)

@@ -13,6 +13,8 @@ import msgspec
 @dataclass
 class Group:
     samples: int  # unfinished samples
+    worker: int  # index of the worker that generates it
+    rows: list[int]  # its samples' row lengths in a training batch (GroupShape.rows)
     tokens: dict[int, int] = field(default_factory=dict)  # version -> tokens sampled under it
     oldest: int = 1 << 30
 
@@ -87,6 +89,7 @@ class Worker:
     waiting: collections.deque[Sequence] = field(default_factory=collections.deque)
     in_flight: int = 0
     started: int = 0
+    replaced: int = 0  # of the groups started, those the trainer dropped: the gate starts one more for each
     version: int = 0  # live in the engine
     committed: int = 0  # newest commit seen
     busy: bool = False  # a decode step or a swap is under way

@@ -102,7 +102,8 @@ def view(workload: Workload, rows: list[Row]) -> Group:
     calibration = (f"calibrated on {workload.run_dir}: decode step {1e3 * d.base_s:.2f} ms + "
                    f"{1e3 * d.per_seq_s:.3f} ms x sequences + {1e6 * d.per_prefill_token_s:.1f} µs x prefill "
                    f"tokens ({d.intervals} intervals); trainer compute "
-                   f"{1e3 * t.base_s:.0f} ms + {1e6 * t.per_token_s:.1f} µs x tokens, publish "
+                   f"{1e3 * t.base_s:.0f} ms + {1e6 * t.per_token_s:.1f} µs x tokens + {1e6 * t.per_position_s:.1f} µs x "
+                   f"padded positions + {1e9 * t.per_score_s:.1f} ns x attention scores, publish "
                    f"{1e3 * t.publish_s:.0f} ms; swap {1e3 * workload.swap_s:.0f} ms{shared}; "
                    f"{len(workload.groups)} logged groups{_episodes(workload)}{_ranks(rows)}")
     notes = "".join(f"\nnote: {c}" for c in (caveats(workload, rows[0].scenario) if rows else []))

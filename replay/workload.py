@@ -10,7 +10,9 @@ From the log alone (entry ids carry the Redis server's millisecond clock, so eve
 - decode speed: between two WorkerStats of a worker, Δbusy_s / Δdecode_steps is the mean decode-step
   time, Δdecode_tokens / Δdecode_steps the mean batch occupancy B and (Δforward_tokens -
   Δdecode_tokens) / Δdecode_steps the mean prefill X (prompt tokens beyond the one sampled from);
-  least squares gives step_s = base_s + per_seq_s · B + per_prefill_token_s · X;
+  each group of a synchronous round of one-turn samples is one more such row, over the batch sizes
+  its round went through (replay/decode_rounds.py); least squares gives step_s = base_s + per_seq_s
+  · B + per_prefill_token_s · X;
 - shared cores: a worker is active from a group's start to its publication (Trajectory.generate_s
   and the entry's time), the trainer computes over the span its StepCommitted timing gives. With
   CPU times in the log (StepCommitted.cpu_s, WorkerStats.cpu_s, RunStarted.cpu_count) the roles'
@@ -18,8 +20,12 @@ From the log alone (entry ids carry the Redis server's millisecond clock, so eve
   gives the slowdown of either while both run, even from a synchronous log that never overlapped.
   Without them, the share of each interval where both ran gives the slowdowns, fitted with the
   speeds above: 0 when they never overlapped, a log that cannot tell (`Workload.cores` is None);
-- trainer speed: compute_s = base_s + per_token_s · tokens over the StepCommitted timings of steps
-  2..N; publish_s is the mean publish time;
+- trainer speed: compute_s = base_s + per_position_s · positions + per_score_s · scores over the
+  StepCommitted timings of steps 2..N: the forward and backward passes run over the batch's rows (its
+  groups' prompts and completions) in micro-batches each padded to its longest row
+  (runtime/train/batch.py), so over that many positions, and attention over rows times length²
+  scores. A log whose commits do not name groups it holds gives base_s + per_token_s · tokens
+  instead. publish_s is the mean publish time;
 - weight swaps: the mean of WorkerStats.swap_s;
 - the figures the run measured, defined as `reel bench async` defines them: wall time of steps
   2..N (step 1 also waits for the processes to start), trainer idle = wait / wall, rollout idle =
@@ -40,6 +46,7 @@ from reel.bus.errors import ReelError
 from reel.bus.events import MismatchSplit, RunStarted, Sample, StepCommitted, Trajectory, WorkerStats
 from reel.bus.log import LogError
 from reel.bus.run_log import RunLog
+from reel.replay.decode_rounds import round_groups
 from reel.replay.intervals import (NONE, active_intervals, clip, compute_intervals, intersection, length,
                                    split_intervals)
 from reel.replay.simulate_cores import Cores, CpuRate, fit_cores, layout_of
@@ -47,6 +54,7 @@ from reel.replay.simulate_split import SplitModel, fit_split, stretch
 from reel.runtime.config.sections import Config
 from reel.runtime.config.keys import ConfigError
 from reel.runtime.config.run import load
+from reel.runtime.train.batch import padded_work
 
 __all__ = ["WorkloadError", "Pipeline", "GroupShape", "StepModel", "TrainerModel", "Measured", "Workload", "extract",
            "pipeline_of", "measured_of"]
@@ -73,6 +81,7 @@ class Pipeline(msgspec.Struct, kw_only=True):
     max_off_policy: int
     steps: int
     trainer_ranks: int = 1
+    micro_batch_tokens: int = 0  # trainer.micro_batch_tokens: how a batch's rows are padded
 
 
 class GroupShape(msgspec.Struct, array_like=True):
@@ -80,6 +89,10 @@ class GroupShape(msgspec.Struct, array_like=True):
     # Per sample, token counts of its turns: model, env, model, ..., model ([C] for one turn).
     samples: list[list[int]]
     env_s: list[list[float]] = []  # per sample, seconds of each env answer (Sample.env_s); [] = not logged
+
+    def rows(self) -> list[int]:
+        """Per sample, the length of its row in a training batch: prompt + completion - 1."""
+        return [self.prompt + sum(turns) - 1 for turns in self.samples]
 
 
 class StepModel(msgspec.Struct, kw_only=True):
@@ -94,10 +107,15 @@ class StepModel(msgspec.Struct, kw_only=True):
 
 
 class TrainerModel(msgspec.Struct, kw_only=True):
-    """Seconds of one trainer step's compute: (base_s + per_token_s · tokens) · (1 + shared)."""
+    """Seconds of one trainer step's compute: (base_s + per_token_s · tokens + per_position_s · positions +
+    per_score_s · scores) · (1 + shared), positions and attention scores padded (runtime/train/batch.py
+    `padded_work`)."""
 
     base_s: float
-    per_token_s: float
+    per_token_s: float  # 0 where the padded rows are known: they are the work
+    # 0 where the log's commits do not name groups its trajectories hold: then tokens stand for the work.
+    per_position_s: float = 0.0
+    per_score_s: float = 0.0
     shared_slowdown: float  # extra share while a rollout worker decodes on the same machine
     publish_s: float  # writing the weights and committing, per step
     ranks: int = 1  # trainer ranks of the logged steps (StepCommitted.world_size): the fit is of that many
@@ -158,15 +176,23 @@ def extract(run_dir: Path) -> Workload:
     stats = [(ms, e) for ms, e in stats if commits[0][0] < ms <= commits[-1][0]]
     pipeline = pipeline_of(config)
     splitting = split_intervals(splits)
-    intervals = _decode_intervals(run_dir, stats, computing, active, splitting)
+    intervals = _decode_intervals(stats, computing, active, splitting)
+    rounds = _round_rows(trajectories, computing, splitting)
+    if len(intervals) + len(rounds) < 3:
+        raise WorkloadError(f"the log of {run_dir} has {len(intervals)} WorkerStats intervals with decode timings "
+                            f"after step 1 and {len(rounds)} groups of synchronous one-turn rounds; it needs at least "
+                            "3 in all (logs written before Reel recorded WorkerStats.decode_steps cannot calibrate a "
+                            "simulation: re-run the config)")
     steps = _trainer_steps(commits, active, splitting)
     k = pipeline.rollout_workers
     layout = layout_of(started, stats, splits, config.trainer.threads or 1, config.engine.threads or 1)
     cores = _fit_cores(layout, k, intervals, steps)
     return Workload(run_dir=str(run_dir), pipeline=pipeline, groups=groups,
-                    decode=_fit_decode(intervals, cores and cores.decode_slowdown(k),
+                    decode=_fit_decode(intervals + rounds,
+                                       cores and cores.decode_slowdown(k),
                                        cores.decode_slowdown(k, trainer=0, split=1) if cores else 0.0),
-                    trainer=_fit_trainer(commits, steps, cores and cores.trainer_slowdown(k),
+                    trainer=_fit_trainer(commits, _padded(commits, trajectories, groups, pipeline.micro_batch_tokens),
+                                         steps, cores and cores.trainer_slowdown(k),
                                          cores.trainer_slowdown(0, split=1) if cores else 0.0),
                     swap_s=_mean([s for _, e in stats for s in e.swap_s]), measured=measured_of(commits, stats),
                     cores=cores, split=fit_split(commits, splits, config.mismatch.every,
@@ -178,7 +204,8 @@ def pipeline_of(config: Config) -> Pipeline:
     r, t = config.rollout, config.trainer
     return Pipeline(rollout_workers=r.workers, concurrency=r.concurrency, group_size=r.group_size,
                     max_batch=config.engine.max_batch, async_level=r.async_level, batch_groups=t.batch_groups,
-                    max_off_policy=t.max_off_policy_steps, steps=config.run.steps, trainer_ranks=t.ranks)
+                    max_off_policy=t.max_off_policy_steps, steps=config.run.steps, trainer_ranks=t.ranks,
+                    micro_batch_tokens=t.micro_batch_tokens)
 
 
 def measured_of(commits: list[tuple[int, StepCommitted]], stats: list[tuple[int, WorkerStats]]) -> Measured:
@@ -225,7 +252,7 @@ class _Interval(msgspec.Struct, array_like=True):
     cpu_s: float
 
 
-def _decode_intervals(run_dir: Path, stats: list[tuple[int, WorkerStats]], computing: np.ndarray,
+def _decode_intervals(stats: list[tuple[int, WorkerStats]], computing: np.ndarray,
                       active: dict[str, np.ndarray], splitting: np.ndarray) -> list[_Interval]:
     rows = []
     last: dict[str, tuple[int, WorkerStats]] = {}
@@ -244,10 +271,18 @@ def _decode_intervals(run_dir: Path, stats: list[tuple[int, WorkerStats]], compu
                               intersection(mine, computing) / busy if busy else 0.0,
                               intersection(mine, splitting) / busy if busy else 0.0,
                               e.cpu_s - p.cpu_s if p.cpu_s else 0.0))
-    if len(rows) < 3:
-        raise WorkloadError(f"the log of {run_dir} has {len(rows)} WorkerStats intervals with decode timings after "
-                            "step 1; it needs at least 3 (logs written before Reel recorded "
-                            "WorkerStats.decode_steps cannot calibrate a simulation: re-run the config)")
+    return rows
+
+
+def _round_rows(trajectories: list[tuple[int, Trajectory]], computing: np.ndarray,
+                splitting: np.ndarray) -> list[_Interval]:
+    """The groups of rounds that ran alone (replay/decode_rounds.py) as decode rows, with the shares of
+    their time the trainer and the mismatch role computed; no CPU seconds."""
+    rows = []
+    for g in round_groups(trajectories):
+        span, wall = np.array([[g.start_ms, g.end_ms]]), max(1.0, g.end_ms - g.start_ms)
+        rows.append(_Interval(g.steps, g.batch, g.prefill, g.step_s, wall / 1000, intersection(span, computing) / wall,
+                              intersection(span, splitting) / wall, 0.0))
     return rows
 
 
@@ -266,12 +301,13 @@ def _trainer_steps(commits: list[tuple[int, StepCommitted]], active: dict[str, n
 
 
 def _fit_cores(layout: Cores | None, workers: int, intervals: list[_Interval], steps: list[CpuRate]) -> Cores | None:
-    """The shared-cores model, when the log has the core count and both roles' CPU times. A worker's
-    rate is over the seconds its engine decoded: waiting on a tool it is not runnable."""
+    """The shared-cores model, when the log has the core count and both roles' CPU times (one rate of
+    each fits it: the unknowns are a background per pool). A worker's rate is over the seconds its
+    engine decoded: waiting on a tool it is not runnable."""
     rollout = [CpuRate(i.cpu_s, i.step_s * i.steps, i.overlap, i.split) for i in intervals
                if i.cpu_s > 0 and i.step_s > 0]
     trainer = [s for s in steps if s.cpu_s > 0 and s.wall_s > 0]
-    if layout is None or len(rollout) < 3 or len(trainer) < 3:
+    if layout is None or not rollout or not trainer:
         return None
     return fit_cores(layout, workers, trainer, rollout)
 
@@ -286,17 +322,32 @@ def _fit_decode(rows: list[_Interval], slowdown: float | None, split_slowdown: f
                      intervals=len(rows))
 
 
-def _fit_trainer(commits: list[tuple[int, StepCommitted]], steps: list[CpuRate],
+def _padded(commits: list[tuple[int, StepCommitted]], trajectories: list[tuple[int, Trajectory]],
+            groups: list[GroupShape], micro_batch_tokens: int) -> np.ndarray:
+    """Padded positions and attention scores of steps 2..N's batches, [steps, 2] (`groups` the shapes
+    of `trajectories`); zeros when a step names no groups or one the log does not hold."""
+    rows = {e.group_id: shape.rows() for (_, e), shape in zip(trajectories, groups, strict=True)}
+    if any(g not in rows for _, e in commits[1:] for g in e.groups) or not all(e.groups for _, e in commits[1:]):
+        return np.zeros((len(commits) - 1, 2))
+    return np.array([padded_work([n for g in e.groups for n in rows[g]], micro_batch_tokens)
+                     for _, e in commits[1:]], dtype=float)
+
+
+def _fit_trainer(commits: list[tuple[int, StepCommitted]], padded: np.ndarray, steps: list[CpuRate],
                  slowdown: float | None, split_slowdown: float) -> TrainerModel:
-    """Least squares of compute seconds on batch tokens; steps 2..N (step 1 pays one-off warm-ups)."""
+    """Least squares of compute seconds on the padded positions and attention scores of the batch's rows,
+    else (a log whose commits do not name its groups) on batch tokens; steps 2..N (step 1 pays one-off
+    warm-ups)."""
     tokens = np.array([e.metrics.get("tokens", 0.0) for _, e in commits[1:]], dtype=float)
     seconds = np.array([s.wall_s for s in steps], dtype=float)
     shared = np.array([s.overlap for s in steps], dtype=float)
-    (base, per_token), k = _fit_with_slowdown(np.ones_like(tokens), np.stack([np.ones_like(tokens), tokens], axis=1),
-                                              seconds, shared, slowdown,
-                                              split_slowdown * np.array([s.split for s in steps], dtype=float))
-    return TrainerModel(base_s=base, per_token_s=per_token, shared_slowdown=k,
-                        publish_s=_mean([e.timing.publish for _, e in commits[1:]]),
+    if padded.any():  # the padded rows are the passes' work: tokens stand in only where the log cannot give them
+        tokens = np.zeros_like(tokens)
+    (base, per_token, per_position, per_score), k = _fit_with_slowdown(
+        np.ones_like(tokens), np.column_stack([np.ones_like(tokens), tokens, padded]), seconds, shared, slowdown,
+        split_slowdown * np.array([s.split for s in steps], dtype=float))
+    return TrainerModel(base_s=base, per_token_s=per_token, per_position_s=per_position, per_score_s=per_score,
+                        shared_slowdown=k, publish_s=_mean([e.timing.publish for _, e in commits[1:]]),
                         ranks=max(e.world_size for _, e in commits[1:]))
 
 

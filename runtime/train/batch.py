@@ -157,27 +157,44 @@ class MicroBatch(NamedTuple):
 
 
 def micro_batches(batch: Batch, max_tokens: int) -> list[MicroBatch]:
-    """Rows grouped by length into micro-batches of at most max_tokens padded positions.
+    """Rows grouped by length into micro-batches of at most max_tokens padded positions (`length_groups`)."""
+    lengths = batch.attention_mask_BT.sum(dim=1).tolist()
+    if max_tokens <= 0:
+        return [MicroBatch(torch.arange(len(lengths)), int(batch.attention_mask_BT.shape[1]))]
+    return [MicroBatch(torch.tensor(rows), int(lengths[rows[-1]])) for rows in length_groups(lengths, max_tokens)]
+
+
+def length_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Row indices of each micro-batch of rows of these lengths, at most max_tokens padded positions each.
 
     0 = one micro-batch with every row in order. Otherwise rows are ordered by length (stable),
     so a long-tail batch does not pad every short row to its longest sample; each micro-batch is
-    trimmed to its own longest row. The grouping depends only on the batch: replay gets the same.
+    trimmed to its own longest row, its last. The grouping depends only on the batch: replay gets the same.
     """
-    lengths_B = batch.attention_mask_BT.sum(dim=1)
-    B = int(lengths_B.shape[0])
     if max_tokens <= 0:
-        return [MicroBatch(torch.arange(B), int(batch.attention_mask_BT.shape[1]))]
-    order = torch.argsort(lengths_B, stable=True).tolist()
-    out: list[MicroBatch] = []
+        return [list(range(len(lengths)))]
+    out: list[list[int]] = []
     current: list[int] = []
-    for b in order:
-        longest = int(lengths_B[b])  # ascending order: the newest row is the longest
-        if current and longest * (len(current) + 1) > max_tokens:
-            out.append(MicroBatch(torch.tensor(current), int(lengths_B[current[-1]])))
+    for b in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if current and lengths[b] * (len(current) + 1) > max_tokens:  # ascending: the newest row is the longest
+            out.append(current)
             current = []
         current.append(b)
-    out.append(MicroBatch(torch.tensor(current), int(lengths_B[current[-1]])))
+    out.append(current)
     return out
+
+
+class PaddedWork(NamedTuple):
+    """What a step's forward and backward passes compute over, padding included."""
+
+    positions: int  # each micro-batch's rows times its longest row
+    scores: int  # attention scores: each micro-batch's rows times its longest row squared
+
+
+def padded_work(lengths: list[int], max_tokens: int) -> PaddedWork:
+    """The padded positions and attention scores of rows of these lengths in micro-batches of max_tokens."""
+    parts = [(len(rows), max(lengths[b] for b in rows)) for rows in length_groups(lengths, max_tokens)]
+    return PaddedWork(sum(n * t for n, t in parts), sum(n * t * t for n, t in parts))
 
 
 def take(batch: Batch, mb: MicroBatch) -> Batch:

@@ -13,7 +13,6 @@ import shutil
 from pathlib import Path
 
 import msgspec
-import numpy as np
 import pytest
 
 from reel.replay.simulate import Scenario, SimulationError, simulate
@@ -190,6 +189,41 @@ def test_tight_off_policy_limit_drops_groups(tmp_path: Path) -> None:
     r = simulate(w, Scenario(pipeline=pipeline, speedup_rollout=4.0))
     assert 0.0 < r.dropped_share < 1.0
     assert set(r.staleness) == {0}
+
+
+def test_a_dropped_group_is_replaced_as_the_async_gate_does(tmp_path: Path) -> None:
+    # Every group of the round sampled ahead finishes a version late and is dropped (max_off_policy 0).
+    # The gate (producers/async_gate.py) starts a replacement for each: counted, the drops would
+    # use up the rounds the gate allows and the worker would stop for good.
+    w = extract(write_run(tmp_path / "run", async_level=1, steps=20))
+    pipeline = msgspec.structs.replace(w.pipeline, max_off_policy=0, concurrency=2 * G)
+    r = simulate(w, Scenario(pipeline=pipeline))
+    assert r.dropped_share > 0.2
+    assert r.staleness == {0: 20 * G * N * L}  # every step trained a full batch of fresh groups
+
+
+def test_calibration_fits_the_trainers_padded_positions_and_attention_scores(tmp_path: Path) -> None:
+    w = extract(write_run(tmp_path / "run", async_level=0, padded=(1e-3, 2e-5)))
+    t = w.trainer
+    assert (t.base_s, t.per_token_s, t.per_position_s, t.per_score_s) == pytest.approx((C0, 0.0, 1e-3, 2e-5), abs=1e-9)
+    assert [g.rows() for g in w.groups[:3]] == [[P + L - 1] * N, [P + L] * N, [P + L + 1] * N]
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [0, G * (N - 1) * (P + L - 1)])
+def test_trainer_compute_follows_the_padded_rows_of_its_micro_batches(tmp_path: Path,
+                                                                            micro_batch_tokens: int) -> None:
+    w = extract(write_run(tmp_path / "run", async_level=0, steps=10))
+    w = msgspec.structs.replace(w, groups=[GroupShape(P, [[L]] * (N - 1) + [[3 * L]])],  # one long row a group
+                                trainer=msgspec.structs.replace(w.trainer, base_s=0.0, per_token_s=0.0,
+                                                                per_position_s=1e-3, per_score_s=2e-5))
+    pipeline = msgspec.structs.replace(w.pipeline, micro_batch_tokens=micro_batch_tokens)
+    r = simulate(w, Scenario(pipeline=pipeline))
+    long_row, short_row = P + 3 * L - 1, P + L - 1
+    # One micro-batch pads every row to the long one; rows by length in two, the short rows pad to their own.
+    parts = [(G * N, long_row)] if not micro_batch_tokens else [(G * (N - 1), short_row), (G, long_row)]
+    train = sum(1e-3 * n * t + 2e-5 * n * t * t for n, t in parts)
+    rollout = L * (A + B * G * N) + 2 * L * (A + B * G) + X * G * N * (P - 1)
+    assert r.wall_s == pytest.approx(9 * (SWAP + rollout + train + PUBLISH), rel=1e-9)
 
 
 def test_a_gate_that_cannot_fill_a_batch_is_an_error(tmp_path: Path) -> None:

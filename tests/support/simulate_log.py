@@ -38,14 +38,19 @@ def sample(turns: tuple[int, ...], env_s: tuple[float, ...] = ()) -> Sample:
 
 def write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: float = 0.0,
               episodes: list[tuple[int, ...]] | None = None, world_size: int = 1, cores: Cores | None = None,
-              env_s: tuple[float, ...] = (), split: tuple[float, float] | None = None, nice: int = 0) -> Path:
+              env_s: tuple[float, ...] = (), split: tuple[float, float] | None = None, nice: int = 0,
+              padded: tuple[float, float] | None = None, rounds: list[list[list[int]]] | None = None) -> Path:
     """A run directory whose log holds exactly the constants above (and `slowdown` while overlapping);
     every group's samples have the turns of `episodes` (default: N one-turn samples of L tokens).
     With `cores`, the log has CPU times and the times are those that processor sharing gives; pinned
     apart, the trainer logs core 0 as its affinity and the worker the others. With `split` = (base
     seconds, seconds of a scoring pass per token), the trainer's π_old scoring takes a pass and the
     mismatch role splits each step after its commit, one pass more for each older version
-    (every even step has one), at CPU priority `nice`."""
+    (every even step has one), at CPU priority `nice`. With `padded` = (seconds per padded position,
+    per attention score), group j's samples have L + j % 3 tokens, each commit names its batch's groups
+    (`batch_of`) and the trainer's compute costs that much for their rows instead of C1 per token.
+    With `rounds` (per round, per group, its samples' lengths), the trajectories are those rounds, run
+    alone one after the other, each group taking what the decode constants give (`round_seconds`)."""
     raw = {"run": {"name": "synthetic", "steps": steps},
            "rollout": {"workers": 1, "concurrency": G, "group_size": N, "async_level": async_level, "max_tokens": L},
            "trainer": {"batch_groups": G, "max_off_policy_steps": 8, "ranks": world_size}, "engine": {"max_batch": 64}}
@@ -65,20 +70,28 @@ def write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: flo
                 **meta, seq=0, config_toml="", seed=0, code_version="", model_config={},
                 cpu_count=len(trainer_cpus) or cores.cores, cpus=trainer_cpus)))])
         samples = [sample(turns, env_s) for turns in episodes or [(L,)] * N]
-        # The worker always has a group in flight: one published every 100 ms, started 100 ms before.
+        lengths = [[sample((L + i % 3,))] * N if padded else samples for i in range(90)]
+        # The worker always has a group in flight: one published every 100 ms, started 150 ms before (no
+        # round runs alone: replay/decode_rounds.py finds none).
+        published = [(1100 + 100 * i, lengths[i], 0.15) for i in range(90)]
+        if rounds:  # one round a second from 1 s on
+            published = [(1000 * (r + 1) + round(1000 * seconds), [sample((n,)) for n in group], seconds)
+                         for r, round_ in enumerate(rounds) for group, seconds in zip(round_, round_seconds(round_))]
         log.stream("trajectories").append_batch([
-            (f"{1100 + 100 * i}-0", encode(Trajectory(
+            (f"{ms}-{i}", encode(Trajectory(
                 **meta, seq=i, group_id=f"g{i}", env="reverse_text", prompt=Tensor.from_numpy(np.zeros(P, np.int32)),
-                samples=samples, worker="rollout:0", generate_s=0.1))) for i in range(90)])
+                samples=group, worker="rollout:0", generate_s=seconds)))
+            for i, (ms, group, seconds) in enumerate(sorted(published, key=lambda p: p[0]))])
         # Steps of varying size, 1 s apart, computing in the first half of each second.
         commits, splits, now_ms = [], [], 1000
         for step in range(1, 9):
             tokens = 20 * step
-            alone = C0 + C1 * tokens
+            named = [f"g{j}" for j in batch_of(step)] if padded else []
+            alone = compute_alone(step, padded)
             compute = alone * (1 + (cores.trainer_slowdown(1) if cores else 0.0))
             now_ms += 1000
             commits.append((f"{now_ms}-0", encode(StepCommitted(
-                **meta, seq=step, step=step, version=step, groups=[], dropped=[], loss=0.0, grad_norm=0.0,
+                **meta, seq=step, step=step, version=step, groups=named, dropped=[], loss=0.0, grad_norm=0.0,
                 weights_sha256="", timing=StepTiming(wait=1.0 - compute - PUBLISH, compute=compute, publish=PUBLISH,
                                                      score_old=split[1] * tokens if split else 0.0),
                 metrics={"tokens": float(tokens)}, world_size=world_size, cpu_s=compute * trainer_share))))
@@ -94,7 +107,7 @@ def write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: flo
             ms = 1500 + 700 * i
             if i:
                 batch = 4 + 3 * (i % 5)
-                share = overlap_share(ms - 700, ms, cores)
+                share = overlap_share(ms - 700, ms, cores, padded)
                 count, prefill = 10 + i, 5 * (i % 3)
                 steps_done += count
                 tokens_done += count * batch
@@ -112,11 +125,35 @@ def write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: flo
     return run_dir
 
 
-def overlap_share(start_ms: float, end_ms: float, cores: Cores | None = None) -> float:
+def round_seconds(round_: list[list[int]]) -> list[float]:
+    """Seconds each group of a round alone takes: a decode step at each of its longest sample's tokens,
+    over the round's samples still running, the round's prompts prefilled in its first step."""
+    lengths = [n for group in round_ for n in group]
+    prefill = X * (P - 1) * len(lengths)
+    return [prefill + sum(A + B * sum(1 for n in lengths if n > k) for k in range(max(group))) for group in round_]
+
+
+def batch_of(step: int) -> range:
+    """The groups a step with `padded` costs trains: 1 to 3, their rows P + L + j % 3 - 1 long."""
+    return range(3 * step, 3 * step + 1 + step % 3)
+
+
+def compute_alone(step: int, padded: tuple[float, float] | None = None) -> float:
+    """The synthetic trainer's compute seconds of `step` alone: C0 + C1 per token of its 20 · step, or
+    with `padded` C0 + the costs of its batch's padded positions and attention scores (one micro-batch:
+    every row as long as the longest)."""
+    if not padded:
+        return C0 + C1 * 20 * step
+    rows, longest = N * len(batch_of(step)), P + L + max(j % 3 for j in batch_of(step)) - 1
+    return C0 + padded[0] * rows * longest + padded[1] * rows * longest ** 2
+
+
+def overlap_share(start_ms: float, end_ms: float, cores: Cores | None = None,
+                  padded: tuple[float, float] | None = None) -> float:
     """Share of [start, end] inside the synthetic trainer's compute intervals."""
     covered = 0.0
     for step in range(1, 9):
         end = 2000 + 1000 * (step - 1) - 1000 * PUBLISH
-        begin = end - 1000 * (C0 + C1 * 20 * step) * (1 + (cores.trainer_slowdown(1) if cores else 0.0))
+        begin = end - 1000 * compute_alone(step, padded) * (1 + (cores.trainer_slowdown(1) if cores else 0.0))
         covered += max(0.0, min(end, end_ms) - max(begin, start_ms))
     return covered / (end_ms - start_ms)
