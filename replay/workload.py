@@ -35,7 +35,6 @@ From the log alone (entry ids carry the Redis server's millisecond clock, so eve
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import TypeVar
 
@@ -49,6 +48,7 @@ from reel.bus.run_log import RunLog
 from reel.replay.decode_rounds import round_groups
 from reel.replay.intervals import (NONE, active_intervals, clip, compute_intervals, intersection, length,
                                    split_intervals)
+from reel.replay.least_squares import fit_with_slowdown
 from reel.replay.simulate_cores import Cores, CpuRate, fit_cores, layout_of
 from reel.replay.simulate_split import SplitModel, fit_split, stretch
 from reel.runtime.config.sections import Config
@@ -62,7 +62,6 @@ __all__ = ["WorkloadError", "Pipeline", "GroupShape", "StepModel", "TrainerModel
 T = TypeVar("T")
 
 # Slowdown factors are fitted on this grid (0 = none, 3 = four times slower while shared).
-_SLOWDOWN_GRID = np.linspace(0.0, 3.0, 301)
 
 
 class WorkloadError(ReelError):
@@ -316,7 +315,7 @@ def _fit_decode(rows: list[_Interval], slowdown: float | None, split_slowdown: f
     """Least squares of the mean step time on mean batch and prefill over WorkerStats intervals."""
     w, b, x, s, o, m = (np.array([getattr(r, f) for r in rows], dtype=float)
                         for f in ("steps", "batch", "prefill", "step_s", "overlap", "split"))
-    (base, per_seq, per_prefill), shared = _fit_with_slowdown(w, np.stack([np.ones_like(b), b, x], axis=1), s, o,
+    (base, per_seq, per_prefill), shared = fit_with_slowdown(w, np.stack([np.ones_like(b), b, x], axis=1), s, o,
                                                               slowdown, split_slowdown * m)
     return StepModel(base_s=base, per_seq_s=per_seq, per_prefill_token_s=per_prefill, shared_slowdown=shared,
                      intervals=len(rows))
@@ -343,45 +342,12 @@ def _fit_trainer(commits: list[tuple[int, StepCommitted]], padded: np.ndarray, s
     shared = np.array([s.overlap for s in steps], dtype=float)
     if padded.any():  # the padded rows are the passes' work: tokens stand in only where the log cannot give them
         tokens = np.zeros_like(tokens)
-    (base, per_token, per_position, per_score), k = _fit_with_slowdown(
+    (base, per_token, per_position, per_score), k = fit_with_slowdown(
         np.ones_like(tokens), np.column_stack([np.ones_like(tokens), tokens, padded]), seconds, shared, slowdown,
         split_slowdown * np.array([s.split for s in steps], dtype=float))
     return TrainerModel(base_s=base, per_token_s=per_token, per_position_s=per_position, per_score_s=per_score,
                         shared_slowdown=k, publish_s=_mean([e.timing.publish for _, e in commits[1:]]),
                         ranks=max(e.world_size for _, e in commits[1:]))
-
-
-def _fit_with_slowdown(weight: np.ndarray, x: np.ndarray, y: np.ndarray, shared: np.ndarray,
-                       slowdown: float | None, extra: np.ndarray) -> tuple[list[float], float]:
-    """y ≈ (x · coef)(1 + k · shared + extra), coef >= 0: weighted least squares at k = `slowdown` (the
-    shared-cores model's), else at each k of a grid, best k; `extra` is what the mismatch role's
-    computing beside each row cost it (the shared-cores model's, 0 without one).
-
-    When `shared` does not vary (a synchronous run never overlaps) every k of the grid fits alike
-    and the smallest, 0, is kept: without CPU times such a log cannot tell what sharing costs."""
-    best: tuple[float, list[float], float] = (math.inf, [0.0] * x.shape[1], 0.0)
-    for k in _SLOWDOWN_GRID if slowdown is None else [slowdown]:
-        factor = 1.0 + k * shared + extra
-        coef = _non_negative_lstsq(x * factor[:, None], y, weight)
-        residual = float(np.sum(weight * (y - (x @ coef) * factor) ** 2))
-        if residual < best[0] * (1 - 1e-12) - 1e-15:
-            best = (residual, [float(c) for c in coef], float(k))
-    return best[1], best[2]
-
-
-def _non_negative_lstsq(x: np.ndarray, y: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """Weighted least squares; a column whose coefficient comes out negative (noise, or a feature
-    that does not vary) is left out and the rest refitted: times are sums of non-negative costs."""
-    keep = [j for j in range(x.shape[1]) if np.any(x[:, j])]
-    root = np.sqrt(weight)[:, None]
-    while True:
-        coef = np.zeros(x.shape[1])
-        if keep:
-            coef[keep] = np.linalg.lstsq(x[:, keep] * root, y * root[:, 0], rcond=None)[0]
-        negative = [j for j in keep if coef[j] < 0]
-        if not negative:
-            return coef
-        keep.remove(min(negative, key=lambda j: coef[j]))
 
 
 # ---- small helpers ------------------------------------------------------------------------------
