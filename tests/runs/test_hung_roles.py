@@ -29,6 +29,14 @@ def _launch(config: Path, run_dir: Path, *extra: str) -> subprocess.Popen[str]:
                              "--no-live", *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _resume_completes(config: Path, run_dir: Path) -> None:
+    """`reel run --resume` finishes the run, and its log verifies."""
+    resumed = _launch(config, run_dir, "--resume")
+    out = resumed.communicate(timeout=TIMEOUT_S)[0]
+    assert resumed.returncode == 0, out
+    assert main(["log", "verify", "--run", str(run_dir)]) == 0
+
+
 def _until_progress(run: subprocess.Popen[str], run_dir: Path, role: str, count: int) -> None:
     deadline = time.monotonic() + TIMEOUT_S
     while (beat := read_beats(run_dir / "roles").get(role)) is None or beat.progress_count < count:
@@ -66,10 +74,7 @@ def test_a_frozen_trainer_stops_the_run_with_the_resume_command_and_the_resume_r
     assert f"`reel run {config} --resume --out {run_dir}` continues this run" in out
     # Named within its bound, stopped within HUNG_FACTOR bounds (and the supervisor's stop), not waited on.
     assert time.monotonic() - frozen < 5 * liveness.HUNG_FACTOR + 40, out
-    resumed = _launch(config, run_dir, "--resume")
-    out = resumed.communicate(timeout=TIMEOUT_S)[0]
-    assert resumed.returncode == 0, out
-    assert main(["log", "verify", "--run", str(run_dir)]) == 0
+    _resume_completes(config, run_dir)
     capsys.readouterr()
     assert main(["replay", "step", "30", "--run", str(run_dir), "--json"]) == 0  # a step of the resume
     assert json.loads(capsys.readouterr().out)["bitwise"] is True
@@ -87,7 +92,4 @@ def test_a_killed_redis_stops_the_run_at_once_and_the_resume_completes(tmp_path:
     assert run.returncode == 1 and time.monotonic() - killed < 40, out
     assert "reel: the run's Redis refuses connections: it has exited" in out
     assert f"`reel run {config} --resume --out {run_dir}` restarts Redis" in out
-    resumed = _launch(config, run_dir, "--resume")
-    out = resumed.communicate(timeout=TIMEOUT_S)[0]
-    assert resumed.returncode == 0, out
-    assert main(["log", "verify", "--run", str(run_dir)]) == 0
+    _resume_completes(config, run_dir)
