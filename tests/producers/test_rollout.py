@@ -27,6 +27,15 @@ from rollout_setup import announce_drops, initial_model, make_run, publish_weigh
 torch.set_num_threads(2)
 
 
+async def _worker_on_version_0(redis_url: str, run_dir):
+    """Rollout worker 0 of `run_dir` running as a task, version 0 of the policy published (not committed):
+    (worker, the initial model, its stop event, its task)."""
+    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
+    model = initial_model(run_dir)
+    await publish_weights(redis_url, run_dir, 0, model, commit=False)
+    stop = asyncio.Event()
+    return worker, model, stop, asyncio.create_task(worker.run(stop))
+
 async def test_worker_publishes_whole_groups_with_their_routing(redis_url: str, run_name: str, tmp_path) -> None:
     run_dir = make_run(tmp_path, run_name, async_level=1)
     worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
@@ -93,11 +102,7 @@ async def test_async_gate(redis_url: str, run_name: str, tmp_path, async_level: 
 async def test_each_commit_releases_a_whole_batch_share(redis_url: str, run_name: str, tmp_path) -> None:
     """concurrency 2 < batch_groups 3: rounds still hold a whole batch, so commits never starve the trainer."""
     run_dir = make_run(tmp_path, run_name, async_level=1, concurrency=2, batch_groups=3, max_tokens=3)
-    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
-    model = initial_model(run_dir)
-    await publish_weights(redis_url, run_dir, 0, model, commit=False)
-    stop = asyncio.Event()
-    task = asyncio.create_task(worker.run(stop))
+    worker, model, stop, task = await _worker_on_version_0(redis_url, run_dir)
     await wait_for(redis_url, run_name, 6)  # two batches before any commit (async_level 1)
     await asyncio.sleep(0.5)
     assert worker.started == 6 and not worker.in_flight
@@ -113,11 +118,7 @@ async def test_a_group_the_trainer_drops_is_replaced(redis_url: str, run_name: s
     """A stale group a commit drops leaves the trainer one short: the worker starts one more in its stead (another
     worker's drop is that worker's to replace), so the groups kept ahead of the trainer do not shrink as drops add up."""
     run_dir = make_run(tmp_path, run_name, async_level=1, concurrency=8, batch_groups=2, max_tokens=3)
-    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
-    model = initial_model(run_dir)
-    await publish_weights(redis_url, run_dir, 0, model, commit=False)
-    stop = asyncio.Event()
-    task = asyncio.create_task(worker.run(stop))
+    worker, model, stop, task = await _worker_on_version_0(redis_url, run_dir)
     groups = await wait_for(redis_url, run_name, 4)  # two rounds of 2 before any commit
     await asyncio.sleep(0.5)
     assert worker.started == 4 and not worker.in_flight
@@ -139,11 +140,7 @@ async def test_a_drop_announced_before_its_commit_is_replaced_once(redis_url: st
     aside. Its announcement (GroupsDropped) starts the replacement; the commit naming the group again starts no
     second one."""
     run_dir = make_run(tmp_path, run_name, async_level=0, concurrency=4, batch_groups=2, max_tokens=3)
-    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
-    model = initial_model(run_dir)
-    await publish_weights(redis_url, run_dir, 0, model, commit=False)
-    stop = asyncio.Event()
-    task = asyncio.create_task(worker.run(stop))
+    worker, model, stop, task = await _worker_on_version_0(redis_url, run_dir)
     groups = await wait_for(redis_url, run_name, 2)
     await asyncio.sleep(0.5)
     assert worker.started == 2 and not worker.in_flight  # waiting for commit 1
@@ -161,11 +158,7 @@ async def test_a_drop_announced_before_its_commit_is_replaced_once(redis_url: st
 
 async def test_new_weights_reach_the_running_worker(redis_url: str, run_name: str, tmp_path) -> None:
     run_dir = make_run(tmp_path, run_name, async_level=100)
-    worker = RolloutWorker(run_dir, redis_url, 0, load(run_dir / "config.toml"))
-    model = initial_model(run_dir)
-    await publish_weights(redis_url, run_dir, 0, model, commit=False)
-    stop = asyncio.Event()
-    task = asyncio.create_task(worker.run(stop))
+    worker, model, stop, task = await _worker_on_version_0(redis_url, run_dir)
     await wait_for(redis_url, run_name, 2)
     await publish_weights(redis_url, run_dir, 1, model, commit=False)
     deadline = time.monotonic() + 20
