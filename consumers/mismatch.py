@@ -107,7 +107,8 @@ class MismatchRole:
                 while not stop.is_set() and not self.finished:
                     entries = await tail.read(count=500, block_ms=1000 if caught_up else 0)
                     caught_up = caught_up or not entries
-                    if not entries and time.monotonic() - synced > LOG_SYNC_S:
+                    # Idle, or a due step waits on an event the bus trimmed before this role read it.
+                    if (not entries or self.commits) and time.monotonic() - synced > LOG_SYNC_S:
                         self._learn_logged()
                         synced = time.monotonic()
                     kept = await trusted(redis, c.run.name, marks,
@@ -152,6 +153,8 @@ class MismatchRole:
                 del self.commits[step]
                 continue
             commit, at = self.commits[step]
+            if commit.step - 1 not in self.weights.refs:
+                return None  # π_old's WeightsPublished: not read yet (from the bus, or the log once archived)
             groups = await asyncio.to_thread(self._groups_of, commit)
             if groups is None:
                 return None  # its groups are neither read from the bus yet nor archived
