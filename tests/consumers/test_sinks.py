@@ -18,7 +18,7 @@ from reel.bus.events import EvalResult, MismatchSplit, StepCommitted, encode
 from reel.bus.run_log import RunLog
 from reel.runtime.config.keys import ConfigError
 from reel.runtime.config.run import loads
-from runbuilder import build_run, e2e_config
+from runbuilder import MISMATCH_ROLE, build_run, e2e_config
 
 # The tracking extra is installed on the test path (ops/install.sh).
 from mlflow.tracking import MlflowClient  # noqa: E402
@@ -213,7 +213,7 @@ def test_sink_roles_killed_mid_run_and_restarted_leave_no_gap_and_no_duplicate(t
     and restarted with `reel metrics NAME --follow`, as the supervisor's message says."""
     steps = 16
     run_dir = tmp_path / "run"
-    config = e2e_config(tmp_path / "c.toml", "sinklive", steps, {"metrics": {"sinks": list(SINKS)}})
+    config = e2e_config(tmp_path / "c.toml", "sinklive", steps, {"metrics": {"sinks": list(SINKS)}, **MISMATCH_ROLE})
     launcher = subprocess.Popen([sys.executable, "-m", "reel.runtime.launch.cli", "run", str(config), "--out",
                                  str(run_dir), "--no-live"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     followers = []

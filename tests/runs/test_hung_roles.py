@@ -61,7 +61,8 @@ def test_a_frozen_rollout_worker_is_restarted_and_the_run_completes(tmp_path: Pa
 
 def test_a_frozen_trainer_stops_the_run_with_the_resume_command_and_the_resume_replays_bitwise(
         tmp_path: Path, capsys) -> None:
-    config = reverse_text_with_stall_bound(tmp_path, steps=30, stall_s=5)
+    steps = 14  # frozen after 6 commits: the resume trains 8 more (30 took the suite 25 s longer)
+    config = reverse_text_with_stall_bound(tmp_path, steps=steps, stall_s=5)
     run_dir = tmp_path / "run"
     run = _launch(config, run_dir)
     _until_progress(run, run_dir, "trainer", 6)
@@ -76,7 +77,7 @@ def test_a_frozen_trainer_stops_the_run_with_the_resume_command_and_the_resume_r
     assert time.monotonic() - frozen < 5 * liveness.HUNG_FACTOR + 40, out
     _resume_completes(config, run_dir)
     capsys.readouterr()
-    assert main(["replay", "step", "30", "--run", str(run_dir), "--json"]) == 0  # a step of the resume
+    assert main(["replay", "step", str(steps), "--run", str(run_dir), "--json"]) == 0  # a step of the resume
     assert json.loads(capsys.readouterr().out)["bitwise"] is True
 
 

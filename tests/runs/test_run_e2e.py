@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from reel.bus.events import RunFinished, StepCommitted, Trajectory, WeightsPublished
+from reel.bus.events import MismatchSplit, RunFinished, StepCommitted, Trajectory, WeightsPublished
 from reel.bus.run_log import RunLog
-from runbuilder import e2e_config
+from runbuilder import MISMATCH_ROLE, e2e_config
 from reel.runtime.launch.cli import main
 
 pytestmark = pytest.mark.slow
@@ -32,7 +32,8 @@ def test_short_run_commits_every_step_and_replays_bitwise(tmp_path: Path, capsys
     run_dir = tmp_path / "run"
     # Two workers reporting every 0.2 s keep the bus busier than the archiver's 0.5 s block: the run
     # still ends (the workers stop before RunFinished, so the archiver finds the bus drained).
-    config = e2e_config(tmp_path / "e2e.toml", "e2e", 4, {"rollout": {"workers": 2, "stats_every_s": 0.2}})
+    config = e2e_config(tmp_path / "e2e.toml", "e2e", 4, {"rollout": {"workers": 2, "stats_every_s": 0.2},
+                                                         **MISMATCH_ROLE})
     started = time.monotonic()
     assert main(["run", str(config), "--out", str(run_dir), "--no-live"]) == 0
     assert time.monotonic() - started < 100, "the archiver waited out its drain timeout"
@@ -43,7 +44,9 @@ def test_short_run_commits_every_step_and_replays_bitwise(tmp_path: Path, capsys
     with RunLog(run_dir, readonly=True) as log:
         assert log.verify()["trajectories"] >= 4 * 4
         versions = [e.version for _, e in log.events("weights") if isinstance(e, WeightsPublished)]
+        splits = sorted(e.step for _, e in log.events("steps") if isinstance(e, MismatchSplit))
     assert versions == [0, 1, 2, 3, 4]
+    assert splits == [1, 2, 3, 4]  # the mismatch role split every step before the run ended
     assert main(["log", "verify", "--run", str(run_dir)]) == 0
     capsys.readouterr()
     for step in (1, 2, 3, 4):

@@ -17,7 +17,7 @@ from reel.bus.events import ConfigChanged, RunFinished, StepCommitted
 from reel.bus.log import LogError
 from reel.bus.run_log import RunLog
 from reel.runtime.launch.cli import main
-from runbuilder import e2e_config
+from runbuilder import MISMATCH_ROLE, e2e_config
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=["SIGTERM", "SIGHUP", "SIGINT"])
 def test_stop_signal_stops_every_process_and_the_run_resumes(tmp_path: Path, sig: signal.Signals,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    config = e2e_config(tmp_path / "c.toml", f"signal-{sig.name.lower()}", STEPS)
+    config = e2e_config(tmp_path / "c.toml", f"signal-{sig.name.lower()}", STEPS, MISMATCH_ROLE)
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "reel.runtime.launch.cli", "run", str(config), "--out", str(run_dir), "--no-live"]
     launcher = subprocess.Popen(["timeout", "-s", "TERM", "600", *argv], stdout=subprocess.PIPE,
@@ -76,7 +76,7 @@ def test_stop_signal_stops_every_process_and_the_run_resumes(tmp_path: Path, sig
         _wait_for_a_commit(run_dir, launcher)
         pids = {p.stem: int(p.read_text()) for p in (run_dir / "roles").glob("*.pid")}
         pids["redis"] = int((run_dir / "redis" / "redis.pid").read_text())
-        assert {"archiver", "trainer", "rollout-0", "redis"} <= set(pids)
+        assert {"archiver", "trainer", "rollout-0", "mismatch", "redis"} <= set(pids)
         launcher.send_signal(sig)  # to `timeout`, which sends it on to `reel run`
         _, err = launcher.communicate(timeout=120)
     finally:

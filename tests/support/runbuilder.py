@@ -62,7 +62,11 @@ E2E: dict[str, dict[str, Any]] = {
     "env": {"min_len": 2, "max_len": 4},
     "rollout": {"concurrency": 4, "group_size": 4, "async_level": 1, "max_tokens": 6},
     "trainer": {"batch_groups": 4, "checkpoint_every": 2, "max_off_policy_steps": 2},
+    # The mismatch role (on by default: every = 1) costs each run ~6 CPU seconds, half of them torch's
+    # import: off here, on (MISMATCH_ROLE) in the whole-run tests that look at it or at every process.
+    "mismatch": {"every": 0},
 }
+MISMATCH_ROLE = {"mismatch": {"every": 1}}
 
 
 def e2e_config(path: Path, name: str, steps: int, overrides: dict[str, dict[str, Any]] | None = None) -> Path:

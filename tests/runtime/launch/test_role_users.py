@@ -23,7 +23,7 @@ from reel.bus.server import EmbeddedRedis
 from reel.bus.streams import BusError, GroupConsumer, Publisher, connect, safe_trim
 from reel.runtime.launch import role_users
 from reel.runtime.launch.bus_access import acl_setuser
-from runbuilder import e2e_config
+from runbuilder import MISMATCH_ROLE, e2e_config
 from partition_setup import P, publish_group
 
 WRITES = {  # role -> lanes its user may XADD to (the others: NOPERM)
@@ -153,7 +153,7 @@ def test_a_launcher_user_makes_role_users_only_with_the_rights_the_docs_name(red
 def test_a_run_with_one_user_per_role_and_three_partitions_completes(tmp_path: Path, redis_url: str, run_name: str):
     config = e2e_config(tmp_path / "run.toml", run_name, 2,
                         {"bus": {"url": redis_url, "partitions": P}, "rollout": {"workers": 2},
-                         "trainer": {"checkpoint_every": 1}, "init": {"warmup_steps": 0}})
+                         "trainer": {"checkpoint_every": 1}, "init": {"warmup_steps": 0}, **MISMATCH_ROLE})
     run_dir = tmp_path / "run"
     launcher = subprocess.Popen([sys.executable, "-m", "reel.runtime.launch.cli", "run", str(config), "--out",
                                  str(run_dir), "--no-live"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
