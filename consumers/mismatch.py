@@ -77,6 +77,7 @@ class MismatchRole:
     commits: dict[int, tuple[StepCommitted, float]]  # due steps not yet split -> (commit, its bus time)
     done: set[int]  # steps split (this role's events, before a restart too) or passed over
     newest: int  # the newest committed step seen
+    needs_log: bool  # the oldest due step waits on a WeightsPublished the bus trimmed before this role read it
     model: MoEModel | None  # loaded with π_old of the step being split
 
     def __init__(self, run_dir: Path, url: str, config: Config) -> None:
@@ -87,6 +88,7 @@ class MismatchRole:
         self.commits = {}
         self.done = set()
         self.newest = 0
+        self.needs_log = False
         self.model = None
         self._learn_logged()  # a restarted role finds there what was trimmed from the bus
 
@@ -107,8 +109,7 @@ class MismatchRole:
                 while not stop.is_set() and not self.finished:
                     entries = await tail.read(count=500, block_ms=1000 if caught_up else 0)
                     caught_up = caught_up or not entries
-                    # Idle, or a due step waits on an event the bus trimmed before this role read it.
-                    if (not entries or self.commits) and time.monotonic() - synced > LOG_SYNC_S:
+                    if (not entries or self.needs_log) and time.monotonic() - synced > LOG_SYNC_S:
                         self._learn_logged()
                         synced = time.monotonic()
                     kept = await trusted(redis, c.run.name, marks,
@@ -153,7 +154,8 @@ class MismatchRole:
                 del self.commits[step]
                 continue
             commit, at = self.commits[step]
-            if commit.step - 1 not in self.weights.refs:
+            self.needs_log = commit.step - 1 not in self.weights.refs
+            if self.needs_log:
                 return None  # π_old's WeightsPublished: not read yet (from the bus, or the log once archived)
             groups = await asyncio.to_thread(self._groups_of, commit)
             if groups is None:
