@@ -77,7 +77,6 @@ class MismatchRole:
     commits: dict[int, tuple[StepCommitted, float]]  # due steps not yet split -> (commit, its bus time)
     done: set[int]  # steps split (this role's events, before a restart too) or passed over
     newest: int  # the newest committed step seen
-    needs_log: bool  # the oldest due step waits on a WeightsPublished the bus trimmed before this role read it
     model: MoEModel | None  # loaded with π_old of the step being split
 
     def __init__(self, run_dir: Path, url: str, config: Config) -> None:
@@ -88,9 +87,14 @@ class MismatchRole:
         self.commits = {}
         self.done = set()
         self.newest = 0
-        self.needs_log = False
         self.model = None
         self._learn_logged()  # a restarted role finds there what was trimmed from the bus
+
+    @property
+    def needs_log(self) -> bool:
+        """The oldest due step waits on π_old's WeightsPublished, which the bus may have trimmed before this
+        role read it: only the log has it then."""
+        return bool(self.commits) and min(self.commits) - 1 not in self.weights.refs
 
     @property
     def finished(self) -> bool:
@@ -154,8 +158,7 @@ class MismatchRole:
                 del self.commits[step]
                 continue
             commit, at = self.commits[step]
-            self.needs_log = commit.step - 1 not in self.weights.refs
-            if self.needs_log:
+            if step - 1 not in self.weights.refs:
                 return None  # π_old's WeightsPublished: not read yet (from the bus, or the log once archived)
             groups = await asyncio.to_thread(self._groups_of, commit)
             if groups is None:
