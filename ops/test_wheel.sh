@@ -18,8 +18,9 @@ python3 -m pip wheel -q --no-deps -w "$work/dist" .
 python3 -m venv "$work/venv"
 export PATH="$work/venv/bin:$PATH" REEL_CACHE="$work/cache"
 unset PYTHONPATH
-# torch first and pinned: an unpinned torch can pull a multi-GB CUDA build. --no-compile: byte-compiling
-# every module of torch and transformers takes minutes; Python compiles what it imports.
+# torch first and pinned: an unpinned torch can pull a multi-GB CUDA build. --no-compile: this venv's
+# few processes compile what they import (with PYTHONDONTWRITEBYTECODE set, each one again), which
+# costs less than byte-compiling all of torch for them (ops/byte_compile.sh).
 python -m pip install -q --no-compile torch==2.13.0
 python -m pip install -q --no-compile "$(ls "$work"/dist/reel_rl-*.whl)[embedded]"
 lap "wheel built and installed"
