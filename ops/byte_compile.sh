@@ -11,4 +11,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 site=$(python3 -c "import sysconfig; print(*sorted({sysconfig.get_paths()[k] for k in ('purelib', 'platlib')}))")
 # shellcheck disable=SC2086  # one or two directories, none with spaces
-python3 -m compileall -q -j 0 $site bus producers consumers runtime replay >/dev/null 2>&1 || true
+python3 -m compileall -q -j 0 $site bus producers consumers runtime replay ops >/dev/null 2>&1 || true
