@@ -96,3 +96,20 @@ def test_bench_async_time_to_reward_is_when_each_run_first_reaches_a_shared_targ
     flat = [(1.0 * (i + 1), 0.125) for i in range(5)]  # a run that never climbs caps the target at its level
     target, reached = reward_target(sync, flat)
     assert target == pytest.approx(0.12) and reached == (4.0, 1.0)
+
+
+def test_bench_async_costs_per_token_and_the_core_the_trainer_got():
+    from reel.bus.events import StepCommitted, StepTiming
+    from reel.runtime.bench.async_ import _trainer_costs
+
+    def step(cpu_s: float, compute: float, tokens: int) -> StepCommitted:
+        return StepCommitted(run="r", producer="trainer:0", seq=1, step=1, version=1, groups=[], dropped=[], loss=0.0,
+                             grad_norm=0.0, weights_sha256="", metrics={"tokens": tokens}, cpu_s=cpu_s,
+                             timing=StepTiming(wait=0.5, compute=compute, publish=0.1, forward_backward=compute / 2))
+
+    # 1.5 CPU s in 2.5 s of compute: the trainer got 60% of its core (another tenant took the rest).
+    costs = _trainer_costs([step(0.5, 1.0, 100), step(1.0, 1.5, 400)])
+    assert costs["trainer_cpu_s_per_token"] == pytest.approx(1.5 / 500)
+    assert costs["trainer_core_share"] == pytest.approx(0.6)
+    assert costs["trainer_phases_s"]["compute"] == 2.5 and costs["trainer_phases_s"]["forward_backward"] == 1.25
+    assert _trainer_costs([step(0.0, 0.0, 10)])["trainer_core_share"] is None  # a log before the timings
