@@ -101,7 +101,7 @@ def view(workload: Workload, rows: list[Row]) -> Group:
                    f"per scoring pass ({m.splits} splits)")
     calibration = (f"calibrated on {workload.run_dir}: decode step {1e3 * d.base_s:.2f} ms + "
                    f"{1e3 * d.per_seq_s:.3f} ms x sequences + {1e6 * d.per_prefill_token_s:.1f} µs x prefill "
-                   f"tokens ({d.intervals} intervals); trainer compute "
+                   f"tokens ({d.intervals} intervals{_around_engine(d.group_s)}); trainer compute "
                    f"{1e3 * t.base_s:.0f} ms + {1e6 * t.per_token_s:.1f} µs x tokens + {1e6 * t.per_position_s:.1f} µs x "
                    f"padded positions + {1e9 * t.per_score_s:.1f} ns x attention scores, publish "
                    f"{1e3 * t.publish_s:.0f} ms; swap {1e3 * workload.swap_s:.0f} ms{shared}; "
@@ -130,6 +130,11 @@ def view(workload: Workload, rows: list[Row]) -> Group:
 
 def _cores(n: int) -> str:
     return f"{n} core" if n == 1 else f"{n} cores"
+
+
+def _around_engine(group_s: float) -> str:
+    """A round's group's work around the engine, fitted apart from the decode steps (replay/workload.py)."""
+    return f"; a round's group {1e3 * group_s:.1f} ms around the engine, not simulated" if group_s > 0 else ""
 
 
 def _episodes(workload: Workload) -> str:

@@ -103,6 +103,10 @@ class StepModel(msgspec.Struct, kw_only=True):
     per_prefill_token_s: float
     shared_slowdown: float  # extra share of a step's time while the trainer computes on the same machine
     intervals: int  # WorkerStats intervals fitted
+    # Seconds a round's group spends around the engine (its prompts' hand-off, scoring, publishing), fitted
+    # apart from the steps. Not simulated as a wait: charged after each group's last token, it made three
+    # long-tail synchronous runs 12-38% too slow in sample (2026-12-05): that work overlaps the steps.
+    group_s: float = 0.0
 
 
 class TrainerModel(msgspec.Struct, kw_only=True):
@@ -239,7 +243,9 @@ def _turns(sample: Sample) -> list[int]:
 class _Interval(msgspec.Struct, array_like=True):
     """One worker's WorkerStats interval: decode steps, their mean batch, prefill and seconds; its
     active seconds, the shares of them the trainer and the mismatch role computed, and its CPU seconds
-    (0: not recorded)."""
+    (0: not recorded). A round's group (replay/decode_rounds.py) is a row too, with `per_group` = 1 /
+    its steps: the share of one step its work around the engine takes (0 for a WorkerStats interval,
+    whose busy seconds are the engine's alone)."""
 
     steps: int
     batch: float
@@ -249,6 +255,7 @@ class _Interval(msgspec.Struct, array_like=True):
     overlap: float
     split: float
     cpu_s: float
+    per_group: float = 0.0
 
 
 def _decode_intervals(stats: list[tuple[int, WorkerStats]], computing: np.ndarray,
@@ -281,7 +288,7 @@ def _round_rows(trajectories: list[tuple[int, Trajectory]], computing: np.ndarra
     for g in round_groups(trajectories):
         span, wall = np.array([[g.start_ms, g.end_ms]]), max(1.0, g.end_ms - g.start_ms)
         rows.append(_Interval(g.steps, g.batch, g.prefill, g.step_s, wall / 1000, intersection(span, computing) / wall,
-                              intersection(span, splitting) / wall, 0.0))
+                              intersection(span, splitting) / wall, 0.0, 1.0 / g.steps))
     return rows
 
 
@@ -312,13 +319,21 @@ def _fit_cores(layout: Cores | None, workers: int, intervals: list[_Interval], s
 
 
 def _fit_decode(rows: list[_Interval], slowdown: float | None, split_slowdown: float) -> StepModel:
-    """Least squares of the mean step time on mean batch and prefill over WorkerStats intervals."""
-    w, b, x, s, o, m = (np.array([getattr(r, f) for r in rows], dtype=float)
-                        for f in ("steps", "batch", "prefill", "step_s", "overlap", "split"))
-    (base, per_seq, per_prefill), shared = fit_with_slowdown(w, np.stack([np.ones_like(b), b, x], axis=1), s, o,
-                                                              slowdown, split_slowdown * m)
+    """Least squares of the mean step time on mean batch and prefill over WorkerStats intervals and
+    rounds' groups, with a round group's work around the engine a cost of its own (per_group), not
+    taken for decode steps: folded into them, it made the steps of a full engine look dearer per
+    sequence (a negative base, clipped to 0: on the long-tail bench's log, 0 + 0.060 ms a sequence
+    against 0.19 ms + 0.048 ms), and the long answers that decode in them too slow."""
+    w, b, x, s, o, m, g = (np.array([getattr(r, f) for r in rows], dtype=float)
+                           for f in ("steps", "batch", "prefill", "step_s", "overlap", "split", "per_group"))
+    columns = np.stack([np.ones_like(b), b, x, g], axis=1)
+    if np.linalg.matrix_rank(columns) < columns.shape[1]:
+        # Rounds alike in their prompt tokens (and no interval to tell them apart): a round's prefill
+        # per step is then a multiple of per_group, and only the prefill is fitted.
+        columns[:, 3] = 0.0
+    (base, per_seq, per_prefill, group), shared = fit_with_slowdown(w, columns, s, o, slowdown, split_slowdown * m)
     return StepModel(base_s=base, per_seq_s=per_seq, per_prefill_token_s=per_prefill, shared_slowdown=shared,
-                     intervals=len(rows))
+                     intervals=len(rows), group_s=group)
 
 
 def _padded(commits: list[tuple[int, StepCommitted]], trajectories: list[tuple[int, Trajectory]],

@@ -45,6 +45,19 @@ def test_rounds_time_the_decode_steps_the_constants_give(tmp_path: Path) -> None
     assert (w.decode.base_s, w.decode.per_seq_s, w.decode.per_prefill_token_s) == pytest.approx((A, B, X), abs=1e-9)
 
 
+def test_a_groups_work_around_the_engine_is_not_taken_for_decode_steps(tmp_path: Path) -> None:
+    # Each round's group also spends 4 ms scoring and publishing. Fitted as step time, that made a full
+    # engine look dearer per sequence; fitted apart, the steps are the constants again.
+    w = extract(write_run(tmp_path / "run", async_level=0, rounds=ROUNDS, around_s=0.004))
+    d = w.decode
+    assert (d.base_s, d.per_seq_s, d.per_prefill_token_s, d.group_s) == pytest.approx((A, B, X, 0.004), abs=1e-9)
+    # These rounds alone cannot tell a group's own seconds from its steps (their rows are linearly
+    # dependent): only the steps are fitted then, as before, and the table says nothing of it.
+    run = write_run(tmp_path / "alone", async_level=0, rounds=ROUNDS)
+    shutil.rmtree(run / "log" / "control")
+    assert extract(run).decode.group_s == 0.0
+
+
 def test_rounds_alone_calibrate_a_log_without_worker_stats(tmp_path: Path) -> None:
     # A run too short for the workers to report their engine counters (the long-tail bench's 6.5 s
     # synchronous run had 2 intervals): its rounds give the decode steps by themselves.

@@ -39,7 +39,8 @@ def sample(turns: tuple[int, ...], env_s: tuple[float, ...] = ()) -> Sample:
 def write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: float = 0.0,
               episodes: list[tuple[int, ...]] | None = None, world_size: int = 1, cores: Cores | None = None,
               env_s: tuple[float, ...] = (), split: tuple[float, float] | None = None, nice: int = 0,
-              padded: tuple[float, float] | None = None, rounds: list[list[list[int]]] | None = None) -> Path:
+              padded: tuple[float, float] | None = None, rounds: list[list[list[int]]] | None = None,
+              around_s: float = 0.0) -> Path:
     """A run directory whose log holds exactly the constants above (and `slowdown` while overlapping);
     every group's samples have the turns of `episodes` (default: N one-turn samples of L tokens).
     With `cores`, the log has CPU times and the times are those that processor sharing gives; pinned
@@ -50,7 +51,8 @@ def write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: flo
     per attention score), group j's samples have L + j % 3 tokens, each commit names its batch's groups
     (`batch_of`) and the trainer's compute costs that much for their rows instead of C1 per token.
     With `rounds` (per round, per group, its samples' lengths), the trajectories are those rounds, run
-    alone one after the other, each group taking what the decode constants give (`round_seconds`)."""
+    alone one after the other, each group taking what the decode constants give (`round_seconds`) and
+    `around_s` more outside the engine (in its generate_s, as the reward and publishing are)."""
     raw = {"run": {"name": "synthetic", "steps": steps},
            "rollout": {"workers": 1, "concurrency": G, "group_size": N, "async_level": async_level, "max_tokens": L},
            "trainer": {"batch_groups": G, "max_off_policy_steps": 8, "ranks": world_size}, "engine": {"max_batch": 64}}
@@ -76,7 +78,8 @@ def write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: flo
         published = [(1100 + 100 * i, lengths[i], 0.15) for i in range(90)]
         if rounds:  # one round a second from 1 s on
             published = [(1000 * (r + 1) + round(1000 * seconds), [sample((n,)) for n in group], seconds)
-                         for r, round_ in enumerate(rounds) for group, seconds in zip(round_, round_seconds(round_))]
+                         for r, round_ in enumerate(rounds)
+                         for group, seconds in zip(round_, [s + around_s for s in round_seconds(round_)])]
         log.stream("trajectories").append_batch([
             (f"{ms}-{i}", encode(Trajectory(
                 **meta, seq=i, group_id=f"g{i}", env="reverse_text", prompt=Tensor.from_numpy(np.zeros(P, np.int32)),
