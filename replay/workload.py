@@ -321,15 +321,16 @@ def _fit_cores(layout: Cores | None, workers: int, intervals: list[_Interval], s
 def _fit_decode(rows: list[_Interval], slowdown: float | None, split_slowdown: float) -> StepModel:
     """Least squares of the mean step time on mean batch and prefill over WorkerStats intervals and
     rounds' groups, with a round group's work around the engine a cost of its own (per_group), not
-    taken for decode steps: folded into them, it made the steps of a full engine look dearer per
-    sequence (a negative base, clipped to 0: on the long-tail bench's log, 0 + 0.060 ms a sequence
-    against 0.19 ms + 0.048 ms), and the long answers that decode in them too slow."""
+    taken for decode steps: folded into them, it made a full engine's steps look dearer per sequence
+    (a negative base, clipped to 0: on a long-tail bench log, 0 + 0.060 ms a sequence against 0.19 ms
+    + 0.047 ms), and so the half-full steps where the long answers decode too slow."""
     w, b, x, s, o, m, g = (np.array([getattr(r, f) for r in rows], dtype=float)
                            for f in ("steps", "batch", "prefill", "step_s", "overlap", "split", "per_group"))
     columns = np.stack([np.ones_like(b), b, x, g], axis=1)
     if np.linalg.matrix_rank(columns) < columns.shape[1]:
-        # Rounds alike in their prompt tokens (and no interval to tell them apart): a round's prefill
-        # per step is then a multiple of per_group, and only the prefill is fitted.
+        # The rows cannot tell a group's own seconds from its steps (for example rounds alike in their
+        # prompt tokens, whose prefill per step is then a multiple of per_group, and no interval): the
+        # steps alone are fitted, as before.
         columns[:, 3] = 0.0
     (base, per_seq, per_prefill, group), shared = fit_with_slowdown(w, columns, s, o, slowdown, split_slowdown * m)
     return StepModel(base_s=base, per_seq_s=per_seq, per_prefill_token_s=per_prefill, shared_slowdown=shared,
