@@ -118,7 +118,7 @@ def test_the_tests_and_the_slurm_job_run_debians_redis_7(redis_url: str):
     assert f"export REDIS_CONF={ops_file('redis', 'redis.conf')}\n" in script
 
 
-def test_what_every_role_imports_is_byte_compiled():
+def test_torch_as_the_roles_import_it_is_byte_compiled():
     """ops/byte_compile.sh ran (the installs end with it): with PYTHONDONTWRITEBYTECODE set, a module
     without an up-to-date .pyc is compiled from source again in every process that imports it, ~1.3
     CPU s of torch's in each. Reel's own modules are left out: an edit makes them stale until the next

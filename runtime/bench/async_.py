@@ -282,8 +282,8 @@ def _trainer_costs(timed: list[StepCommitted]) -> dict:
     trainer_core_share = CPU seconds / wall seconds of compute (at most trainer.threads, 1 in both
     workloads). Pinned, the trainer's core is its own; a share well below the other mode's means the
     machine's other tenants (or the hypervisor) took part of that core in one run only, and the pair
-    compares the machine, not the pipeline (2026-12-05: 0.61 async against 0.76 sync in the long-tail pair the simulator
-    missed by 27%, 0.96 against 0.98 in the one it missed by 17%)."""
+    compares the machine, not the pipeline (2026-12-05, a long-tail pair: 0.76 sync, 0.61 async;
+    docs/simulator.md)."""
     tokens = sum(s.metrics.get("tokens", 0) for s in timed)
     cpu, computing = sum(s.cpu_s for s in timed), sum(s.timing.compute for s in timed)
     return {"trainer_cpu_s_per_token": round(cpu / max(tokens, 1), 9),
