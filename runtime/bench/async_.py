@@ -6,7 +6,8 @@ capped at 2 s, no CPU), so a synchronous step waits for its slowest episode's ch
 the engine and the trainer idle. `--workload long-tail` is the earlier one: one-turn answers with
 a long-tail length distribution (env.long_tail: a few prompts ask for the whole max_tokens). Both
 runs use the same config, seed, machine and number of steps, one after the other in this process;
-the warm-start is shared (cached).
+the warm-start is shared (cached). `--repeats N` runs N such pairs in turn (sync, async, sync, ...)
+and reports medians (`summarize`): one pair on a shared machine is one draw of its load.
 
 Pinning: the trainer gets the first half of this process's cores and the rollout side (workers,
 archiver, the embedded Redis, this process watching them) the rest, with os.sched_setaffinity,
@@ -36,10 +37,11 @@ import functools
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from reel.bus.events import StepCommitted, StepTiming, WorkerStats
@@ -84,43 +86,113 @@ REWARD_SHARE = 0.8  # the target: this share of the way from the start to the lo
 
 def run(args: argparse.Namespace) -> int:
     workload = getattr(args, "workload", "slow-tool")
+    repeats = getattr(args, "repeats", 1)
+    if repeats < 1:
+        raise SystemExit(f"bench async: --repeats {repeats} runs nothing; pass 1 or more pairs")
     raw = json.loads(json.dumps(WORKLOADS[workload]))
     if args.quick:
         raw["run"]["steps"] = 8
-    results, curves = {}, {}
-    with _runs_dir(getattr(args, "keep", None)) as tmp:
-        for level in (0, 2):
-            raw["rollout"]["async_level"] = level
-            config = config_mod.from_dict(raw, source="bench async workload")
-            results[level], curves[level] = _measure(Path(tmp) / f"async{level}", config)
-            if level == 0:
-                predicted = {dedicated: _simulated(Path(tmp) / "async0", 2, dedicated) for dedicated in (False, True)}
+    with _runs_dir(getattr(args, "keep", None), repeats) as tmp:
+        pairs = [_pair(raw, Path(tmp), i) for i in range(repeats)]
+    print_json({"bench": "async", "workload": workload, "steps": raw["run"]["steps"], "pinned": _pinning_note(),
+                **summarize(pairs)})
+    return 0
+
+
+def _pair(raw: dict, runs: Path, index: int) -> dict:
+    """One synchronous run, its log's prediction of the asynchronous one, then that run: their figures."""
+    results, curves, predicted = {}, {}, {}
+    for level in (0, 2):
+        raw["rollout"]["async_level"] = level
+        config = config_mod.from_dict(raw, source="bench async workload")
+        run_dir = runs / _run_name(level, index)
+        results[level], curves[level] = _measure(run_dir, config)
+        if level == 0:
+            predicted = {dedicated: _simulated(run_dir, 2, dedicated) for dedicated in (False, True)}
     sync, overlapped = results[0], results[2]
     ratio = sync["wall_s"] / overlapped["wall_s"]
     ideal = sync["wall_s"] / max(sync["rollout_busy_s"], sync["trainer_busy_s"])
     target, reached = reward_target(curves[0], curves[2])
-    print_json({
-        "bench": "async", "workload": workload, "steps": raw["run"]["steps"], "pinned": _pinning_note(),
-        "sync": sync, "async": overlapped, "ideal": round(ideal, 3), "efficiency": round(ratio / ideal, 3),
-        "reward_target": round(target, 3), "time_to_reward_s": {"sync": reached[0], "async": reached[1]},
-        "time_to_reward": round(reached[0] / reached[1], 3) if None not in reached and reached[1] > 0 else None,
-        "simulated": round(predicted[False], 3) if predicted[False] else None,
-        "simulated_error": round(predicted[False] / overlapped["wall_s"] - 1, 3) if predicted[False] else None,
-        "simulated_dedicated": round(sync["wall_s"] / predicted[True], 3) if predicted[True] else None,
-        "cpu_per_token_ratio": round(overlapped["trainer_cpu_s_per_token"] / sync["trainer_cpu_s_per_token"], 3),
-        "ratio": round(ratio, 3),
-    })
-    return 0
+    return {
+        "sync": sync, "async": overlapped, "ideal": ideal, "reward_target": target,
+        "time_to_reward_s": {"sync": reached[0], "async": reached[1]},
+        "time_to_reward": reached[0] / reached[1] if None not in reached and reached[1] > 0 else None,
+        "simulated": predicted[False],
+        "simulated_dedicated": sync["wall_s"] / predicted[True] if predicted[True] else None,
+        "cpu_per_token_ratio": overlapped["trainer_cpu_s_per_token"] / sync["trainer_cpu_s_per_token"],
+        "ratio": ratio,
+    }
+
+
+def summarize(pairs: list[dict]) -> dict:
+    """The figures of one or more pairs (`--repeats N`), rounded for the JSON line.
+
+    Each mode's wall is the median over the pairs, and ratio = median sync wall / median async wall;
+    `simulated` is the median of the N predictions (one per synchronous log) and simulated_error its
+    error against the median measured async wall: this shared machine moves a single run's wall by
+    more than the 15% the simulator is held to (docs/simulator.md), so one pair compares one draw of
+    the machine with another. Every other figure is the median of the pairs' own; `sync` and `async`
+    are the runs of median wall (the lower middle one for even N). With N > 1, `repeats` lists each
+    pair's walls, ratio, prediction and error and the trainer's core share in both modes, and
+    `async_wall_spread` is the slowest asynchronous wall over the fastest, minus 1."""
+    sync_wall = statistics.median(p["sync"]["wall_s"] for p in pairs)
+    async_wall = statistics.median(p["async"]["wall_s"] for p in pairs)
+    ratio = sync_wall / async_wall
+    ideal = _median(p["ideal"] for p in pairs)
+    simulated = _median(p["simulated"] for p in pairs)
+    figures = {
+        "sync": _median_run([p["sync"] for p in pairs]), "async": _median_run([p["async"] for p in pairs]),
+        "ideal": _round(ideal), "efficiency": _round(ratio / ideal),
+        "reward_target": _round(_median(p["reward_target"] for p in pairs)),
+        "time_to_reward_s": {mode: _round(_median(p["time_to_reward_s"][mode] for p in pairs))
+                             for mode in ("sync", "async")},
+        "time_to_reward": _round(_median(p["time_to_reward"] for p in pairs)),
+        "simulated": _round(simulated),
+        "simulated_error": _round(simulated / async_wall - 1) if simulated else None,
+        "simulated_dedicated": _round(_median(p["simulated_dedicated"] for p in pairs)),
+        "cpu_per_token_ratio": _round(_median(p["cpu_per_token_ratio"] for p in pairs)),
+        "ratio": _round(ratio),
+    }
+    if len(pairs) > 1:
+        walls = [p["async"]["wall_s"] for p in pairs]
+        figures["async_wall_spread"] = _round(max(walls) / min(walls) - 1)
+        figures["repeats"] = [{
+            "sync_wall_s": p["sync"]["wall_s"], "async_wall_s": p["async"]["wall_s"], "ratio": _round(p["ratio"]),
+            "simulated": _round(p["simulated"]),
+            "simulated_error": _round(p["simulated"] / p["async"]["wall_s"] - 1) if p["simulated"] else None,
+            "trainer_core_share": [p["sync"]["trainer_core_share"], p["async"]["trainer_core_share"]],
+        } for p in pairs]
+    return figures
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    """The median of the values there are (a pair without a prediction or a reward reached has None)."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _median_run(runs: list[dict]) -> dict:
+    return sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2]
+
+
+def _round(value: float | None) -> float | None:
+    return round(value, 3) if value is not None else None
+
+
+def _run_name(level: int, index: int) -> str:
+    """async0 and async2 for the first pair, async0-2 and async2-2 for the second, and so on."""
+    return f"async{level}" + (f"-{index + 1}" if index else "")
 
 
 @contextlib.contextmanager
-def _runs_dir(keep: str | None) -> Iterator[str]:
-    """Where both runs go: `--keep DIR` (refused if it holds either run already), else a temporary directory."""
+def _runs_dir(keep: str | None, repeats: int) -> Iterator[str]:
+    """Where the runs go: `--keep DIR` (refused if it holds any of them already), else a temporary directory."""
     if keep is None:
         with tempfile.TemporaryDirectory(prefix="reel-bench-async-") as tmp:
             yield tmp
         return
-    taken = [name for name in ("async0", "async2") if (Path(keep) / name).exists()]
+    names = [_run_name(level, i) for i in range(repeats) for level in (0, 2)]
+    taken = [name for name in names if (Path(keep) / name).exists()]
     if taken:
         raise SystemExit(f"bench async: --keep {keep} already holds {', '.join(taken)}; pass an empty or new directory")
     Path(keep).mkdir(parents=True, exist_ok=True)

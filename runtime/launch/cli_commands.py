@@ -154,8 +154,11 @@ def _log_commands(sub) -> None:
                        help="async only: multi-turn episodes whose tool calls wait a heavy-tailed wall time "
                             "(default), or one-turn answers with a long-tail length")
     bench.add_argument("--keep", default=None, metavar="DIR",
-                       help="async only: keep both runs' directories (DIR/async0, DIR/async2) to inspect, replay "
-                            "or `reel simulate` (default: a temporary directory, removed)")
+                       help="async only: keep the runs' directories (DIR/async0, DIR/async2; DIR/async0-2, ... with "
+                            "--repeats) to inspect, replay or `reel simulate` (default: a temporary directory, removed)")
+    bench.add_argument("--repeats", type=int, default=1, metavar="N",
+                       help="async only: run N sync/async pairs in turn and report medians, each pair's walls and "
+                            "the simulator's error against the median async wall (default 1)")
     bench.set_defaults(handler="reel.runtime.launch.cli:run_bench")
 
 

@@ -113,3 +113,48 @@ def test_bench_async_costs_per_token_and_the_core_the_trainer_got():
     assert costs["trainer_core_share"] == pytest.approx(0.6)
     assert costs["trainer_phases_s"]["compute"] == 2.5 and costs["trainer_phases_s"]["forward_backward"] == 1.25
     assert _trainer_costs([step(0.0, 0.0, 10)])["trainer_core_share"] is None  # a log before the timings
+
+
+def _bench_pair(sync_wall: float, async_wall: float, simulated: float | None, reached: tuple) -> dict:
+    def run(wall: float, share: float) -> dict:
+        return {"wall_s": wall, "trainer_core_share": share, "trainer_cpu_s_per_token": wall / 1000}
+
+    return {"sync": run(sync_wall, 0.9), "async": run(async_wall, 0.8), "ideal": sync_wall / 4, "reward_target": 0.5,
+            "time_to_reward_s": {"sync": reached[0], "async": reached[1]},
+            "time_to_reward": reached[0] / reached[1] if None not in reached else None,
+            "simulated": simulated, "simulated_dedicated": None,
+            "cpu_per_token_ratio": async_wall / sync_wall, "ratio": sync_wall / async_wall}
+
+
+def test_bench_async_repeats_report_medians_and_the_prediction_against_the_median_async_wall():
+    from reel.runtime.bench.async_ import summarize
+
+    pairs = [_bench_pair(10.0, 5.0, 5.5, (6.0, 3.0)), _bench_pair(12.0, 8.0, 4.0, (8.0, 2.0)),
+             _bench_pair(8.0, 4.0, None, (4.0, None))]
+    figures = summarize(pairs)
+    # Walls: medians 10 and 5, each a run's own figures; ratio of the medians, not the median of the ratios (2.0 too).
+    assert figures["sync"] is pairs[0]["sync"] and figures["async"] is pairs[0]["async"]
+    assert figures["ratio"] == 2.0 and figures["ideal"] == 2.5 and figures["efficiency"] == 0.8
+    # Two predictions (the third log could not be calibrated): their median against the median async wall.
+    assert figures["simulated"] == 4.75 and figures["simulated_error"] == -0.05
+    assert figures["simulated_dedicated"] is None
+    assert figures["time_to_reward_s"] == {"sync": 6.0, "async": 2.5} and figures["time_to_reward"] == 3.0
+    assert figures["async_wall_spread"] == 1.0  # 8 s over 4 s: one draw of the machine from another
+    assert [r["simulated_error"] for r in figures["repeats"]] == [0.1, -0.5, None]
+    assert figures["repeats"][1] == {"sync_wall_s": 12.0, "async_wall_s": 8.0, "ratio": 1.5, "simulated": 4.0,
+                                     "simulated_error": -0.5, "trainer_core_share": [0.9, 0.8]}
+    # Even counts take the lower middle run for the mode's figures, the mean of the middle two for the walls.
+    two = summarize(pairs[:2])
+    assert two["sync"] is pairs[0]["sync"] and two["ratio"] == round(11.0 / 6.5, 3)
+    # One pair is reported as it was measured, with nothing about repeats.
+    one = summarize(pairs[1:2])
+    assert one["ratio"] == 1.5 and one["simulated_error"] == -0.5 and "repeats" not in one
+
+
+def test_bench_async_refuses_no_pairs_and_a_keep_dir_that_holds_a_repeat_already(tmp_path: Path):
+    with pytest.raises(SystemExit, match="--repeats 0 runs nothing"):
+        cli.main(["bench", "async", "--repeats", "0"])
+    (tmp_path / "async2-3").mkdir(parents=True)  # the third pair's asynchronous run, from an earlier bench
+    with pytest.raises(SystemExit, match=r"already holds async2-3; pass an empty or new directory"):
+        cli.main(["bench", "async", "--repeats", "3", "--keep", str(tmp_path)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["async2-3"]  # nothing run, nothing written
