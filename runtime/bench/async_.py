@@ -6,8 +6,9 @@ capped at 2 s, no CPU), so a synchronous step waits for its slowest episode's ch
 the engine and the trainer idle. `--workload long-tail` is the earlier one: one-turn answers with
 a long-tail length distribution (env.long_tail: a few prompts ask for the whole max_tokens). Both
 runs use the same config, seed, machine and number of steps, one after the other in this process;
-the warm-start is shared (cached). `--repeats N` runs N such pairs in turn (sync, async, sync, ...)
-and reports medians (`summarize`): one pair on a shared machine is one draw of its load.
+the warm-start is shared (cached); `--steps N` sets their length. `--repeats N` runs N such pairs
+in turn (sync, async, sync, ...) and reports medians (`summarize`): on a shared machine one pair
+is one draw of its load.
 
 Pinning: the trainer gets the first half of this process's cores and the rollout side (workers,
 archiver, the embedded Redis, this process watching them) the rest, with os.sched_setaffinity,
@@ -90,8 +91,11 @@ def run(args: argparse.Namespace) -> int:
     if repeats < 1:
         raise SystemExit(f"bench async: --repeats {repeats} runs nothing; pass 1 or more pairs")
     raw = json.loads(json.dumps(WORKLOADS[workload]))
-    if args.quick:
-        raw["run"]["steps"] = 8
+    steps = getattr(args, "steps", None) or (8 if args.quick else None)
+    if steps is not None and steps < 2:
+        raise SystemExit(f"bench async: --steps {steps} leaves no step to time after the first; pass 2 or more")
+    if steps is not None:
+        raw["run"]["steps"] = steps
     with _runs_dir(getattr(args, "keep", None), repeats) as tmp:
         pairs = [_pair(raw, Path(tmp), i) for i in range(repeats)]
     print_json({"bench": "async", "workload": workload, "steps": raw["run"]["steps"], "pinned": _pinning_note(),

@@ -156,6 +156,8 @@ def _log_commands(sub) -> None:
     bench.add_argument("--keep", default=None, metavar="DIR",
                        help="async only: keep the runs' directories (DIR/async0, DIR/async2; DIR/async0-2, ... with "
                             "--repeats) to inspect, replay or `reel simulate` (default: a temporary directory, removed)")
+    bench.add_argument("--steps", type=int, default=None, metavar="N",
+                       help="async only: steps per run (default 40, 8 with --quick)")
     bench.add_argument("--repeats", type=int, default=1, metavar="N",
                        help="async only: run N sync/async pairs in turn and report medians, each pair's walls and "
                             "the simulator's error against the median async wall (default 1)")

@@ -151,9 +151,11 @@ def test_bench_async_repeats_report_medians_and_the_prediction_against_the_media
     assert one["ratio"] == 1.5 and one["simulated_error"] == -0.5 and "repeats" not in one
 
 
-def test_bench_async_refuses_no_pairs_and_a_keep_dir_that_holds_a_repeat_already(tmp_path: Path):
+def test_bench_async_refuses_no_pairs_no_timed_step_and_a_keep_dir_that_holds_a_repeat_already(tmp_path: Path):
     with pytest.raises(SystemExit, match="--repeats 0 runs nothing"):
         cli.main(["bench", "async", "--repeats", "0"])
+    with pytest.raises(SystemExit, match="--steps 1 leaves no step to time after the first"):
+        cli.main(["bench", "async", "--steps", "1"])  # step 1 waits for the processes to start: never timed
     (tmp_path / "async2-3").mkdir(parents=True)  # the third pair's asynchronous run, from an earlier bench
     with pytest.raises(SystemExit, match=r"already holds async2-3; pass an empty or new directory"):
         cli.main(["bench", "async", "--repeats", "3", "--keep", str(tmp_path)])
