@@ -267,6 +267,9 @@ class WorkerStats(Event, tag="worker_stats"):
     decode_tokens: int = 0  # tokens sampled, one per running sequence per decode step
     forward_tokens: int = 0  # tokens fed through the model: decode_tokens plus the prompts' prefill
     busy_s: float = 0.0  # seconds the engine spent decoding
+    # The same by batch size: [sequences, decode steps, prompt tokens prefilled, seconds] for each batch size
+    # the engine ran, since the worker started ([] = not recorded: vLLM, or logs from before 2026-12-05).
+    decode_batches: list[tuple[int, int, int, float]] = []
     swap_s: list[float] = []  # weight swaps since the last stats: seconds from reading the event to live
     # Samples since the worker started whose version spans were assumed (the engine, vLLM, sent no
     # weight_versions): each is labelled with the version it started under.

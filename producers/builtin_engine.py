@@ -120,6 +120,7 @@ class BuiltinEngine(Engine):
         self._steps = 0
         self._generated = 0
         self._busy_s = 0.0  # seconds in bursts
+        self._by_batch: dict[int, list[float]] = {}  # sequences -> [steps, prefilled prompt tokens, seconds]
         self._forward = 0  # tokens fed through the model
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
 
@@ -171,7 +172,8 @@ class BuiltinEngine(Engine):
         return EngineStats(version=self.version, tokens_per_s=rate, running=len(self._running),
                            waiting=len(self._waiting), kv_slots_used=self.max_batch - len(self._free_slots),
                            kv_slots_total=self.max_batch, steps=self._steps, generated_tokens=self._generated,
-                           busy_s=self._busy_s, forward_tokens=self._forward)
+                           busy_s=self._busy_s, forward_tokens=self._forward,
+                           batches=tuple((b, int(n), int(x), t) for b, (n, x, t) in sorted(self._by_batch.items())))
 
     async def close(self) -> None:
         self._closed = True
@@ -203,9 +205,9 @@ class BuiltinEngine(Engine):
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                started = time.monotonic()
+                started, counted = time.monotonic(), (self._steps, self._generated, self._forward)
                 finished = await loop.run_in_executor(self._executor, self._burst)
-                self._busy_s += time.monotonic() - started
+                self._count_burst(time.monotonic() - started, *counted)
                 self._finish(finished)
         except asyncio.CancelledError:
             raise
@@ -310,6 +312,19 @@ class BuiltinEngine(Engine):
             self._count_step(len(seqs))
         sample.settle()
         return self._record(seqs, out.routing, last, tokens, logprobs, routing)
+
+    def _count_burst(self, seconds: float, steps: int, generated: int, forward: int) -> None:
+        """A burst decodes the same sequences at every step (its first also prefills the new ones' prompts):
+        its seconds are those of steps at one batch size, what `reel simulate` fits a step's cost on."""
+        self._busy_s += seconds
+        steps = self._steps - steps
+        if steps == 0:
+            return
+        sampled = self._generated - generated
+        row = self._by_batch.setdefault(sampled // steps, [0, 0, 0.0])
+        row[0] += steps
+        row[1] += self._forward - forward - sampled
+        row[2] += seconds
 
     def _count_step(self, sampled: int) -> None:
         self._steps += 1

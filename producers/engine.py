@@ -94,6 +94,9 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     busy_s: float = 0.0  # seconds spent running decode steps since start (0 when not measured)
     forward_tokens: int = 0  # tokens fed through the model since start: prompts and sampled tokens
     version_spans_assumed: int = 0  # samples whose policy-version spans were assumed (vLLM sent none)
+    # Decode steps by batch size since start: (sequences, steps, prompt tokens prefilled, seconds) for each
+    # batch size the engine ran; empty when it does not time its steps by batch (vLLM).
+    batches: tuple[tuple[int, int, int, float], ...] = ()
 
 
 def routing_dtype(num_experts: int) -> type[np.unsignedinteger[Any]]:

@@ -356,7 +356,8 @@ class RolloutWorker:
                 WorkerStats, worker=self.name, tokens_per_s=s.tokens_per_s, running=s.running, waiting=s.waiting,
                 policy_version=s.version, groups_published=self.published, idle_share=share,
                 decode_steps=s.steps, decode_tokens=s.generated_tokens, forward_tokens=s.forward_tokens,
-                busy_s=s.busy_s, swap_s=swaps, version_spans_assumed=s.version_spans_assumed,
+                busy_s=s.busy_s, decode_batches=list(s.batches), swap_s=swaps,
+                version_spans_assumed=s.version_spans_assumed,
                 cpu_s=time.process_time(), tool_wait_s=tool_wait, idle_s=idle, cpus=cpus())])
 
     async def _recover_seq(self, redis) -> int:

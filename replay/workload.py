@@ -12,7 +12,9 @@ From the log alone (entry ids carry the Redis server's millisecond clock, so eve
   Δdecode_tokens) / Δdecode_steps the mean prefill X (prompt tokens beyond the one sampled from);
   each group of a synchronous round of one-turn samples is one more such row, over the batch sizes
   its round went through (replay/decode_rounds.py); least squares gives step_s = base_s + per_seq_s
-  · B + per_prefill_token_s · X;
+  · B + per_prefill_token_s · X. Where the engine timed its steps by batch size
+  (WorkerStats.decode_batches: the built-in engine since 2026-12-05), each interval gives a row per
+  batch size instead, and those rows alone are fitted: the engine's own seconds at each B;
 - shared cores: a worker is active from a group's start to its publication (Trajectory.generate_s
   and the entry's time), the trainer computes over the span its StepCommitted timing gives. With
   CPU times in the log (StepCommitted.cpu_s, WorkerStats.cpu_s, RunStarted.cpu_count) the roles'
@@ -180,8 +182,14 @@ def extract(run_dir: Path) -> Workload:
     pipeline = pipeline_of(config)
     splitting = split_intervals(splits)
     intervals = _decode_intervals(stats, computing, active, splitting)
-    rounds = _round_rows(trajectories, computing, splitting)
-    if len(intervals) + len(rounds) < 3:
+    # Steps timed by batch size are the engine's own seconds at each size: they replace the intervals' means
+    # and the rounds (which stood in for the sizes the means lack, and hold each group's work around the
+    # engine) in the decode fit; a short run's two intervals hold dozens of sizes. A log without them (vLLM,
+    # or from before), or with under 3, fits on those, as before.
+    by_batch = _batch_intervals(stats, computing, active, splitting)
+    by_batch = by_batch if len(by_batch) >= 3 else []
+    rounds = [] if by_batch else _round_rows(trajectories, computing, splitting)
+    if not by_batch and len(intervals) + len(rounds) < 3:
         raise WorkloadError(f"the log of {run_dir} has {len(intervals)} WorkerStats intervals with decode timings "
                             f"after step 1 and {len(rounds)} groups of synchronous one-turn rounds; it needs at least "
                             "3 in all (logs written before Reel recorded WorkerStats.decode_steps cannot calibrate a "
@@ -191,7 +199,7 @@ def extract(run_dir: Path) -> Workload:
     layout = layout_of(started, stats, splits, config.trainer.threads or 1, config.engine.threads or 1)
     cores = _fit_cores(layout, k, intervals, steps)
     return Workload(run_dir=str(run_dir), pipeline=pipeline, groups=groups,
-                    decode=_fit_decode(intervals + rounds,
+                    decode=_fit_decode(by_batch or intervals + rounds,
                                        cores and cores.decode_slowdown(k),
                                        cores.decode_slowdown(k, trainer=0, split=1) if cores else 0.0),
                     trainer=_fit_trainer(commits, _padded(commits, trajectories, groups, pipeline.micro_batch_tokens),
@@ -261,23 +269,52 @@ class _Interval(msgspec.Struct, array_like=True):
 def _decode_intervals(stats: list[tuple[int, WorkerStats]], computing: np.ndarray,
                       active: dict[str, np.ndarray], splitting: np.ndarray) -> list[_Interval]:
     rows = []
-    last: dict[str, tuple[int, WorkerStats]] = {}
+    for (before, p), (ms, e) in _consecutive(stats):
+        steps = e.decode_steps - p.decode_steps
+        tokens = e.decode_tokens - p.decode_tokens
+        busy, overlap, split = _shares(clip(active.get(e.worker, NONE), before, ms), computing, splitting)
+        rows.append(_Interval(steps, tokens / steps, (e.forward_tokens - p.forward_tokens - tokens) / steps,
+                              (e.busy_s - p.busy_s) / steps, busy, overlap, split,
+                              e.cpu_s - p.cpu_s if p.cpu_s else 0.0))
+    return rows
+
+
+def _batch_intervals(stats: list[tuple[int, WorkerStats]], computing: np.ndarray,
+                     active: dict[str, np.ndarray], splitting: np.ndarray) -> list[_Interval]:
+    """The same intervals by batch size (WorkerStats.decode_batches): a row per batch size the engine ran
+    in each, its steps' seconds the engine's own. Empty where the worker did not record them."""
+    rows = []
+    for (before, p), (ms, e) in _consecutive(stats):
+        if not e.decode_batches:
+            continue
+        _, overlap, split = _shares(clip(active.get(e.worker, NONE), before, ms), computing, splitting)
+        earlier = {b: (n, x, t) for b, n, x, t in p.decode_batches}
+        for b, n, x, t in e.decode_batches:
+            n0, x0, t0 = earlier.get(b, (0, 0, 0.0))
+            if n > n0:
+                rows.append(_Interval(n - n0, float(b), (x - x0) / (n - n0), (t - t0) / (n - n0), 0.0, overlap, split,
+                                      0.0))
+    return rows
+
+
+def _consecutive(stats: list[tuple[int, WorkerStats]]) -> list[tuple[tuple[int, WorkerStats], tuple[int, WorkerStats]]]:
+    """Each worker's consecutive stats with decode steps between them."""
+    pairs, last = [], {}
     for ms, e in stats:
         prev = last.get(e.worker)
         last[e.worker] = (ms, e)
-        if prev is None or e.decode_steps <= prev[1].decode_steps:
-            continue
-        p = prev[1]
-        steps = e.decode_steps - p.decode_steps
-        tokens = e.decode_tokens - p.decode_tokens
-        mine = clip(active.get(e.worker, NONE), prev[0], ms)
-        busy = length(mine)
-        rows.append(_Interval(steps, tokens / steps, (e.forward_tokens - p.forward_tokens - tokens) / steps,
-                              (e.busy_s - p.busy_s) / steps, busy / 1000,
-                              intersection(mine, computing) / busy if busy else 0.0,
-                              intersection(mine, splitting) / busy if busy else 0.0,
-                              e.cpu_s - p.cpu_s if p.cpu_s else 0.0))
-    return rows
+        if prev is not None and e.decode_steps > prev[1].decode_steps:
+            pairs.append((prev, (ms, e)))
+    return pairs
+
+
+def _shares(mine: np.ndarray, computing: np.ndarray, splitting: np.ndarray) -> tuple[float, float, float]:
+    """A worker's active seconds in an interval, and the shares of them the trainer and the mismatch role
+    computed."""
+    busy = length(mine)
+    if not busy:
+        return 0.0, 0.0, 0.0
+    return busy / 1000, intersection(mine, computing) / busy, intersection(mine, splitting) / busy
 
 
 def _round_rows(trajectories: list[tuple[int, Trajectory]], computing: np.ndarray,

@@ -135,6 +135,13 @@ async def test_stats_count_what_reel_simulate_calibrates_on(model: MoEModel) -> 
     assert stats.forward_tokens == generated + 2 * (3 - 1) + 3 * (2 - 1)
     assert 0 < stats.busy_s and stats.steps >= 7
     assert all(0 < c.seconds <= stats.busy_s + 1.0 for c in samples)
+    # The same steps by batch size: five samples in four KV slots run at 4, then fewer as they finish.
+    sizes = [b for b, *_ in stats.batches]
+    assert 4 in sizes and min(sizes) < 4 and all(1 <= b <= 4 for b in sizes)
+    assert sum(n for _, n, _, _ in stats.batches) == stats.steps
+    assert sum(b * n for b, n, _, _ in stats.batches) == stats.generated_tokens
+    assert sum(x for _, _, x, _ in stats.batches) == stats.forward_tokens - stats.generated_tokens
+    assert sum(t for *_, t in stats.batches) == pytest.approx(stats.busy_s)
 
 
 async def test_stop_token_ends_a_sample_and_is_kept(model: MoEModel) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from reel.bus.events import Tensor, Trajectory
 from reel.replay.decode_rounds import round_groups
-from reel.replay.workload import extract
+from reel.replay.workload import WorkloadError, extract
 from simulate_log import A, B, P, X, sample, write_run
 
 
@@ -66,3 +66,28 @@ def test_rounds_alone_calibrate_a_log_without_worker_stats(tmp_path: Path) -> No
     w = extract(run)
     assert w.decode.intervals == sum(map(len, ROUNDS))
     assert (w.decode.base_s, w.decode.per_seq_s, w.decode.per_prefill_token_s) == pytest.approx((A, B, X), abs=1e-9)
+
+
+def test_steps_timed_by_batch_size_replace_the_rounds_and_the_interval_means(tmp_path: Path) -> None:
+    # The engine's own seconds at each batch size (WorkerStats.decode_batches): what a step costs with
+    # nothing around it, so a round's group's work around the engine has no column left to hide in.
+    w = extract(write_run(tmp_path / "run", async_level=0, rounds=ROUNDS, around_s=0.004, by_batch=True))
+    d = w.decode
+    assert d.intervals == 9 * 2  # 9 intervals after the first commit, two batch sizes in each; no round, no mean
+    assert (d.base_s, d.per_seq_s, d.per_prefill_token_s, d.group_s) == pytest.approx((A, B, X, 0.0), abs=1e-9)
+    # Without them the same log fits on the intervals' means and the rounds, as before.
+    plain = extract(write_run(tmp_path / "plain", async_level=0, rounds=ROUNDS, around_s=0.004))
+    assert plain.decode.intervals == 9 + sum(map(len, ROUNDS)) and plain.decode.group_s == pytest.approx(0.004)
+    # Each batch size's row keeps its interval's overlap with the trainer: the slowdown is fitted as before.
+    shared = extract(write_run(tmp_path / "shared", async_level=1, slowdown=0.3, by_batch=True)).decode
+    assert (shared.base_s, shared.per_seq_s, shared.shared_slowdown) == pytest.approx((A, B, 0.3), abs=1e-9)
+
+
+def test_two_intervals_timed_by_batch_size_calibrate_a_short_run(tmp_path: Path) -> None:
+    # The long-tail bench's 40-step synchronous run reports twice after its first commit: two means are
+    # too few to fit on, the same two intervals by batch size are not.
+    w = extract(write_run(tmp_path / "run", async_level=0, worker_stats=4, by_batch=True))
+    assert w.decode.intervals == 2 * 2
+    assert (w.decode.base_s, w.decode.per_seq_s, w.decode.per_prefill_token_s) == pytest.approx((A, B, X), abs=1e-9)
+    with pytest.raises(WorkloadError, match="has 2 WorkerStats intervals with decode timings"):
+        extract(write_run(tmp_path / "means", async_level=0, worker_stats=4))

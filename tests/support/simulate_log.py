@@ -40,7 +40,7 @@ def write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: flo
               episodes: list[tuple[int, ...]] | None = None, world_size: int = 1, cores: Cores | None = None,
               env_s: tuple[float, ...] = (), split: tuple[float, float] | None = None, nice: int = 0,
               padded: tuple[float, float] | None = None, rounds: list[list[list[int]]] | None = None,
-              around_s: float = 0.0) -> Path:
+              around_s: float = 0.0, by_batch: bool = False, worker_stats: int = 12) -> Path:
     """A run directory whose log holds exactly the constants above (and `slowdown` while overlapping);
     every group's samples have the turns of `episodes` (default: N one-turn samples of L tokens).
     With `cores`, the log has CPU times and the times are those that processor sharing gives; pinned
@@ -52,7 +52,10 @@ def write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: flo
     (`batch_of`) and the trainer's compute costs that much for their rows instead of C1 per token.
     With `rounds` (per round, per group, its samples' lengths), the trajectories are those rounds, run
     alone one after the other, each group taking what the decode constants give (`round_seconds`) and
-    `around_s` more outside the engine (in its generate_s, as the reward and publishing are)."""
+    `around_s` more outside the engine (in its generate_s, as the reward and publishing are). With
+    `by_batch`, the WorkerStats also time the steps by batch size (decode_batches), two of each
+    interval's steps at a batch two sequences larger. The worker reports `worker_stats` times, 700 ms
+    apart from 1.5 s on (the first commit is at 2 s)."""
     raw = {"run": {"name": "synthetic", "steps": steps},
            "rollout": {"workers": 1, "concurrency": G, "group_size": N, "async_level": async_level, "max_tokens": L},
            "trainer": {"batch_groups": G, "max_off_policy_steps": 8, "ranks": world_size}, "engine": {"max_batch": 64}}
@@ -106,23 +109,28 @@ def write_run(run_dir: Path, *, async_level: int, steps: int = 12, slowdown: flo
         log.stream("steps").append_batch(sorted(commits + splits, key=lambda e: int(e[0].split("-")[0])))
         # WorkerStats every 700 ms (so intervals overlap compute by varying shares), batch sizes varying.
         stats, steps_done, tokens_done, forward, busy, cpu = [], 0, 0, 0, 0.0, 1.0
-        for i in range(12):
+        batches: dict[int, list[float]] = {}  # batch size -> [steps, prefilled tokens, seconds] since the start
+        for i in range(worker_stats):
             ms = 1500 + 700 * i
             if i:
                 batch = 4 + 3 * (i % 5)
                 share = overlap_share(ms - 700, ms, cores, padded)
                 count, prefill = 10 + i, 5 * (i % 3)
-                steps_done += count
-                tokens_done += count * batch
-                forward += count * (batch + prefill)
-                decoding = count * (A + B * batch + X * prefill) * (1 + decode_slowdown * share)
-                busy += decoding
-                if cores is not None:  # the worker's threads run while its engine decodes
-                    g = (1 - share) * cores.share(0, 1) + share * cores.share(1, 1)
-                    cpu += cores.worker_threads * decoding * g
+                for size, n in ([(batch, count - 2), (batch + 2, 2)] if by_batch else [(batch, count)]):
+                    steps_done += n
+                    tokens_done += n * size
+                    forward += n * (size + prefill)
+                    decoding = n * (A + B * size + X * prefill) * (1 + decode_slowdown * share)
+                    busy += decoding
+                    row = batches.setdefault(size, [0, 0, 0.0])
+                    row[0], row[1], row[2] = row[0] + n, row[1] + n * prefill, row[2] + decoding
+                    if cores is not None:  # the worker's threads run while its engine decodes
+                        g = (1 - share) * cores.share(0, 1) + share * cores.share(1, 1)
+                        cpu += cores.worker_threads * decoding * g
             stats.append((f"{ms}-0", encode(WorkerStats(
                 **meta, seq=100 + i, worker="rollout:0", tokens_per_s=0.0, running=0, waiting=0, policy_version=0,
                 groups_published=0, decode_steps=steps_done, decode_tokens=tokens_done, forward_tokens=forward, busy_s=busy,
+                decode_batches=[(b, int(n), int(x), t) for b, (n, x, t) in sorted(batches.items())] if by_batch else [],
                 swap_s=[SWAP], cpu_s=cpu if cores else 0.0, cpus=worker_cpus))))
         log.stream("control").append_batch(stats)
     return run_dir
