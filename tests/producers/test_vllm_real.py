@@ -317,31 +317,39 @@ async def test_http_weight_push_mid_generation_changes_outputs_and_spans_say_whe
 
 async def test_http_cancelled_request_is_aborted_on_the_server(models, server, server_blobs) -> None:
     blobs = BlobStore(server_blobs)
-    generated = "vllm:generation_tokens_total"
+    generated, asked = "vllm:generation_tokens_total", 16 * 1000
     async with http_engine(models, server, blobs) as engine:
         await push(engine, models[1], blobs, 20)
-        # Cancelled once the server decodes them. 16 x 1000 tokens take it seconds, but a test process starved
-        # of the CPU for as long (CI: the other xdist worker's runs beside it) would cancel a finished request,
-        # which shows nothing: then it asks again, at most three times.
-        for _ in range(3):
-            before = await _metric(server, generated)
-            running = asyncio.create_task(engine.generate(PROMPT, SamplingParams(n=16, temperature=1.0,
-                                                                                 max_tokens=1000)))
-            while not running.done() and await _metric(server, generated) == before:
-                await asyncio.sleep(0.05)
-            if not running.done():
-                break
-            await running
-        running.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await running
-        # The server stopped decoding them: its token count settles well short of 16 x 1000.
+        # The server decodes 16 x 1000 tokens in a second or two, sooner than a test process starved of the CPU
+        # (CI) cancels them. So once it decodes, it is paused with the request kept (as for a weight update)
+        # and the cancel lands in flight; a request it finished before the pause is asked again (3 times at most).
+        try:
+            for _ in range(3):
+                before = await _metric(server, generated)
+                running = asyncio.create_task(engine.generate(PROMPT, SamplingParams(n=16, temperature=1.0,
+                                                                                     max_tokens=1000)))
+                while not running.done() and await _metric(server, generated) == before:
+                    await asyncio.sleep(0.05)
+                await _control(server, "/pause", {"mode": "keep", "clear_cache": "false"})
+                await asyncio.sleep(0.5)  # the tokens decoded before the pause reach the count
+                if await _metric(server, generated) - before < asked:
+                    break
+                await _control(server, "/resume")
+                await running
+            else:
+                pytest.fail(f"the server finished {asked} tokens before each of 3 pauses")
+            running.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await running
+        finally:
+            await _control(server, "/resume")  # the server is shared: never leave it paused
+        # The server stopped decoding them: its token count settles short of 16 x 1000.
         settled, last = None, -1.0
         while settled is None:
             await asyncio.sleep(1.0)
             now = await _metric(server, generated)
             settled, last = (now if now == last else None), now
-        assert 0 < settled - before < 16 * 1000, settled - before
+        assert 0 < settled - before < asked, settled - before
 
 
 async def test_http_follower_waits_for_the_version_worker_0_pushes(models, server, server_blobs) -> None:
@@ -392,6 +400,14 @@ async def _until(condition, timeout_s: float = 60.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         await asyncio.sleep(0.01)
+
+
+async def _control(server: str, path: str, params: dict[str, str] | None = None) -> None:
+    """A control call with the run's key (pause, resume)."""
+    async with httpx.AsyncClient(trust_env=False) as client:
+        key = os.environ["VLLM_API_KEY"]
+        answer = await client.post(server + path, params=params, headers={"Authorization": f"Bearer {key}"})
+    answer.raise_for_status()
 
 
 async def _metric(server: str, name: str) -> float:
