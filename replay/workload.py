@@ -7,14 +7,9 @@ From the log alone (entry ids carry the Redis server's millisecond clock, so eve
   env turns (tool results) appended between them (Sample.env_spans), and each env answer's wall
   time (Sample.env_s: a slow tool's wait). Kept per group, so a long-tail prompt stays long, and a
   long episode keeps all its turns and waits, when the simulation resamples it;
-- decode speed: between two WorkerStats of a worker, Δbusy_s / Δdecode_steps is the mean decode-step
-  time, Δdecode_tokens / Δdecode_steps the mean batch occupancy B and (Δforward_tokens -
-  Δdecode_tokens) / Δdecode_steps the mean prefill X (prompt tokens beyond the one sampled from);
-  each group of a synchronous round of one-turn samples is one more such row, over the batch sizes
-  its round went through (replay/decode_rounds.py); least squares gives step_s = base_s + per_seq_s
-  · B + per_prefill_token_s · X. Where the engine timed its steps by batch size
-  (WorkerStats.decode_batches: the built-in engine since 2026-12-05), each interval gives a row per
-  batch size instead, and those rows alone are fitted: the engine's own seconds at each B;
+- decode speed: step_s = base_s + per_seq_s · B + per_prefill_token_s · X, fitted on the WorkerStats
+  intervals (by batch size where the engine timed its steps so) or their means and the synchronous
+  rounds' groups (replay/decode_fit.py);
 - shared cores: a worker is active from a group's start to its publication (Trajectory.generate_s
   and the entry's time), the trainer computes over the span its StepCommitted timing gives. With
   CPU times in the log (StepCommitted.cpu_s, WorkerStats.cpu_s, RunStarted.cpu_count) the roles'
@@ -47,9 +42,9 @@ from reel.bus.errors import ReelError
 from reel.bus.events import MismatchSplit, RunStarted, Sample, StepCommitted, Trajectory, WorkerStats
 from reel.bus.log import LogError
 from reel.bus.run_log import RunLog
-from reel.replay.decode_rounds import round_groups
-from reel.replay.intervals import (NONE, active_intervals, clip, compute_intervals, intersection, length,
-                                   split_intervals)
+from reel.replay.decode_fit import (DecodeRow, StepModel, batch_rows, fit_decode, interval_rows, round_rows,
+                                    worker_spans)
+from reel.replay.intervals import active_intervals, compute_intervals, intersection, split_intervals
 from reel.replay.least_squares import fit_with_slowdown
 from reel.replay.simulate_cores import Cores, CpuRate, fit_cores, layout_of
 from reel.replay.simulate_split import SplitModel, fit_split, stretch
@@ -94,21 +89,6 @@ class GroupShape(msgspec.Struct, array_like=True):
     def rows(self) -> list[int]:
         """Per sample, the length of its row in a training batch: prompt + completion - 1."""
         return [self.prompt + sum(turns) - 1 for turns in self.samples]
-
-
-class StepModel(msgspec.Struct, kw_only=True):
-    """Seconds of one decode step over B sequences, X of whose prompt tokens are prefilled in it:
-    (base_s + per_seq_s · B + per_prefill_token_s · X) · (1 + shared)."""
-
-    base_s: float
-    per_seq_s: float
-    per_prefill_token_s: float
-    shared_slowdown: float  # extra share of a step's time while the trainer computes on the same machine
-    intervals: int  # WorkerStats intervals fitted
-    # Seconds a round's group spends around the engine (its prompts' hand-off, scoring, publishing), fitted
-    # apart from the steps. Not simulated as a wait: charged after each group's last token, it made three
-    # long-tail synchronous runs 12-38% too slow in sample (2026-12-05): that work overlaps the steps.
-    group_s: float = 0.0
 
 
 class TrainerModel(msgspec.Struct, kw_only=True):
@@ -181,14 +161,15 @@ def extract(run_dir: Path) -> Workload:
     stats = [(ms, e) for ms, e in stats if commits[0][0] < ms <= commits[-1][0]]
     pipeline = pipeline_of(config)
     splitting = split_intervals(splits)
-    intervals = _decode_intervals(stats, computing, active, splitting)
+    spans = worker_spans(stats, computing, active, splitting)
+    intervals = interval_rows(spans)
     # Steps timed by batch size are the engine's own seconds at each size: they replace the intervals' means
     # and the rounds (which stood in for the sizes the means lack, and hold each group's work around the
     # engine) in the decode fit; a short run's two intervals hold dozens of sizes. A log without them (vLLM,
     # or from before), or with under 3, fits on those, as before.
-    by_batch = _batch_intervals(stats, computing, active, splitting)
+    by_batch = batch_rows(spans)
     by_batch = by_batch if len(by_batch) >= 3 else []
-    rounds = [] if by_batch else _round_rows(trajectories, computing, splitting)
+    rounds = [] if by_batch else round_rows(trajectories, computing, splitting)
     if not by_batch and len(intervals) + len(rounds) < 3:
         raise WorkloadError(f"the log of {run_dir} has {len(intervals)} WorkerStats intervals with decode timings "
                             f"after step 1 and {len(rounds)} groups of synchronous one-turn rounds; it needs at least "
@@ -199,7 +180,7 @@ def extract(run_dir: Path) -> Workload:
     layout = layout_of(started, stats, splits, config.trainer.threads or 1, config.engine.threads or 1)
     cores = _fit_cores(layout, k, intervals, steps)
     return Workload(run_dir=str(run_dir), pipeline=pipeline, groups=groups,
-                    decode=_fit_decode(by_batch or intervals + rounds,
+                    decode=fit_decode(by_batch or intervals + rounds,
                                        cores and cores.decode_slowdown(k),
                                        cores.decode_slowdown(k, trainer=0, split=1) if cores else 0.0),
                     trainer=_fit_trainer(commits, _padded(commits, trajectories, groups, pipeline.micro_batch_tokens),
@@ -248,87 +229,6 @@ def _turns(sample: Sample) -> list[int]:
 
 # ---- fitting ------------------------------------------------------------------------------------
 
-class _Interval(msgspec.Struct, array_like=True):
-    """One worker's WorkerStats interval: decode steps, their mean batch, prefill and seconds; its
-    active seconds, the shares of them the trainer and the mismatch role computed, and its CPU seconds
-    (0: not recorded). A round's group (replay/decode_rounds.py) is a row too, with `per_group` = 1 /
-    its steps: the share of one step its work around the engine takes (0 for a WorkerStats interval,
-    whose busy seconds are the engine's alone)."""
-
-    steps: int
-    batch: float
-    prefill: float
-    step_s: float
-    active_s: float
-    overlap: float
-    split: float
-    cpu_s: float
-    per_group: float = 0.0
-
-
-def _decode_intervals(stats: list[tuple[int, WorkerStats]], computing: np.ndarray,
-                      active: dict[str, np.ndarray], splitting: np.ndarray) -> list[_Interval]:
-    rows = []
-    for (before, p), (ms, e) in _consecutive(stats):
-        steps = e.decode_steps - p.decode_steps
-        tokens = e.decode_tokens - p.decode_tokens
-        busy, overlap, split = _shares(clip(active.get(e.worker, NONE), before, ms), computing, splitting)
-        rows.append(_Interval(steps, tokens / steps, (e.forward_tokens - p.forward_tokens - tokens) / steps,
-                              (e.busy_s - p.busy_s) / steps, busy, overlap, split,
-                              e.cpu_s - p.cpu_s if p.cpu_s else 0.0))
-    return rows
-
-
-def _batch_intervals(stats: list[tuple[int, WorkerStats]], computing: np.ndarray,
-                     active: dict[str, np.ndarray], splitting: np.ndarray) -> list[_Interval]:
-    """The same intervals by batch size (WorkerStats.decode_batches): a row per batch size the engine ran
-    in each, its steps' seconds the engine's own. Empty where the worker did not record them."""
-    rows = []
-    for (before, p), (ms, e) in _consecutive(stats):
-        if not e.decode_batches:
-            continue
-        _, overlap, split = _shares(clip(active.get(e.worker, NONE), before, ms), computing, splitting)
-        earlier = {b: (n, x, t) for b, n, x, t in p.decode_batches}
-        for b, n, x, t in e.decode_batches:
-            n0, x0, t0 = earlier.get(b, (0, 0, 0.0))
-            if n > n0:
-                rows.append(_Interval(n - n0, float(b), (x - x0) / (n - n0), (t - t0) / (n - n0), 0.0, overlap, split,
-                                      0.0))
-    return rows
-
-
-def _consecutive(stats: list[tuple[int, WorkerStats]]) -> list[tuple[tuple[int, WorkerStats], tuple[int, WorkerStats]]]:
-    """Each worker's consecutive stats with decode steps between them."""
-    pairs, last = [], {}
-    for ms, e in stats:
-        prev = last.get(e.worker)
-        last[e.worker] = (ms, e)
-        if prev is not None and e.decode_steps > prev[1].decode_steps:
-            pairs.append((prev, (ms, e)))
-    return pairs
-
-
-def _shares(mine: np.ndarray, computing: np.ndarray, splitting: np.ndarray) -> tuple[float, float, float]:
-    """A worker's active seconds in an interval, and the shares of them the trainer and the mismatch role
-    computed."""
-    busy = length(mine)
-    if not busy:
-        return 0.0, 0.0, 0.0
-    return busy / 1000, intersection(mine, computing) / busy, intersection(mine, splitting) / busy
-
-
-def _round_rows(trajectories: list[tuple[int, Trajectory]], computing: np.ndarray,
-                splitting: np.ndarray) -> list[_Interval]:
-    """The groups of rounds that ran alone (replay/decode_rounds.py) as decode rows, with the shares of
-    their time the trainer and the mismatch role computed; no CPU seconds."""
-    rows = []
-    for g in round_groups(trajectories):
-        span, wall = np.array([[g.start_ms, g.end_ms]]), max(1.0, g.end_ms - g.start_ms)
-        rows.append(_Interval(g.steps, g.batch, g.prefill, g.step_s, wall / 1000, intersection(span, computing) / wall,
-                              intersection(span, splitting) / wall, 0.0, 1.0 / g.steps))
-    return rows
-
-
 def _trainer_steps(commits: list[tuple[int, StepCommitted]], active: dict[str, np.ndarray],
                    splitting: np.ndarray) -> list[CpuRate]:
     """Steps 2..N: CPU and compute seconds, the mean share of the compute each worker was active and
@@ -343,7 +243,7 @@ def _trainer_steps(commits: list[tuple[int, StepCommitted]], active: dict[str, n
     return rows
 
 
-def _fit_cores(layout: Cores | None, workers: int, intervals: list[_Interval], steps: list[CpuRate]) -> Cores | None:
+def _fit_cores(layout: Cores | None, workers: int, intervals: list[DecodeRow], steps: list[CpuRate]) -> Cores | None:
     """The shared-cores model, when the log has the core count and both roles' CPU times (one rate of
     each fits it: the unknowns are a background per pool). A worker's rate is over the seconds its
     engine decoded: waiting on a tool it is not runnable."""
@@ -353,25 +253,6 @@ def _fit_cores(layout: Cores | None, workers: int, intervals: list[_Interval], s
     if layout is None or not rollout or not trainer:
         return None
     return fit_cores(layout, workers, trainer, rollout)
-
-
-def _fit_decode(rows: list[_Interval], slowdown: float | None, split_slowdown: float) -> StepModel:
-    """Least squares of the mean step time on mean batch and prefill over WorkerStats intervals and
-    rounds' groups, with a round group's work around the engine a cost of its own (per_group), not
-    taken for decode steps: folded into them, it made a full engine's steps look dearer per sequence
-    (a negative base, clipped to 0: on a long-tail bench log, 0 + 0.060 ms a sequence against 0.19 ms
-    + 0.047 ms), and so the half-full steps where the long answers decode too slow."""
-    w, b, x, s, o, m, g = (np.array([getattr(r, f) for r in rows], dtype=float)
-                           for f in ("steps", "batch", "prefill", "step_s", "overlap", "split", "per_group"))
-    columns = np.stack([np.ones_like(b), b, x, g], axis=1)
-    if np.linalg.matrix_rank(columns) < columns.shape[1]:
-        # The rows cannot tell a group's own seconds from its steps (for example rounds alike in their
-        # prompt tokens, whose prefill per step is then a multiple of per_group, and no interval): the
-        # steps alone are fitted, as before.
-        columns[:, 3] = 0.0
-    (base, per_seq, per_prefill, group), shared = fit_with_slowdown(w, columns, s, o, slowdown, split_slowdown * m)
-    return StepModel(base_s=base, per_seq_s=per_seq, per_prefill_token_s=per_prefill, shared_slowdown=shared,
-                     intervals=len(rows), group_s=group)
 
 
 def _padded(commits: list[tuple[int, StepCommitted]], trajectories: list[tuple[int, Trajectory]],
